@@ -1,0 +1,22 @@
+"""co2_zero: CO2 (Sun et al., ICLR 2024) with the outer state sharded like ZeRO.
+
+Each replica takes `tau` local optimizer steps; the replicas' mean displacement is exchanged in the
+background while the next `tau` steps compute, and an outer momentum step with a staleness gap
+penalty and momentum clipping applies it one round late.
+"""
+
+from .config import Clip, CO2Config, GapPenalty
+from .errors import CO2Error, CO2TimeoutError, NonFiniteError
+from .optim import CO2Optimizer
+from .version import __version__
+
+__all__ = [
+    "CO2Config",
+    "CO2Error",
+    "CO2Optimizer",
+    "CO2TimeoutError",
+    "Clip",
+    "GapPenalty",
+    "NonFiniteError",
+    "__version__",
+]

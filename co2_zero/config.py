@@ -1,0 +1,146 @@
+"""One schema for CO2: `CO2Config` and the `"co2"` section of a DeepSpeed JSON config.
+
+Every field is validated on construction; a bad value raises `ValueError` naming the field, the value
+and what would be accepted. `CO2Config.from_dict` rejects unknown keys (DeepSpeed silently ignores
+unknown top-level keys, so this is the only check a typo in a JSON config gets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+PENALTY_MODES = ("none", "constant", "adaptive")
+CLIP_MODES = ("none", "value", "norm")
+COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
+COMM_DTYPES = ("fp32", "bf16")
+NONFINITE_POLICIES = ("raise", "skip_round")
+
+
+def _fail(name: str, value: Any, accepted: str) -> None:
+    raise ValueError(f"co2 config: {name}={value!r} is invalid; accepted: {accepted}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(name, value, "true or false")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(name, value, f"an integer >= {minimum}")
+
+
+def _check_number(name: str, value: Any, accepted: str, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(float(value)):
+        _fail(name, value, accepted)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(name, value, " | ".join(repr(c) for c in choices))
+
+
+def _build(cls, name: str, value: Any):
+    """Accept a nested section as the dataclass itself or as a mapping of its fields."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        _fail(name, value, f"a mapping with keys {[f.name for f in dataclasses.fields(cls)]}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in value:
+        if key not in known:
+            _fail(f"{name}.{key}", value[key], f"no such key; known keys of {name}: {sorted(known)}")
+    return cls(**value)
+
+
+@dataclass(frozen=True)
+class GapPenalty:
+    """How much a stale pseudo-gradient is trusted (DESIGN.md §3c).
+
+    `none`: Λ = 1. `constant`: Λ = `value` (the authors' code). `adaptive`: per parameter tensor,
+    Λ = 1 + `strength` · ‖δ‖ / (‖g‖ + ε), with δ the distance the model moved since g was measured.
+    """
+
+    mode: str = "adaptive"
+    value: float = 1.0
+    strength: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_choice("gap_penalty.mode", self.mode, PENALTY_MODES)
+        _check_number("gap_penalty.value", self.value, "a number >= 1", lambda v: v >= 1.0)
+        _check_number("gap_penalty.strength", self.strength, "a number >= 0", lambda v: v >= 0.0)
+
+
+@dataclass(frozen=True)
+class Clip:
+    """Outer momentum clipping: `value` clamps m element-wise to ±threshold; `norm` rescales m so
+    its global L2 norm is at most threshold."""
+
+    mode: str = "none"
+    threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_choice("clip.mode", self.mode, CLIP_MODES)
+        _check_number("clip.threshold", self.threshold, "a number > 0", lambda v: v > 0.0)
+
+
+@dataclass(frozen=True)
+class CO2Config:
+    """Hyperparameters and plumbing of CO2. The README documents every field."""
+
+    tau: int = 12
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.2
+    nesterov: bool = False
+    overlap: bool = True
+    gap_penalty: Union[GapPenalty, Mapping[str, Any]] = field(default_factory=GapPenalty)
+    clip: Union[Clip, Mapping[str, Any]] = field(default_factory=Clip)
+    shards_per_replica: Union[int, str] = "node"
+    collective: str = "auto"
+    comm_dtype: str = "fp32"
+    timeout_s: float = 600.0
+    nonfinite: str = "raise"
+
+    def __post_init__(self) -> None:
+        _check_int("tau", self.tau, 1)
+        _check_number("outer_lr", self.outer_lr, "a number > 0", lambda v: v > 0.0)
+        _check_number("outer_momentum", self.outer_momentum, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
+        _check_bool("nesterov", self.nesterov)
+        _check_bool("overlap", self.overlap)
+        object.__setattr__(self, "gap_penalty", _build(GapPenalty, "gap_penalty", self.gap_penalty))
+        object.__setattr__(self, "clip", _build(Clip, "clip", self.clip))
+        if self.shards_per_replica != "node":
+            _check_int("shards_per_replica", self.shards_per_replica, 1)
+        _check_choice("collective", self.collective, COLLECTIVES)
+        _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        _check_number("timeout_s", self.timeout_s, "a number of seconds > 0", lambda v: v > 0.0)
+        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any]) -> "CO2Config":
+        """Build from a plain dict, e.g. the `"co2"` section of a DeepSpeed JSON config."""
+        return _build(cls, "co2", section)
+
+    @classmethod
+    def coerce(cls, value: "CO2Config | Mapping[str, Any] | None") -> "CO2Config":
+        """A `CO2Config`, a dict of its fields, or None (all defaults)."""
+        return cls() if value is None else _build(cls, "co2", value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def math_hash(self) -> str:
+        """Hash of the fields that change the trajectory (not timeouts or collective choice)."""
+        math = {k: v for k, v in self.to_dict().items() if k not in ("timeout_s", "collective")}
+        return hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:16]
+
+    def resolve_shards(self, world_size: int) -> int:
+        """S as a number: `"node"` means the launcher's LOCAL_WORLD_SIZE (1 when not launched so)."""
+        if self.shards_per_replica == "node":
+            return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return int(self.shards_per_replica)

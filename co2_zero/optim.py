@@ -1,0 +1,135 @@
+"""`CO2Optimizer`: CO2 around any `torch.optim.Optimizer` (DESIGN.md §6.1).
+
+Every rank is its own replica (S = 1), so the partition is the whole model: the parameters are
+re-pointed into one flat fp32 buffer and that buffer is the live partition. The model must not be
+wrapped in DDP; CO2 is the only cross-rank traffic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+
+from .config import CO2Config
+from .outer import Segment
+from .sync import Partition, RoundEngine, parameter_signature
+from .topology import Topology
+
+
+def flatten_parameters_(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Move the parameters' storage into one contiguous fp32 buffer (in order); return it."""
+    for i, p in enumerate(params):
+        if p.dtype != torch.float32:
+            raise ValueError(
+                f"co2: parameter {i} (shape {tuple(p.shape)}) is {p.dtype}; CO2Optimizer needs fp32 "
+                f"parameters (use the DeepSpeed integration for bf16/fp16 models with fp32 masters)"
+            )
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"co2: parameters live on several devices {sorted(map(str, devices))}; expected one")
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            view = flat[offset : offset + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+            offset += p.numel()
+    return flat
+
+
+class CO2Optimizer(torch.optim.Optimizer):
+    """Wraps an inner optimizer: `step()` is the inner step plus, every `tau`-th, a CO2 round end.
+
+    `param_groups`, `state` and `defaults` are the inner optimizer's own, so LR schedulers and
+    gradient clipping work on either object. Requires `torch.distributed` to be initialised.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: Union[CO2Config, Mapping[str, Any], None] = None,
+        model: Optional[torch.nn.Module] = None,
+    ) -> None:
+        config = CO2Config.coerce(config)
+        if config.shards_per_replica not in ("node", 1):
+            raise ValueError(
+                f"co2 config: shards_per_replica={config.shards_per_replica!r} is invalid for "
+                f"CO2Optimizer, where every rank is its own replica; accepted: 1 or 'node' (read as 1). "
+                f"Use co2_zero.fairscale.CO2OSS or co2_zero.deepspeed to shard a replica"
+            )
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                "co2: the model is wrapped in DistributedDataParallel; CO2Optimizer replaces its "
+                "gradient all-reduce, so pass the bare module"
+            )
+        # Optimizer.__init__ installs the hook machinery (step pre/post hooks, profiling); the
+        # parameter groups and state are then the inner optimizer's own objects.
+        super().__init__([torch.zeros(1, requires_grad=True)], {})
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+
+        params: list[torch.nn.Parameter] = []
+        seen: set[int] = set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        if not params:
+            raise ValueError("co2: the inner optimizer holds no trainable parameters")
+        self.flat_params = flatten_parameters_(params)
+        segments, offset = [], 0
+        for i, p in enumerate(params):
+            segments.append(Segment(i, offset, offset + p.numel()))
+            offset += p.numel()
+
+        self.topology = Topology.build(config, shards=1)
+        partition = Partition(
+            chunks=[self.flat_params],
+            segments=segments,
+            num_tensors=len(params),
+            signature=parameter_signature([p.shape for p in params]),
+        )
+        buffers = list(model.buffers()) if model is not None else []
+        self.engine = RoundEngine(partition, config, self.topology, buffers=buffers)
+        self.config = config
+        self.round_ended = False
+
+    @property
+    def last_round(self) -> dict[str, Any]:
+        """Timing of the last round end: round, inner_step, wait_s, round_end_s."""
+        return self.engine.last_round
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+        loss = self.optimizer.step(closure)
+        self.round_ended = self.engine.inner_step_done()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def finalize(self) -> None:
+        """Wait for the round in flight and give every rank the same model (DESIGN.md §3)."""
+        self.engine.finalize()
+
+    def co2_state_bytes(self) -> int:
+        return self.engine.state_bytes()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "co2": self.engine.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.engine.load_state_dict(state_dict["co2"])
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "engine"):
+            raise RuntimeError("co2: parameters cannot be added after the CO2 partition was built")
+        super().add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"CO2Optimizer({self.config}, inner={self.optimizer!r})"

@@ -1,0 +1,328 @@
+"""The round state machine shared by every integration (DESIGN.md §3).
+
+An integration hands the engine its `Partition` (views of the live fp32 master parameters it owns)
+and a `refresh` callback that spreads a rewritten partition to the rest of its replica. It then calls
+`inner_step_done()` after every applied inner optimizer step; every `tau`-th call ends a round:
+
+1. wait for the pipeline in flight (it produced the next start point),
+2. D = start point - live parameters, computed in the retiring buffer; launch the pipeline on it,
+3. live parameters <- next start point; refresh; the two partition buffers trade roles.
+
+Only step 3 ever writes the live parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import warnings
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .comm import Layout, OuterExchange
+from .config import CO2Config
+from .errors import CO2Error, CO2TimeoutError
+from .outer import OuterResult, Segment
+from .topology import Topology
+
+STATE_VERSION = 1
+
+
+@dataclass
+class Partition:
+    """This rank's share of the live fp32 master parameters, as the integration found it.
+
+    chunks: 1-D fp32 views of the live parameters, in partition order (one per ZeRO param group, or
+    one flat buffer). segments: which global parameter tensor each piece of the concatenated chunks
+    belongs to. num_tensors: parameter tensors in the whole model.
+    """
+
+    chunks: list[torch.Tensor]
+    segments: Sequence[Segment]
+    num_tensors: int
+    signature: str  # parameter_signature() of the whole model, to catch ranks with different models
+
+    @property
+    def length(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+
+class RoundEngine:
+    """CO2's per-rank state and round ends. See the module docstring."""
+
+    def __init__(
+        self,
+        partition: Partition,
+        config: CO2Config,
+        topology: Topology,
+        refresh: Callable[[], None] = lambda: None,
+        buffers: Sequence[torch.Tensor] = (),
+    ) -> None:
+        for i, chunk in enumerate(partition.chunks):
+            if chunk.dtype != torch.float32 or chunk.dim() != 1:
+                raise ValueError(
+                    f"co2: partition chunk {i} is {chunk.dtype} with shape {tuple(chunk.shape)}; the "
+                    f"live master parameters must be 1-D float32 views"
+                )
+        self.config = config
+        self.topology = topology
+        self.partition = partition
+        self.refresh = refresh
+        self.buffers = [b for b in buffers if b.is_floating_point()]
+        device = partition.chunks[0].device if partition.chunks else torch.device("cpu")
+
+        replicas = topology.replicas
+        padded = max(replicas, math.ceil(partition.length / replicas) * replicas)
+        self.layout = Layout(
+            length=partition.length,
+            padded=padded,
+            sub_shard=padded // replicas,
+            segments=tuple(partition.segments),
+            num_tensors=partition.num_tensors,
+        )
+        self._check_agreement()
+        self.exchange = OuterExchange(config, topology, self.layout, device)
+
+        # The two partition buffers that trade roles every round (start point B; D, then Nx).
+        self.start_point = torch.zeros(padded, dtype=torch.float32, device=device)
+        self._gather_live(self.start_point)
+        self.next_start = self.start_point.clone()
+        self.momentum = torch.zeros(self.exchange.slice_length, dtype=torch.float32, device=device)
+        reduce_scatter = self.exchange.strategy == "reduce_scatter"
+        self.g_buffer = torch.zeros_like(self.momentum) if reduce_scatter else None
+        self.previous_update_sq_norms: Optional[torch.Tensor] = None
+
+        self.inner_steps = 0
+        self.rounds = 0
+        self.pending_round: Optional[Future] = None
+        self.finalized = False
+        self.failed: Optional[BaseException] = None
+        self.last_round: dict[str, Any] = {}
+
+    # ---- the round --------------------------------------------------------------------------------
+
+    def inner_step_done(self) -> bool:
+        """Count one applied inner step; end the round on every tau-th. Returns True if it did."""
+        self._check_usable()
+        self.inner_steps += 1
+        if self.inner_steps % self.config.tau:
+            return False
+        self._round_end()
+        return True
+
+    def _round_end(self) -> None:
+        began = time.perf_counter()
+        wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
+        overlap = self.config.overlap
+        if overlap:  # D overwrites the retiring start point; the update applies to x_{t+1}
+            base, work = self.next_start, self.start_point
+        else:  # blocking: D goes to the spare buffer; the update applies to x_t, right now
+            base, work = self.start_point, self.next_start
+        self._subtract_live(self.start_point, out=work)  # step 2: D = B - x
+        gap = self.previous_update_sq_norms if overlap else None
+        self.pending_round = self.exchange.launch(
+            work, base, self.momentum, self.g_buffer, gap, self.rounds
+        )
+        if not overlap:
+            wait_s += self._wait_pending()
+        new_start, spare = (base, work) if overlap else (work, base)
+        self._set_live(new_start)  # step 3: x <- Nx; refresh
+        self.start_point, self.next_start = new_start, spare
+        self.rounds += 1
+        self._average_buffers()
+        self.last_round = {
+            "round": self.rounds - 1,
+            "inner_step": self.inner_steps,
+            "wait_s": wait_s,
+            "round_end_s": time.perf_counter() - began,
+        }
+
+    def finalize(self) -> None:
+        """End training with one model on every rank (DESIGN.md §3): the last start point produced."""
+        self._check_usable()
+        dropped = self.inner_steps % self.config.tau
+        if dropped:
+            warnings.warn(
+                f"co2 finalize: the {dropped} inner step(s) since the last round end (step "
+                f"{self.inner_steps - dropped}) are dropped; every rank returns to the start point",
+                stacklevel=3,
+            )
+        self._wait_pending()
+        self._set_live(self.next_start if self.config.overlap else self.start_point)
+        self._average_buffers()
+        self.finalized = True
+        self.exchange.close()
+
+    # ---- waiting with a deadline ---------------------------------------------------------------------
+
+    def _wait_pending(self) -> float:
+        """Wait for the pipeline in flight (if any); returns the seconds spent blocked."""
+        if self.pending_round is None:
+            return 0.0
+        began = time.perf_counter()
+        future, self.pending_round = self.pending_round, None
+        round_index = self.rounds - 1
+        where = self.topology.describe_outer()
+        try:
+            result, done = future.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            self.failed = CO2TimeoutError(
+                f"co2: round {round_index}: the background exchange on the {where} did not finish "
+                f"within timeout_s={self.config.timeout_s}; a peer rank is probably dead or stuck"
+            )
+        except CO2Error as error:
+            self.failed = error
+        except Exception as error:  # the collective failed: a peer died or its group timed out
+            self.failed = CO2Error(
+                f"co2: round {round_index}: the background exchange on the {where} failed: "
+                f"{type(error).__name__}: {error}"
+            )
+            self.failed.__cause__ = error
+        if self.failed is not None:
+            self.exchange.close()
+            raise self.failed
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+        self.previous_update_sq_norms = result.update_sq_norms
+        return time.perf_counter() - began
+
+    def _check_usable(self) -> None:
+        if self.failed is not None:
+            raise CO2Error(f"co2: this optimizer already failed and cannot continue: {self.failed}")
+        if self.finalized:
+            raise CO2Error("co2: finalize() ended training; build a new CO2 optimizer to train again")
+
+    # ---- the live partition ----------------------------------------------------------------------------
+
+    def _chunk_slices(self):
+        offset = 0
+        for chunk in self.partition.chunks:
+            yield chunk, slice(offset, offset + chunk.numel())
+            offset += chunk.numel()
+
+    def _gather_live(self, out: torch.Tensor) -> None:
+        """out <- live partition."""
+        for chunk, where in self._chunk_slices():
+            out[where].copy_(chunk)
+
+    def _subtract_live(self, start_point: torch.Tensor, out: torch.Tensor) -> None:
+        """out <- start_point - live partition (the padding stays zero)."""
+        for chunk, where in self._chunk_slices():
+            torch.sub(start_point[where], chunk, out=out[where])
+
+    def _set_live(self, flat: torch.Tensor) -> None:
+        """live partition <- flat, then let the integration spread it over its replica."""
+        with torch.no_grad():
+            for chunk, where in self._chunk_slices():
+                chunk.copy_(flat[where])
+        self.refresh()
+
+    def _average_buffers(self) -> None:
+        """Average float module buffers over every rank (main thread, its own group)."""
+        if not self.buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
+        try:
+            dist.all_reduce(flat, group=self.topology.buffer_group)
+        except Exception as error:
+            self.failed = CO2Error(f"co2: round {self.rounds - 1}: averaging module buffers failed: {error}")
+            raise self.failed from error
+        flat.div_(self.topology.world_size)
+        offset = 0
+        for b in self.buffers:
+            b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+    # ---- agreement, state, footprint ---------------------------------------------------------------
+
+    def _check_agreement(self) -> None:
+        """Fail fast, naming the difference, when ranks were started with different CO2 configs,
+        models or partition layouts (a hash exchange at start-up instead of a hang later)."""
+        topo = self.topology
+        config = self.config.to_dict()
+        config.pop("timeout_s")  # may differ harmlessly
+        mine = {
+            "config": config,
+            "grid": (topo.replicas, topo.shards),
+            "model": (self.partition.num_tensors, self.partition.signature),
+            "partition": (topo.shard_index, self.layout.length, hash(self.layout.segments)),
+        }
+        everyone: list[Any] = [None] * topo.world_size
+        dist.all_gather_object(everyone, mine, group=topo.norm_group)
+        for rank, theirs in enumerate(everyone):
+            fields = {k for k in config if theirs["config"].get(k) != config.get(k)}
+            if fields:
+                diff = ", ".join(f"{k}={config[k]!r} here vs {theirs['config'][k]!r}" for k in sorted(fields))
+                raise CO2Error(f"co2: rank {topo.rank} and rank {rank} have different co2 configs: {diff}")
+            for key, what in (("grid", "(replicas, shards)"), ("model", "(parameter tensors, shape signature)")):
+                if theirs[key] != mine[key]:
+                    raise CO2Error(
+                        f"co2: rank {topo.rank} and rank {rank} disagree on the {what}: "
+                        f"{mine[key]} here vs {theirs[key]}"
+                    )
+            if theirs["partition"][0] == topo.shard_index and theirs["partition"] != mine["partition"]:
+                raise CO2Error(
+                    f"co2: rank {topo.rank} and rank {rank} own shard {topo.shard_index} but their "
+                    f"partitions differ ({mine['partition'][1]} vs {theirs['partition'][1]} elements or "
+                    f"a different split into tensors); every replica must partition the model the same way"
+                )
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's CO2 state. Waits for the round in flight so its result is included."""
+        self._check_usable()
+        self._wait_pending()
+        return {
+            "version": STATE_VERSION,
+            "config_hash": self.config.math_hash(),
+            "grid": {"replicas": self.topology.replicas, "shards": self.topology.shards, "rank": self.topology.rank},
+            "layout": {"length": self.layout.length, "padded": self.layout.padded, "num_tensors": self.layout.num_tensors},
+            "strategy": self.exchange.strategy,
+            "inner_steps": self.inner_steps,
+            "rounds": self.rounds,
+            "start_point": self.start_point,
+            "next_start": self.next_start if self.config.overlap else None,
+            "momentum": self.momentum,
+            "previous_update_sq_norms": self.previous_update_sq_norms,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved on this same rank of the same topology and config."""
+        self._check_usable()
+        self._wait_pending()
+        expected = {
+            "version": STATE_VERSION,
+            "config_hash": self.config.math_hash(),
+            "grid": {"replicas": self.topology.replicas, "shards": self.topology.shards, "rank": self.topology.rank},
+            "layout": {"length": self.layout.length, "padded": self.layout.padded, "num_tensors": self.layout.num_tensors},
+            "strategy": self.exchange.strategy,
+        }
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"co2 checkpoint: {key}={state.get(key)!r} does not match this run's {value!r}; "
+                    f"resume with the same co2 config, topology and model"
+                )
+        self.inner_steps, self.rounds = int(state["inner_steps"]), int(state["rounds"])
+        self.start_point.copy_(state["start_point"])
+        if state["next_start"] is not None:
+            self.next_start.copy_(state["next_start"])
+        self.momentum.copy_(state["momentum"])
+        norms = state["previous_update_sq_norms"]
+        self.previous_update_sq_norms = None if norms is None else norms.to(self.momentum.device).clone()
+
+    def state_bytes(self) -> int:
+        """Bytes of CO2 state this rank holds (DESIGN.md §4: 2Ψ/S + 2Ψ/N fp32 words with
+        reduce_scatter, 3Ψ/S with all_reduce, plus per-tensor norms)."""
+        tensors = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def parameter_signature(shapes: Sequence[Sequence[int]]) -> str:
+    """A short hash of the model's parameter shapes, in order."""
+    return hashlib.sha256(repr([tuple(s) for s in shapes]).encode()).hexdigest()[:16]

@@ -1,0 +1,117 @@
+"""Replicas x shards (DESIGN.md §2) and the process groups CO2 talks on.
+
+World of N ranks = R replicas x S shards; replica r holds ranks [r*S, (r+1)*S). The inner group is a
+replica (ZeRO/OSS shard the inner optimizer over it); the outer group of shard index s is
+{r*S + s : r in range(R)}, the ranks owning the same partition in every replica.
+
+All CO2 traffic runs on groups created here, never on the default group (users all-reduce their loss
+on it), and the background worker and the main thread never share a group: a group must only ever
+see one collective at a time, in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from .config import CO2Config
+
+
+@dataclass
+class Topology:
+    """This rank's place in the R x S grid and the groups it uses."""
+
+    world_size: int
+    rank: int
+    replicas: int
+    shards: int
+    inner_group: Any  # the ranks of this rank's replica (used by ZeRO/OSS, main thread)
+    outer_group: Any  # this shard index across replicas (background worker)
+    norm_group: Any  # every rank: per-tensor norms of the outer step (background worker)
+    buffer_group: Any  # every rank: module-buffer averaging at round ends (main thread)
+    outer_ranks: tuple[int, ...]
+    inner_ranks: tuple[int, ...]
+
+    @property
+    def replica_index(self) -> int:
+        return self.rank // self.shards
+
+    @property
+    def shard_index(self) -> int:
+        return self.rank % self.shards
+
+    def describe_outer(self) -> str:
+        return f"outer group of shard {self.shard_index} (global ranks {list(self.outer_ranks)})"
+
+    @classmethod
+    def build(
+        cls, config: CO2Config, shards: Optional[int] = None, inner_group: Any = None
+    ) -> "Topology":
+        """Create the CO2 groups. Collective: every rank must call it, in the same order.
+
+        `shards` overrides `config.shards_per_replica` (the plain-PyTorch optimizer passes 1).
+        `inner_group`, when a caller already has one (e.g. the group given to OSS), must be exactly
+        this rank's replica; it is then used instead of a new one.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "co2_zero needs torch.distributed initialised first: call "
+                "torch.distributed.init_process_group(...) (gloo on CPU, nccl on GPU) before building "
+                "a CO2 optimizer"
+            )
+        world, rank = dist.get_world_size(), dist.get_rank()
+        shards = config.resolve_shards(world) if shards is None else shards
+        if shards < 1 or world % shards != 0:
+            raise ValueError(
+                f"co2 config: shards_per_replica={shards!r} does not divide the world size {world}; "
+                f"accepted: a divisor of {world} (ranks per replica)"
+            )
+        replicas = world // shards
+        timeout = timedelta(seconds=float(config.timeout_s))
+
+        def new_group(ranks: list[int]):
+            return dist.new_group(ranks=ranks, timeout=timeout)
+
+        replica_ranks = [list(range(r * shards, (r + 1) * shards)) for r in range(replicas)]
+        shard_ranks = [list(range(s, world, shards)) for s in range(shards)]
+        # dist.new_group is collective over the default group: every rank creates every group, in
+        # this fixed order, and keeps the ones it belongs to.
+        inner_groups = [new_group(ranks) for ranks in replica_ranks] if inner_group is None else None
+        outer_groups = [new_group(ranks) for ranks in shard_ranks]
+        norm_group = new_group(list(range(world)))
+        buffer_group = new_group(list(range(world)))
+
+        r, s = rank // shards, rank % shards
+        if inner_group is None:
+            inner_group = inner_groups[r]
+        else:
+            given = sorted(dist.get_process_group_ranks(inner_group))
+            if given != replica_ranks[r]:
+                raise ValueError(
+                    f"co2: the process group given for the replica holds global ranks {given}, but "
+                    f"shards_per_replica={shards} puts rank {rank} in replica {r} = ranks "
+                    f"{replica_ranks[r]}; pass group=None or a group of exactly those ranks"
+                )
+        return cls(
+            world_size=world,
+            rank=rank,
+            replicas=replicas,
+            shards=shards,
+            inner_group=inner_group,
+            outer_group=outer_groups[s],
+            norm_group=norm_group,
+            buffer_group=buffer_group,
+            outer_ranks=tuple(shard_ranks[s]),
+            inner_ranks=tuple(replica_ranks[r]),
+        )
+
+    def destroy(self) -> None:
+        """Release the groups this topology created (not a group the caller passed in)."""
+        for group in (self.outer_group, self.norm_group, self.buffer_group):
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):
+                pass

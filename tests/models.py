@@ -1,0 +1,46 @@
+"""Tiny models and deterministic data shared by the distributed tests and the reference runs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def make_model(kind: str = "mlp") -> nn.Module:
+    """Identically initialised on every call (and every rank)."""
+    torch.manual_seed(1234)
+    if kind == "linear":
+        return nn.Linear(4, 3)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    if kind == "bn":
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    if kind == "uneven":  # parameters of very different sizes, for uneven shard partitions
+        return nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 3), nn.Tanh(), nn.Linear(3, 3))
+    raise ValueError(kind)
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.5)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    raise ValueError(kind)
+
+
+def batch(replica: int, step: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica `replica`'s batch at inner step `step`: different data on every replica."""
+    g = torch.Generator().manual_seed(10_000 * replica + step)
+    x = torch.randn(rows, 4, generator=g)
+    y = torch.randn(rows, 3, generator=g) + replica  # replicas disagree: displacements differ
+    return x, y
+
+
+def shard_batch(replica: int, shard: int, step: int, shards: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch of rank (replica, shard): a 1/S slice of the replica's batch."""
+    x, y = batch(replica, step, rows=4 * shards)
+    return x[4 * shard : 4 * (shard + 1)], y[4 * shard : 4 * (shard + 1)]
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)

@@ -1,0 +1,252 @@
+"""Single-process reference simulation of CO2 (Sun et al., ICLR 2024).
+
+R data-parallel replicas are simulated as a list of full model copies, each
+with its own inner optimizer. Every ``tau`` inner steps the replicas' mean
+displacement (the pseudo-gradient) goes through the outer step; with
+``overlap`` it is applied one round late, damped by the staleness-gap penalty.
+Everything is a plain loop over per-parameter tensors, deliberately without
+any of the tricks (flattening, sharding, collectives) of the real library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+Params = dict[str, Tensor]
+Batch = tuple[Tensor, Tensor]
+
+EPS = 1e-12
+DEFAULTS: dict[str, Any] = {
+    "tau": 12,
+    "outer_lr": 1.0,
+    "outer_momentum": 0.0,
+    "nesterov": False,
+    "overlap": True,
+    "gap_penalty": {"mode": "adaptive", "value": 1.0, "strength": 1.0},
+    "clip": {"mode": "none", "threshold": 1.0},
+}
+
+
+def resolve_config(config: dict) -> dict[str, Any]:
+    """Fill in defaults, drop keys that do not change the math, validate."""
+    cfg = {key: config.get(key, value) for key, value in DEFAULTS.items()}
+    for key in ("gap_penalty", "clip"):
+        cfg[key] = {**DEFAULTS[key], **(config.get(key) or {})}
+    if (
+        isinstance(cfg["tau"], bool)
+        or not isinstance(cfg["tau"], int)
+        or cfg["tau"] < 1
+    ):
+        raise ValueError(f"tau must be a positive int, got {cfg['tau']!r}")
+    if cfg["gap_penalty"]["mode"] not in ("none", "constant", "adaptive"):
+        raise ValueError(f"unknown gap_penalty mode {cfg['gap_penalty']['mode']!r}")
+    if cfg["clip"]["mode"] not in ("none", "value", "norm"):
+        raise ValueError(f"unknown clip mode {cfg['clip']['mode']!r}")
+    return cfg
+
+
+def outer_step(
+    base: Params, g: Params, gap: Params, m: Params, cfg: dict[str, Any]
+) -> tuple[Params, Params, Params]:
+    """One outer step; updates ``m`` in place, returns (result, u, penalty Λ)."""
+    alpha, beta = cfg["outer_lr"], cfg["outer_momentum"]
+    pen, clip = cfg["gap_penalty"], cfg["clip"]
+    lam: Params = {}
+    scaled: Params = {}
+    for name, g_l in g.items():
+        if pen["mode"] == "none":
+            lam[name] = torch.tensor(1.0)
+        elif pen["mode"] == "constant":
+            lam[name] = torch.tensor(float(pen["value"]))
+        else:
+            lam[name] = 1.0 + pen["strength"] * gap[name] / (
+                torch.linalg.vector_norm(g_l) + EPS
+            )
+        scaled[name] = g_l / lam[name]
+        m[name] = beta * m[name] + scaled[name]
+    phi = float(clip["threshold"])
+    if clip["mode"] == "value":
+        for name in m:
+            m[name] = m[name].clamp(-phi, phi)
+    elif clip["mode"] == "norm":
+        total = torch.linalg.vector_norm(torch.cat([t.flatten() for t in m.values()]))
+        if total > phi:
+            for name in m:
+                m[name] = m[name] * (phi / total)
+    if cfg["nesterov"]:
+        u = {name: beta * m[name] + scaled[name] for name in m}
+    else:
+        u = {name: m[name].clone() for name in m}
+    result = {name: base[name] - alpha * u[name] for name in base}
+    return result, u, lam
+
+
+def _params(model: nn.Module) -> Params:
+    """fp32 detached copies of the model's parameters."""
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _set_params(model: nn.Module, values: Params) -> None:
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(values[n])
+
+
+def _buffers(model: nn.Module) -> Params:
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def _set_buffers(model: nn.Module, values: Params) -> None:
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(values[n])
+
+
+def _average_float_buffers(bufs: list[list[Params]]) -> None:
+    """Replace every float buffer of every (replica, shard) by the mean over all."""
+    flat = [b for replica in bufs for b in replica]
+    for name, value in flat[0].items():
+        if value.is_floating_point():
+            mean = torch.stack([b[name].float() for b in flat]).mean(0)
+            for b in flat:
+                b[name] = mean.to(value.dtype).clone()
+
+
+def _inner_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    micro: list[Batch],
+    bufs: list[Params],
+) -> None:
+    """One synchronous step of one replica: gradient = mean over its shards."""
+    named = list(model.named_parameters())
+    per_shard: list[Params] = []
+    for s, (inputs, targets) in enumerate(micro):
+        _set_buffers(model, bufs[s])
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(inputs), targets).backward()
+        bufs[s] = _buffers(model)
+        per_shard.append(
+            {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+        )
+    for n, p in named:
+        grads = [shard[n] for shard in per_shard if n in shard]
+        p.grad = torch.stack(grads).sum(0) / len(micro) if grads else None
+    opt.step()
+
+
+def simulate(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    batch: Callable[[int, int], Batch],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    config: dict,
+    replicas: int,
+    steps: int,
+    finalize: bool = True,
+    shards: int = 1,
+    shard_batch: Callable[[int, int, int], Batch] | None = None,
+    *,
+    record: list[Params] | None = None,
+    trace: list[dict[str, Any]] | None = None,
+) -> list[Params]:
+    """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
+
+    Returns, per replica, detached clones of its named parameters and buffers.
+    ``record`` (if given) receives each round's start point (fp32 parameters),
+    x_0 first, then one entry per round end. ``trace`` (if given) receives one
+    dict per outer step: ``round`` (int), ``g``, ``gap`` (α‖u_prev‖, 0-dim),
+    ``penalty`` (Λ, 0-dim), ``m`` (after clipping), ``u``, ``base``, ``result``
+    (each {name: tensor}).
+    """
+    cfg = resolve_config(config)
+    tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
+    if replicas < 1 or shards < 1 or steps < 0:
+        raise ValueError("replicas and shards must be >= 1 and steps >= 0")
+    if shards > 1 and shard_batch is None:
+        raise ValueError("shards > 1 needs shard_batch")
+
+    models = [make_model() for _ in range(replicas)]
+    for model in models[1:]:  # enforce a common x_0 even if the caller forgot to seed
+        _set_params(model, _params(models[0]))
+        _set_buffers(model, _buffers(models[0]))
+    for model in models:
+        model.train()
+    opts = [make_optimizer(list(model.parameters())) for model in models]
+    # Each of the S ranks of a replica keeps its own buffers (its own forward passes).
+    bufs = [[_buffers(model) for _ in range(shards)] for model in models]
+
+    start = _params(models[0])  # B: this round's start point x_t
+    pending = {n: v.clone() for n, v in start.items()}  # overlap: x_{t+1}
+    m = {n: torch.zeros_like(v) for n, v in start.items()}
+    u_prev: Params | None = None
+    if record is not None:
+        record.append({n: v.clone() for n, v in start.items()})
+
+    for k in range(steps):
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            if shards == 1:
+                micro = [batch(r, k)]
+            else:
+                assert shard_batch is not None
+                micro = [shard_batch(r, s, k) for s in range(shards)]
+            _inner_step(model, opt, loss_fn, micro, bufs[r])
+        if (k + 1) % tau:
+            continue
+        xs = [_params(model) for model in models]
+        g = {n: torch.stack([start[n] - x[n] for x in xs]).mean(0) for n in start}
+        if overlap and u_prev is not None:
+            gap = {n: alpha * torch.linalg.vector_norm(u_prev[n]) for n in start}
+        else:
+            gap = {n: torch.tensor(0.0) for n in start}
+        base = pending if overlap else start
+        result, u, lam = outer_step(base, g, gap, m, cfg)
+        if trace is not None:
+            trace.append(
+                {
+                    "round": (k + 1) // tau - 1,
+                    "g": g,
+                    "gap": gap,
+                    "penalty": lam,
+                    "m": {n: v.clone() for n, v in m.items()},
+                    "u": u,
+                    "base": {n: v.clone() for n, v in base.items()},
+                    "result": {n: v.clone() for n, v in result.items()},
+                }
+            )
+        u_prev = u
+        if overlap:
+            start, pending = pending, result
+        else:
+            start = result
+        for model in models:
+            _set_params(model, start)
+        _average_float_buffers(bufs)
+        if record is not None:
+            record.append({n: v.clone() for n, v in start.items()})
+
+    if finalize:
+        final = pending if overlap else start
+        for model in models:
+            _set_params(model, final)
+        _average_float_buffers(bufs)
+
+    out: list[Params] = []
+    for model, replica_bufs in zip(models, bufs):
+        _set_buffers(model, replica_bufs[0])  # report shard 0's buffers
+        state = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state.update(_buffers(model))
+        out.append(state)
+    return out
+
+
+def round_starts(*args: Any, **kwargs: Any) -> list[Params]:
+    """Run :func:`simulate` and return the start point of every round (x_0 first)."""
+    starts: list[Params] = []
+    simulate(*args, record=starts, **kwargs)
+    return starts
