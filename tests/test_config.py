@@ -1,0 +1,85 @@
+"""CO2Config: one schema, every bad field named in the error."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from co2_zero import CO2Config
+from co2_zero.config import Clip, GapPenalty
+
+BAD_FIELDS = [
+    ("tau", 0, "tau"),
+    ("tau", 2.5, "tau"),
+    ("tau", True, "tau"),
+    ("outer_lr", 0.0, "outer_lr"),
+    ("outer_lr", "1", "outer_lr"),
+    ("outer_momentum", 1.0, "outer_momentum"),
+    ("outer_momentum", -0.1, "outer_momentum"),
+    ("nesterov", 1, "nesterov"),
+    ("overlap", "yes", "overlap"),
+    ("gap_penalty", {"mode": "exp"}, "gap_penalty.mode"),
+    ("gap_penalty", {"mode": "constant", "value": 0.5}, "gap_penalty.value"),
+    ("gap_penalty", {"strength": -1}, "gap_penalty.strength"),
+    ("gap_penalty", {"streng": 1.0}, "gap_penalty.streng"),
+    ("gap_penalty", "adaptive", "gap_penalty"),
+    ("clip", {"mode": "max"}, "clip.mode"),
+    ("clip", {"mode": "norm", "threshold": 0}, "clip.threshold"),
+    ("clip", {"thresh": 1.0}, "clip.thresh"),
+    ("shards_per_replica", 0, "shards_per_replica"),
+    ("shards_per_replica", "gpu", "shards_per_replica"),
+    ("collective", "allreduce", "collective"),
+    ("comm_dtype", "fp16", "comm_dtype"),
+    ("timeout_s", 0, "timeout_s"),
+    ("nonfinite", "ignore", "nonfinite"),
+]
+
+
+@pytest.mark.parametrize("field,value,named", BAD_FIELDS)
+def test_bad_field_is_named_with_value_and_accepted(field, value, named):
+    with pytest.raises(ValueError) as info:
+        CO2Config.from_dict({field: value})
+    message = str(info.value)
+    assert named in message and repr(value if not isinstance(value, dict) else value[named.split(".")[1]])[:8] in message
+    assert "accepted" in message
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        CO2Config(**{field: value})
+
+
+def test_unknown_top_level_key_is_named():
+    with pytest.raises(ValueError, match="co2.outer_lrr"):
+        CO2Config.from_dict({"outer_lrr": 1.0})
+
+
+def test_defaults_and_dict_round_trip():
+    config = CO2Config()
+    assert config.tau == 12 and config.overlap and config.collective == "auto"
+    assert config.gap_penalty == GapPenalty() and config.clip == Clip()
+    section = json.loads(json.dumps(config.to_dict()))  # what a DeepSpeed JSON "co2" section holds
+    assert CO2Config.from_dict(section) == config
+
+
+def test_nested_sections_accept_dataclasses_and_partial_dicts():
+    config = CO2Config(gap_penalty={"mode": "constant", "value": 2}, clip=Clip("norm", 0.5))
+    assert config.gap_penalty == GapPenalty(mode="constant", value=2, strength=1.0)
+    assert config.clip.mode == "norm" and config.clip.threshold == 0.5
+    assert dataclasses.replace(config, tau=3).tau == 3
+    with pytest.raises(ValueError, match="tau"):
+        dataclasses.replace(config, tau=-3)
+
+
+def test_math_hash_ignores_plumbing_only():
+    base = CO2Config()
+    assert base.math_hash() == CO2Config(timeout_s=5, collective="all_reduce").math_hash()
+    assert base.math_hash() != CO2Config(tau=3).math_hash()
+    assert base.math_hash() != CO2Config(clip={"mode": "value"}).math_hash()
+
+
+def test_shards_node_reads_local_world_size(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert CO2Config().resolve_shards(8) == 4
+    assert CO2Config(shards_per_replica=2).resolve_shards(8) == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert CO2Config().resolve_shards(8) == 1

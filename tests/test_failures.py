@@ -1,0 +1,142 @@
+"""Failures end with a clear error, never a hang: dead or stuck peers, mismatched ranks, bad numbers."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from co2_zero import CO2Config, CO2Error, CO2Optimizer, CO2TimeoutError, NonFiniteError
+from co2_zero.topology import Topology
+from tests import models
+from tests.dist_utils import run_ranks
+
+TIMEOUT_S = 4.0
+
+
+def _train(rank: int, opt: CO2Optimizer, model: torch.nn.Module, steps: int, before_step=None) -> None:
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
+        x, y = models.batch(rank, step)
+        opt.zero_grad()
+        models.loss_fn(model(x), y).backward()
+        opt.step()
+
+
+def peer_lost(rank: int, world: int, how: str) -> dict:
+    """Rank 1 dies (or hangs) before the first round end; rank 0 must fail within the deadline."""
+    model = models.make_model("mlp")
+    config = CO2Config(tau=2, timeout_s=TIMEOUT_S, outer_momentum=0.5)
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config)
+    if rank == 1:
+        _train(rank, opt, model, 1)
+        if how == "exit":
+            os._exit(0)
+        time.sleep(3 * TIMEOUT_S)  # alive but never reaching the round end
+        os._exit(0)
+    began = time.monotonic()
+    try:
+        _train(rank, opt, model, 40)
+    except CO2Error as error:
+        return {"error": error, "elapsed": time.monotonic() - began}
+    return {"error": None, "elapsed": time.monotonic() - began}
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_lost_peer_fails_within_timeout_naming_round_and_group(how):
+    result = run_ranks(peer_lost, 2, how, allow_exit=(1,), timeout=60)[0]
+    error = result["error"]
+    assert isinstance(error, CO2Error), f"rank 0 finished 40 steps without noticing its peer: {result}"
+    message = str(error)
+    assert "round 0" in message and "outer group" in message and "[0, 1]" in message, message
+    if how == "hang":
+        assert isinstance(error, CO2TimeoutError) or "timed out" in message.lower() or "timeout" in message.lower()
+    assert result["elapsed"] < TIMEOUT_S + 6.0, result
+
+
+def misconfigured(rank: int, world: int) -> dict:
+    """Each case raises on every rank at start-up (or at the round after a bad one)."""
+    out = {}
+
+    def attempt(name, build_and_train):
+        try:
+            build_and_train()
+            out[name] = None
+        except (CO2Error, ValueError) as error:
+            out[name] = error
+
+    def different_tau():
+        model = models.make_model("mlp")
+        CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), CO2Config(tau=2 + rank))
+
+    def different_model():
+        model = models.make_model("mlp" if rank == 0 else "uneven")
+        CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), CO2Config())
+
+    def shards_do_not_divide():
+        Topology.build(CO2Config(shards_per_replica=3))
+
+    def nonfinite(policy):
+        def run():
+            model = models.make_model("mlp")
+            opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), CO2Config(tau=2, nonfinite=policy))
+
+            def poison(step):
+                if rank == 1 and step == 1:
+                    with torch.no_grad():
+                        next(model.parameters())[0, 0] = float("nan")
+
+            _train(rank, opt, model, 8, before_step=poison)
+            opt.finalize()
+            out[f"{policy}-params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+        return run
+
+    attempt("different_tau", different_tau)
+    attempt("different_model", different_model)
+    attempt("shards_do_not_divide", shards_do_not_divide)
+    attempt("nonfinite_raise", nonfinite("raise"))
+    attempt("nonfinite_skip", nonfinite("skip_round"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def misconfigured_results():
+    return run_ranks(misconfigured, 2, timeout=120)
+
+
+def test_ranks_with_different_configs_fail_naming_the_field(misconfigured_results):
+    for rank, result in enumerate(misconfigured_results):
+        error = result["different_tau"]
+        mine, theirs = 2 + rank, 3 - rank
+        assert isinstance(error, CO2Error) and f"tau={mine} here vs {theirs}" in str(error), error
+
+
+def test_ranks_with_different_models_fail_at_start(misconfigured_results):
+    for result in misconfigured_results:
+        error = result["different_model"]
+        assert isinstance(error, CO2Error) and "shape signature" in str(error), error
+
+
+def test_shards_that_do_not_divide_the_world_are_rejected(misconfigured_results):
+    for result in misconfigured_results:
+        error = result["shards_do_not_divide"]
+        assert isinstance(error, ValueError) and "shards_per_replica=3" in str(error), error
+
+
+def test_nonfinite_displacement_raises_naming_round_and_replica(misconfigured_results):
+    for result in misconfigured_results:
+        error = result["nonfinite_raise"]
+        assert isinstance(error, NonFiniteError), error
+        assert "round 0" in str(error) and "replica(s) [1]" in str(error), error
+
+
+def test_nonfinite_skip_round_keeps_replicas_consistent(misconfigured_results):
+    assert all(r["nonfinite_skip"] is None for r in misconfigured_results)
+    first, second = (r["skip_round-params"] for r in misconfigured_results)
+    for name, value in first.items():
+        assert torch.isfinite(value).all(), name
+        assert torch.equal(value, second[name]), name
