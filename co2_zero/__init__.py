@@ -5,6 +5,7 @@ background while the next `tau` steps compute, and an outer momentum step with a
 penalty and momentum clipping applies it one round late.
 """
 
+from . import checkpoint
 from .config import Clip, CO2Config, GapPenalty
 from .errors import CO2Error, CO2TimeoutError, NonFiniteError
 from .optim import CO2Optimizer
@@ -18,5 +19,6 @@ __all__ = [
     "Clip",
     "GapPenalty",
     "NonFiniteError",
+    "checkpoint",
     "__version__",
 ]

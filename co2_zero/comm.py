@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,9 +56,9 @@ class Layout(NamedTuple):
     def segments_in(self, start: int, end: int) -> tuple[Segment, ...]:
         """The pieces of [start, end), relative to start."""
         return tuple(
-            Segment(s.tensor_id, max(s.start, start) - start, min(s.end, end) - start)
+            Segment(s.tensor_id, lo - start, hi - start, s.offset + lo - s.start)
             for s in self.segments
-            if s.start < end and s.end > start
+            if (lo := max(s.start, start)) < (hi := min(s.end, end))
         )
 
 
@@ -69,7 +69,7 @@ class BackgroundWorker:
     """
 
     def __init__(self, name: str) -> None:
-        self._jobs: "queue.Queue[Optional[tuple[Callable[[], Any], Future]]]" = queue.Queue()
+        self._jobs: queue.Queue[Optional[tuple[Callable[[], Any], Future]]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -116,7 +116,7 @@ class OuterExchange:
             # counts only its sub-shard in the global norms, so every element is counted once.
             self.slice = slice(0, layout.padded)
             self.segments = layout.segments
-            self.counted = tuple(Segment(s.tensor_id, s.start + start, s.end + start) for s in sub_shard_segments)
+            self.counted = tuple(s._replace(start=s.start + start, end=s.end + start) for s in sub_shard_segments)
         self.slice_length = self.slice.stop - self.slice.start
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.worker = BackgroundWorker(f"co2-outer-rank{topology.rank}")

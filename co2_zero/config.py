@@ -122,12 +122,12 @@ class CO2Config:
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
 
     @classmethod
-    def from_dict(cls, section: Mapping[str, Any]) -> "CO2Config":
+    def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:
         """Build from a plain dict, e.g. the `"co2"` section of a DeepSpeed JSON config."""
         return _build(cls, "co2", section)
 
     @classmethod
-    def coerce(cls, value: "CO2Config | Mapping[str, Any] | None") -> "CO2Config":
+    def coerce(cls, value: CO2Config | Mapping[str, Any] | None) -> CO2Config:
         """A `CO2Config`, a dict of its fields, or None (all defaults)."""
         return cls() if value is None else _build(cls, "co2", value)
 
@@ -135,8 +135,9 @@ class CO2Config:
         return dataclasses.asdict(self)
 
     def math_hash(self) -> str:
-        """Hash of the fields that change the trajectory (not timeouts or collective choice)."""
-        math = {k: v for k, v in self.to_dict().items() if k not in ("timeout_s", "collective")}
+        """Hash of the fields that change the trajectory (not timeouts, collectives or sharding)."""
+        plumbing = ("timeout_s", "collective", "shards_per_replica")  # the result is independent of them
+        math = {k: v for k, v in self.to_dict().items() if k not in plumbing}
         return hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:16]
 
     def resolve_shards(self, world_size: int) -> int:

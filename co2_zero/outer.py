@@ -21,11 +21,13 @@ SumAcrossRanks = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Segment(NamedTuple):
-    """Elements [start, end) of a flat slice belong to parameter tensor `tensor_id`."""
+    """Elements [start, end) of a flat slice are elements [offset, offset + end - start) of the
+    flattened parameter tensor `tensor_id`."""
 
     tensor_id: int
     start: int
     end: int
+    offset: int = 0
 
 
 class OuterResult(NamedTuple):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .comm import Layout, OuterExchange
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError
-from .outer import OuterResult, Segment
+from .outer import Segment
 from .topology import Topology
 
 STATE_VERSION = 1
@@ -273,36 +273,40 @@ class RoundEngine:
                     f"a different split into tensors); every replica must partition the model the same way"
                 )
 
+    def _identity(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be loaded here."""
+        topo, layout = self.topology, self.layout
+        return {
+            "version": STATE_VERSION,
+            "config_hash": self.config.math_hash(),
+            "grid": {"replicas": topo.replicas, "shards": topo.shards, "rank": topo.rank},
+            "layout": {"length": layout.length, "padded": layout.padded, "num_tensors": layout.num_tensors},
+            "strategy": self.exchange.strategy,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's CO2 state. Waits for the round in flight so its result is included."""
         self._check_usable()
         self._wait_pending()
         return {
-            "version": STATE_VERSION,
-            "config_hash": self.config.math_hash(),
-            "grid": {"replicas": self.topology.replicas, "shards": self.topology.shards, "rank": self.topology.rank},
-            "layout": {"length": self.layout.length, "padded": self.layout.padded, "num_tensors": self.layout.num_tensors},
-            "strategy": self.exchange.strategy,
+            **self._identity(),
             "inner_steps": self.inner_steps,
             "rounds": self.rounds,
             "start_point": self.start_point,
             "next_start": self.next_start if self.config.overlap else None,
             "momentum": self.momentum,
             "previous_update_sq_norms": self.previous_update_sq_norms,
+            # enough geometry to re-cut the state per parameter tensor (`consolidate`)
+            "segments": [tuple(seg) for seg in self.layout.segments],
+            "sub_shard": self.layout.sub_shard_range(self.topology.replica_index),
+            "momentum_start": self.exchange.slice.start,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved on this same rank of the same topology and config."""
         self._check_usable()
         self._wait_pending()
-        expected = {
-            "version": STATE_VERSION,
-            "config_hash": self.config.math_hash(),
-            "grid": {"replicas": self.topology.replicas, "shards": self.topology.shards, "rank": self.topology.rank},
-            "layout": {"length": self.layout.length, "padded": self.layout.padded, "num_tensors": self.layout.num_tensors},
-            "strategy": self.exchange.strategy,
-        }
-        for key, value in expected.items():
+        for key, value in self._identity().items():
             if state.get(key) != value:
                 raise ValueError(
                     f"co2 checkpoint: {key}={state.get(key)!r} does not match this run's {value!r}; "
@@ -316,11 +320,94 @@ class RoundEngine:
         norms = state["previous_update_sq_norms"]
         self.previous_update_sq_norms = None if norms is None else norms.to(self.momentum.device).clone()
 
+    def load_consolidated(self, shares: Sequence[dict[str, Any]]) -> None:
+        """Load `consolidate(state)` of every rank's saved `state_dict()`, from a run with any R x S.
+
+        Training resumes at the saved run's last round start: the live parameters are set to the
+        start point (a partial round cannot be carried across topologies; it is dropped with a
+        warning).
+        """
+        self._check_usable()
+        self._wait_pending()
+        for share in shares:
+            if share["config_hash"] != self.config.math_hash() or share["num_tensors"] != self.layout.num_tensors:
+                raise ValueError(
+                    "co2 checkpoint: the consolidated state was saved with another co2 config or model "
+                    f"(config hash {share['config_hash']}, {share['num_tensors']} tensors; here "
+                    f"{self.config.math_hash()}, {self.layout.num_tensors})"
+                )
+        saved = shares[0]
+        dropped = saved["inner_steps"] - saved["rounds"] * self.config.tau
+        if dropped:
+            warnings.warn(f"co2 resharding: {dropped} step(s) after the last round end are dropped", stacklevel=2)
+        by_tensor: dict[int, list[dict[str, Any]]] = {}
+        for share in shares:
+            for piece in share["pieces"]:
+                by_tensor.setdefault(piece["tensor_id"], []).append(piece)
+        computed = self.exchange.slice  # the momentum covers these partition elements
+        for seg in self.layout.segments:
+            here = seg.start - seg.offset  # partition index of this tensor's element 0
+            for piece in by_tensor.get(seg.tensor_id, ()):
+                there = piece["offset"]  # tensor element of the piece's element 0
+                lo = max(seg.offset, there)
+                hi = min(seg.offset + seg.end - seg.start, there + piece["start_point"].numel())
+                if lo >= hi:
+                    continue
+                self.start_point[here + lo : here + hi].copy_(piece["start_point"][lo - there : hi - there])
+                if self.config.overlap:
+                    self.next_start[here + lo : here + hi].copy_(piece["next_start"][lo - there : hi - there])
+                m_lo, m_hi = max(here + lo, computed.start), min(here + hi, computed.stop)
+                if m_lo < m_hi:
+                    self.momentum[m_lo - computed.start : m_hi - computed.start].copy_(
+                        piece["momentum"][m_lo - here - there : m_hi - here - there]
+                    )
+        partials = [s["update_sq_norms_partial"] for s in shares if s["update_sq_norms_partial"] is not None]
+        if partials and self.topology.rank == 0:  # only the sum over ranks matters
+            self.previous_update_sq_norms = torch.stack(partials).sum(0).to(self.momentum.device)
+        elif partials:
+            self.previous_update_sq_norms = torch.zeros_like(partials[0]).to(self.momentum.device)
+        self.rounds = int(saved["rounds"])
+        self.inner_steps = self.rounds * self.config.tau
+        self._set_live(self.start_point)
+
     def state_bytes(self) -> int:
         """Bytes of CO2 state this rank holds (DESIGN.md §4: 2Ψ/S + 2Ψ/N fp32 words with
         reduce_scatter, 3Ψ/S with all_reduce, plus per-tensor norms)."""
         tensors = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def consolidate(state: dict[str, Any]) -> dict[str, Any]:
+    """One rank's layout-independent share of a `RoundEngine.state_dict()`, for resharding.
+
+    Pieces are keyed by parameter tensor and element offset instead of partition position, so a run
+    with another R or S can load them (`RoundEngine.load_consolidated`). Each rank contributes its
+    sub-shard; the shares of all ranks cover every parameter element exactly once.
+    """
+    start, end = state["sub_shard"]
+    layout_segments = [Segment(*seg) for seg in state["segments"]]
+    pieces = []
+    for seg in layout_segments:
+        lo, hi = max(seg.start, start), min(seg.end, end)
+        if lo >= hi:
+            continue
+        momentum = slice(lo - state["momentum_start"], hi - state["momentum_start"])
+        pieces.append({
+            "tensor_id": seg.tensor_id,
+            "offset": seg.offset + lo - seg.start,
+            "start_point": state["start_point"][lo:hi].cpu().clone(),
+            "next_start": None if state["next_start"] is None else state["next_start"][lo:hi].cpu().clone(),
+            "momentum": state["momentum"][momentum].cpu().clone(),
+        })
+    norms = state["previous_update_sq_norms"]
+    return {
+        "config_hash": state["config_hash"],
+        "num_tensors": state["layout"]["num_tensors"],
+        "inner_steps": state["inner_steps"],
+        "rounds": state["rounds"],
+        "pieces": pieces,
+        "update_sq_norms_partial": None if norms is None else norms.cpu().clone(),
+    }
 
 
 def parameter_signature(shapes: Sequence[Sequence[int]]) -> str:

@@ -49,7 +49,7 @@ class Topology:
     @classmethod
     def build(
         cls, config: CO2Config, shards: Optional[int] = None, inner_group: Any = None
-    ) -> "Topology":
+    ) -> Topology:
         """Create the CO2 groups. Collective: every rank must call it, in the same order.
 
         `shards` overrides `config.shards_per_replica` (the plain-PyTorch optimizer passes 1).

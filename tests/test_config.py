@@ -42,8 +42,8 @@ def test_bad_field_is_named_with_value_and_accepted(field, value, named):
     with pytest.raises(ValueError) as info:
         CO2Config.from_dict({field: value})
     message = str(info.value)
-    assert named in message and repr(value if not isinstance(value, dict) else value[named.split(".")[1]])[:8] in message
-    assert "accepted" in message
+    shown = value[named.split(".")[1]] if isinstance(value, dict) else value
+    assert named in message and repr(shown) in message and "accepted" in message
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         CO2Config(**{field: value})
 

@@ -91,12 +91,55 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def run_scenario(rank: int, sc: dict) -> dict:
+    """Train one scenario on this rank; record start points and what happened between them."""
+    model = models.make_model(sc.get("model", "mlp"))
+    inner = models.make_optimizer(sc.get("optimizer", "sgd"), model.parameters())
+    opt = CO2Optimizer(inner, sc["config"], model=model)
+
+    starts = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    after_inner: list = []
+    checks = {"live_changed": 0, "in_flight": 0}
+    last_inner: dict = {}
+
+    def pre_hook(optimizer, args, kwargs):  # nothing may touch the live parameters between steps
+        if "flat" in last_inner and not torch.equal(last_inner["flat"], opt.flat_params):
+            checks["live_changed"] += 1
+
+    def post_hook(optimizer, args, kwargs):
+        last_inner["flat"] = opt.flat_params.clone()
+        after_inner.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+    inner.register_step_pre_hook(pre_hook)
+    inner.register_step_post_hook(post_hook)
+    for step in range(sc["steps"]):
+        x, y = models.batch(rank, step)
+        opt.zero_grad()
+        models.loss_fn(model(x), y).backward()
+        opt.step()
+        if opt.round_ended:
+            starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            last_inner.pop("flat")  # a round end may (must) change the live parameters
+            pending = opt.engine.pending_round
+            checks["in_flight"] += int(pending is not None and not pending.done())
+    bytes_held = opt.co2_state_bytes()
+    opt.finalize()
+    return {
+        "starts": starts,
+        "final": _snapshot(model),
+        "after_inner": after_inner,
+        "bytes": bytes_held,
+        "strategy": opt.engine.exchange.strategy,
+        **checks,
+    }
+
+
 def train_scenarios(rank: int, world: int, scenarios: dict) -> dict:
-    """Child: run every scenario on this rank; record start points and checks."""
+    """Child process: every scenario in turn; `slow` ones get a deliberately slow collective."""
     import co2_zero.comm
 
-    results = {}
     original_average = co2_zero.comm.OuterExchange._average
+    results = {}
     for name, sc in scenarios.items():
         delay = sc.get("slow", 0.0)
 
@@ -105,46 +148,7 @@ def train_scenarios(rank: int, world: int, scenarios: dict) -> dict:
             return original_average(self, *args)
 
         co2_zero.comm.OuterExchange._average = slow_average if delay else original_average
-        model = models.make_model(sc.get("model", "mlp"))
-        inner = models.make_optimizer(sc.get("optimizer", "sgd"), model.parameters())
-        opt = CO2Optimizer(inner, sc["config"], model=model)
-
-        starts = [{n: p.detach().clone() for n, p in model.named_parameters()}]
-        after_inner, live_changed, in_flight = [], 0, 0
-        last = {}
-
-        def pre_hook(optimizer, args, kwargs):
-            nonlocal live_changed
-            if "flat" in last and not torch.equal(last["flat"], opt.flat_params):
-                live_changed += 1
-
-        def post_hook(optimizer, args, kwargs):
-            last["flat"] = opt.flat_params.clone()
-            after_inner.append({n: p.detach().clone() for n, p in model.named_parameters()})
-
-        inner.register_step_pre_hook(pre_hook)
-        inner.register_step_post_hook(post_hook)
-        for step in range(sc["steps"]):
-            x, y = models.batch(rank, step)
-            opt.zero_grad()
-            models.loss_fn(model(x), y).backward()
-            opt.step()
-            if opt.round_ended:
-                starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
-                last.pop("flat")  # a round end may (must) change the live parameters
-                pending = opt.engine.pending_round
-                in_flight += int(pending is not None and not pending.done())
-        bytes_held = opt.co2_state_bytes()
-        opt.finalize()
-        results[name] = {
-            "starts": starts,
-            "final": _snapshot(model),
-            "after_inner": after_inner,
-            "bytes": bytes_held,
-            "strategy": opt.engine.exchange.strategy,
-            "live_changed": live_changed,
-            "in_flight": in_flight,
-        }
+        results[name] = run_scenario(rank, sc)
     co2_zero.comm.OuterExchange._average = original_average
     return results
 
@@ -167,7 +171,8 @@ def _reference(sc: dict, replicas: int):
 
 def _assert_close(actual: dict, expected: dict, what: str) -> None:
     for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}/{key}: {m}")
+        label = f"{what}/{key}"
+        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, label=label: f"{label}: {m}")
 
 
 @pytest.fixture(scope="module")
