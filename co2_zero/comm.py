@@ -87,10 +87,16 @@ class BackgroundWorker:
         self._jobs.put((job, future))
         return future
 
-    def close(self) -> None:
+    def close(self, timeout: float = 1.0) -> bool:
+        """Stop after the jobs already queued; True if the thread has ended within `timeout`.
+
+        Joining matters: a thread that used gloo and ends while the interpreter shuts down
+        aborts the process ("terminate called without an active exception").
+        """
         self._jobs.put(None)
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=1.0)
+            self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
 
 
 class OuterExchange:
@@ -213,5 +219,5 @@ class OuterExchange:
             f"state was not touched. Set nonfinite='skip_round' in the co2 config to skip such rounds."
         )
 
-    def close(self) -> None:
-        self.worker.close()
+    def close(self) -> bool:
+        return self.worker.close()

@@ -115,6 +115,7 @@ class CO2Optimizer(torch.optim.Optimizer):
     def finalize(self) -> None:
         """Wait for the round in flight and give every rank the same model (DESIGN.md §3)."""
         self.engine.finalize()
+        self.topology.destroy(inner=True)  # nobody else uses the single-rank replica groups
 
     def co2_state_bytes(self) -> int:
         return self.engine.state_bytes()

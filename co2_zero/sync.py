@@ -17,6 +17,7 @@ import hashlib
 import math
 import time
 import warnings
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ class RoundEngine:
         )
         self._check_agreement()
         self.exchange = OuterExchange(config, topology, self.layout, device)
+        self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology)
 
         # The two partition buffers that trade roles every round (start point B; D, then Nx).
         self.start_point = torch.zeros(padded, dtype=torch.float32, device=device)
@@ -157,7 +159,13 @@ class RoundEngine:
         self._set_live(self.next_start if self.config.overlap else self.start_point)
         self._average_buffers()
         self.finalized = True
-        self.exchange.close()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the background worker and release the CO2 process groups (not the inner group,
+        which the integration's framework keeps using). Also runs at interpreter exit."""
+        self._at_exit()
+
 
     # ---- waiting with a deadline ---------------------------------------------------------------------
 
@@ -185,7 +193,7 @@ class RoundEngine:
             )
             self.failed.__cause__ = error
         if self.failed is not None:
-            self.exchange.close()
+            self.close()
             raise self.failed
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
@@ -413,3 +421,9 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
 def parameter_signature(shapes: Sequence[Sequence[int]]) -> str:
     """A short hash of the model's parameter shapes, in order."""
     return hashlib.sha256(repr([tuple(s) for s in shapes]).encode()).hexdigest()[:16]
+
+
+def _shutdown(exchange: OuterExchange, topology: Topology) -> None:
+    # A worker still blocked in a collective keeps its groups: destroying them under it would crash.
+    if exchange.close():
+        topology.destroy()

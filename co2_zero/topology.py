@@ -34,6 +34,7 @@ class Topology:
     buffer_group: Any  # every rank: module-buffer averaging at round ends (main thread)
     outer_ranks: tuple[int, ...]
     inner_ranks: tuple[int, ...]
+    owns_inner_group: bool
 
     @property
     def replica_index(self) -> int:
@@ -85,6 +86,7 @@ class Topology:
         buffer_group = new_group(list(range(world)))
 
         r, s = rank // shards, rank % shards
+        owns_inner_group = inner_group is None
         if inner_group is None:
             inner_group = inner_groups[r]
         else:
@@ -106,12 +108,17 @@ class Topology:
             buffer_group=buffer_group,
             outer_ranks=tuple(shard_ranks[s]),
             inner_ranks=tuple(replica_ranks[r]),
+            owns_inner_group=owns_inner_group,
         )
 
-    def destroy(self) -> None:
-        """Release the groups this topology created (not a group the caller passed in)."""
-        for group in (self.outer_group, self.norm_group, self.buffer_group):
+    def destroy(self, inner: bool = False) -> None:
+        """Release the CO2 groups; also the inner group when `inner` and this topology created it
+        (a group the caller passed in is the caller's)."""
+        groups = [self.outer_group, self.norm_group, self.buffer_group]
+        if inner and self.owns_inner_group:
+            groups.append(self.inner_group)
+        for group in groups:
             try:
                 dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):
+            except (RuntimeError, ValueError):  # already destroyed
                 pass

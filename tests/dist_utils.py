@@ -13,7 +13,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,34 +39,57 @@ def _entry(fn: Callable, rank: int, world_size: int, workdir: str, args: tuple) 
     dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, allow_exit: tuple = ()) -> list[Any]:
-    """Run fn on world_size ranks; ranks in `allow_exit` may exit without a result (None)."""
+class Outcome(NamedTuple):
+    exitcode: Optional[int]  # None: still running at the deadline (then killed)
+    result: Any  # what fn returned (None if it did not return)
+    error: Optional[str]  # the traceback if fn raised
+    ended_at: float  # time.monotonic() when the process was seen to end
+
+
+def launch_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Outcome]:
+    """Run fn on world_size ranks and report how each one ended, whatever happened."""
     with tempfile.TemporaryDirectory(prefix="co2test") as workdir:
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args)) for r in range(world_size)]
         for p in procs:
             p.start()
+        ended_at: dict[int, float] = {}
         deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
+        while len(ended_at) < world_size and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if r not in ended_at and not p.is_alive():
+                    ended_at[r] = time.monotonic()
+            time.sleep(0.05)
+        outcomes = []
+        for r, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
-                p.join()
-        errors = []
-        for r in range(world_size):
-            err = Path(f"{workdir}/error{r}.txt")
-            if err.exists():
-                errors.append(f"--- rank {r} raised:\n{err.read_text()}")
-            elif procs[r].exitcode != 0 and r not in allow_exit and r not in hung:
-                errors.append(f"--- rank {r} exited with code {procs[r].exitcode}")
-        if hung:
-            errors.append(f"ranks {hung} still running after {timeout:.0f} s (killed)")
-        if errors:
-            raise AssertionError("distributed run failed:\n" + "\n".join(errors))
-        results = []
-        for r in range(world_size):
-            path = Path(f"{workdir}/result{r}.pt")
-            results.append(torch.load(path, weights_only=False) if path.exists() else None)
-        return results
+            p.join()
+            err, res = Path(f"{workdir}/error{r}.txt"), Path(f"{workdir}/result{r}.pt")
+            outcomes.append(
+                Outcome(
+                    exitcode=p.exitcode if r in ended_at else None,
+                    result=torch.load(res, weights_only=False) if res.exists() else None,
+                    error=err.read_text() if err.exists() else None,
+                    ended_at=ended_at.get(r, float("inf")),
+                )
+            )
+        return outcomes
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, allow_exit: tuple = ()) -> list[Any]:
+    """Run fn on world_size ranks and return their results; any failure or hang fails the call.
+
+    Ranks in `allow_exit` may exit without a result (None)."""
+    outcomes = launch_ranks(fn, world_size, *args, timeout=timeout)
+    errors = []
+    for r, o in enumerate(outcomes):
+        if o.error is not None:
+            errors.append(f"--- rank {r} raised:\n{o.error}")
+        elif o.exitcode is None:
+            errors.append(f"--- rank {r} still running after {timeout:.0f} s (killed)")
+        elif o.exitcode != 0 and r not in allow_exit:
+            errors.append(f"--- rank {r} exited with code {o.exitcode}")
+    if errors:
+        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+    return [o.result for o in outcomes]

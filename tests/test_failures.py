@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from co2_zero import CO2Config, CO2Error, CO2Optimizer, CO2TimeoutError, NonFiniteError
+from co2_zero import CO2Config, CO2Error, CO2Optimizer, CO2TimeoutError, NonFiniteError, checkpoint
 from co2_zero.topology import Topology
 from tests import models
-from tests.dist_utils import run_ranks
+from tests.dist_utils import launch_ranks, run_ranks
 
 TIMEOUT_S = 4.0
 
@@ -140,3 +145,72 @@ def test_nonfinite_skip_round_keeps_replicas_consistent(misconfigured_results):
     for name, value in first.items():
         assert torch.isfinite(value).all(), name
         assert torch.equal(value, second[name]), name
+
+
+def killed_mid_round(rank: int, world: int, root: str) -> str:
+    """Checkpoint at the round end after step 6; rank 1 then dies by SIGKILL in the middle of round 2."""
+    model = models.make_model("mlp")
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), CO2Config(tau=3, timeout_s=TIMEOUT_S))
+
+    def die_or_save(step):
+        if step == 6:
+            checkpoint.save(root, model, opt, extra={"step": 6})
+        if rank == 1 and step == 8:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _train(rank, opt, model, 60, before_step=die_or_save)
+    return "rank 0 trained on without its peer"
+
+
+def resume_after_kill(rank: int, world: int, root: str) -> dict:
+    model = models.make_model("mlp")
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), CO2Config(tau=3, timeout_s=TIMEOUT_S))
+    step = checkpoint.load(root, model, opt)["step"]
+    for k in range(step, step + 6):
+        x, y = models.batch(rank, k)
+        opt.zero_grad()
+        models.loss_fn(model(x), y).backward()
+        opt.step()
+    opt.finalize()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_sigkill_mid_round_fails_the_others_and_keeps_the_checkpoint(tmp_path):
+    outcomes = launch_ranks(killed_mid_round, 2, str(tmp_path), timeout=120)
+    survivor, killed = outcomes
+    assert killed.exitcode == -signal.SIGKILL, killed
+    assert survivor.exitcode not in (0, None), f"rank 0 did not fail: {survivor}"
+    error = survivor.error
+    assert "CO2Error" in error and "round 2" in error and "outer group" in error, error
+    assert survivor.ended_at - killed.ended_at < TIMEOUT_S + 10.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["co2_rank00000.pt", "co2_rank00001.pt"]  # no temp files
+    first, second = run_ranks(resume_after_kill, 2, str(tmp_path), timeout=120)
+    for name, value in first.items():
+        assert torch.isfinite(value).all() and torch.equal(value, second[name]), name
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    """SIGINT to the whole launch (what a terminal's Ctrl-C does) ends torchrun and every worker."""
+    marker = f"co2-ctrl-c-{os.getpid()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(29500 + os.getpid() % 1000), str(Path(__file__).parent / "workers" / "co2_forever.py"), marker]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(launch.stdout), daemon=True)
+    reader.start()
+    began = time.monotonic()
+    while not any("round 5" in line for line in lines):
+        assert launch.poll() is None, "".join(lines)
+        assert time.monotonic() - began < 90, "workers did not start training"
+        time.sleep(0.1)
+    os.killpg(launch.pid, signal.SIGINT)
+    try:
+        launch.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        pytest.fail("ranks still running 30 s after Ctrl-C")
+    assert launch.returncode != 0
+    leftovers = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert not leftovers, f"workers left running: {leftovers}"
