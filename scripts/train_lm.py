@@ -17,8 +17,13 @@ Logging (rank 0): one line per round (CO2 methods) or per --log_every steps (ddp
 inner loss averaged over ranks and over the steps since the last line, the global tokens/s, the
 seconds blocked waiting on the background exchange and the round-end seconds. --out_json writes
 the same as JSON lines plus a final {"summary": true, ...} object. "elapsed_s" and "tokens_per_s"
-exclude the time spent in validation. Validation (--eval_every lines, and at start and end) runs
-right after a round end, i.e. on the round's start point, which is what the live params are then.
+exclude the time spent in validation. Validation (every --eval_every log lines, at step 0 and after
+the end) runs right after a round end, i.e. on the round's start point, which is what the live params
+are then; ddp/none evaluate at the step (none: rank 0's own model). The loss all-reduce at each log
+line (default process group) also carries rank 0's --max_seconds verdict, so all ranks stop together.
+
+CO2 methods train whole rounds: --max_steps is rounded up to a multiple of --tau. The LR schedule
+(warmup, then cosine to --min_lr) spans --max_steps even when --max_seconds stops the run earlier.
 """
 
 import argparse
@@ -93,6 +98,7 @@ def get_args(argv=None):
     a("--collective", default="auto")
     a("--comm_dtype", default="fp32")
     a("--timeout_s", type=float, default=300.0)
+    a("--nonfinite", default="raise", choices=("raise", "skip_round"), help="on a NaN/inf round")
     # logging / eval
     a("--log_every", type=int, default=12, help="steps between log lines (ddp, none)")
     a("--eval_every", type=int, default=5, help="log lines between validations (0: start/end only)")
@@ -226,6 +232,7 @@ def co2_config(args):
         collective=args.collective,
         comm_dtype=args.comm_dtype,
         timeout_s=args.timeout_s,
+        nonfinite=args.nonfinite,
         **extra,
     )
 
@@ -338,9 +345,10 @@ def main(argv=None):
     v0 = val_loss()
     log(f"step 0 | val {v0:.4f}" if master else "")
     emit(method=args.method, step=0, tokens=0, elapsed_s=0.0, loss=None, tokens_per_s=None,
-              wait_s=None, round_end_s=None, val_loss=v0)
+         wait_s=None, round_end_s=None, val_loss=v0)  # fmt: skip
 
-    bar = tqdm(total=args.max_steps, disable=not master or args.no_progress, dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=args.max_steps, disable=not master or args.no_progress, dynamic_ncols=True,
+               file=sys.stderr, mininterval=0.1 if sys.stderr.isatty() else 10.0)  # fmt: skip
     t0 = time.perf_counter()
     t_last, step_last = t0, 0
     loss_sum, loss_n, n_logs = 0.0, 0, 0
@@ -400,27 +408,28 @@ def main(argv=None):
             msg += f" | val {v:.4f}"
         log(msg + f" | lr {sched.get_last_lr()[0]:.2e}")
         emit(method=args.method, step=step, tokens=step * tokens_per_step, elapsed_s=elapsed,
-                  loss=loss_mean, tokens_per_s=tps, wait_s=wait_s, round_end_s=round_end_s, val_loss=v)
+             loss=loss_mean, tokens_per_s=tps, wait_s=wait_s, round_end_s=round_end_s, val_loss=v)  # fmt: skip
         t_last, step_last = time.perf_counter(), step
         if stop:
             log(f"--max_seconds {args.max_seconds} reached at step {step}")
             break
     bar.close()
-    train_s = time.perf_counter() - t0 - eval_s
-
-    if is_co2:
+    if is_co2:  # waits for the round in flight: part of the training time
         t_fin = time.perf_counter()
         opt.finalize()
         log(f"finalize {time.perf_counter() - t_fin:.3f}s")
+    train_s = time.perf_counter() - t0 - eval_s
+    tokens = step * tokens_per_step
+
     vf = val_loss()
-    state_bytes = opt.co2_state_bytes() if is_co2 else 0
     log(f"final val loss {vf:.4f} (initial {v0:.4f}) | {step} steps in {train_s:.1f}s | "
-        f"{step * tokens_per_step / train_s:,.0f} tok/s" if master else "")
+        f"{tokens / train_s:,.0f} tok/s" if master else "")  # fmt: skip
     emit(summary=True, method=args.method, engine=args.engine, world_size=world, steps=step,
-              tokens=step * tokens_per_step, elapsed_s=train_s, tokens_per_s=step * tokens_per_step / train_s,
-              wait_s=wait_tot if is_co2 or args.method == "none" else None,
-              round_end_s=round_end_tot if is_co2 else None, initial_val_loss=v0, val_loss=vf,
-              co2_state_bytes=state_bytes, n_params=n_params, args=vars(args))
+         tokens=tokens, elapsed_s=train_s, tokens_per_s=tokens / train_s,
+         wait_s=wait_tot if is_co2 or args.method == "none" else None,
+         round_end_s=round_end_tot if is_co2 else None, initial_val_loss=v0, val_loss=vf,
+         co2_state_bytes=opt.co2_state_bytes() if is_co2 else 0, n_params=n_params,
+         args=vars(args))  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 
