@@ -97,7 +97,7 @@ def run_scenario(rank: int, sc: dict) -> dict:
     inner = models.make_optimizer(sc.get("optimizer", "sgd"), model.parameters())
     opt = CO2Optimizer(inner, sc["config"], model=model)
 
-    starts = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    starts = [_snapshot(model)]  # parameters and buffers at every round start
     after_inner: list = []
     checks = {"live_changed": 0, "in_flight": 0}
     last_inner: dict = {}
@@ -118,7 +118,7 @@ def run_scenario(rank: int, sc: dict) -> dict:
         models.loss_fn(model(x), y).backward()
         opt.step()
         if opt.round_ended:
-            starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            starts.append(_snapshot(model))
             last_inner.pop("flat")  # a round end may (must) change the live parameters
             pending = opt.engine.pending_round
             checks["in_flight"] += int(pending is not None and not pending.done())
