@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import IO, Any, Callable, Union
 
 import torch
 
@@ -18,14 +18,14 @@ from .sync import consolidate
 PathLike = Union[str, os.PathLike]
 
 
-def save_atomic(obj: Any, path: PathLike) -> None:
-    """torch.save `obj` to `path` atomically (temp file + fsync + rename)."""
+def _write_atomic(path: PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Call write(file) on a temp file beside `path`, fsync it, rename it over `path`, fsync the dir."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -37,6 +37,16 @@ def save_atomic(obj: Any, path: PathLike) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def save_atomic(obj: Any, path: PathLike) -> None:
+    """torch.save `obj` to `path` atomically."""
+    _write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def write_text_atomic(path: PathLike, text: str) -> None:
+    """Write a small text file (e.g. a "latest" tag) atomically."""
+    _write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def load_file(path: PathLike, map_location: Any = "cpu") -> Any:

@@ -141,7 +141,12 @@ class CO2Config:
         return hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:16]
 
     def resolve_shards(self, world_size: int) -> int:
-        """S as a number: `"node"` means the launcher's LOCAL_WORLD_SIZE (1 when not launched so)."""
-        if self.shards_per_replica == "node":
-            return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return int(self.shards_per_replica)
+        """S as a number. `"node"`: the ranks per node as the launcher says (torchrun:
+        LOCAL_WORLD_SIZE, the deepspeed launcher: LOCAL_SIZE, Open MPI: OMPI_COMM_WORLD_LOCAL_SIZE);
+        1 when none is set."""
+        if self.shards_per_replica != "node":
+            return int(self.shards_per_replica)
+        for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+            if name in os.environ:
+                return int(os.environ[name])
+        return 1

@@ -88,6 +88,7 @@ class RoundEngine:
             num_tensors=partition.num_tensors,
         )
         self._check_agreement()
+        self._common_start()
         self.exchange = OuterExchange(config, topology, self.layout, device)
         self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology)
 
@@ -214,15 +215,27 @@ class RoundEngine:
             yield chunk, slice(offset, offset + chunk.numel())
             offset += chunk.numel()
 
+    @torch.no_grad()
     def _gather_live(self, out: torch.Tensor) -> None:
         """out <- live partition."""
         for chunk, where in self._chunk_slices():
             out[where].copy_(chunk)
 
+    @torch.no_grad()
     def _subtract_live(self, start_point: torch.Tensor, out: torch.Tensor) -> None:
         """out <- start_point - live partition (the padding stays zero)."""
         for chunk, where in self._chunk_slices():
             torch.sub(start_point[where], chunk, out=out[where])
+
+    @torch.no_grad()
+    def _common_start(self) -> None:
+        """Every replica starts from replica 0's parameters (a framework broadcasts its model only
+        within its data-parallel group, here a replica). Before the worker exists: the outer group
+        is free, and `_check_agreement` made sure the partitions have the same layout."""
+        if self.topology.replicas > 1:
+            for chunk in self.partition.chunks:
+                dist.broadcast(chunk, src=self.topology.outer_ranks[0], group=self.topology.outer_group)
+            self.refresh()
 
     def _set_live(self, flat: torch.Tensor) -> None:
         """live partition <- flat, then let the integration spread it over its replica."""

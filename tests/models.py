@@ -44,3 +44,15 @@ def shard_batch(replica: int, shard: int, step: int, shards: int) -> tuple[torch
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
+
+
+def teacher_batch(
+    replica: int, shard: int, step: int, shards: int, rows: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch of rank (replica, shard) for a learnable task: targets from a fixed random teacher
+    MLP (the same on every replica) plus a little noise, so a training loss can be seen to fall."""
+    teacher = torch.Generator().manual_seed(99)
+    a, b = torch.randn(4, 8, generator=teacher), torch.randn(8, 3, generator=teacher)
+    g = torch.Generator().manual_seed(20_000 * replica + 100 * step + shard)
+    x = torch.randn(rows, 4, generator=g)
+    return x, torch.tanh(x @ a) @ b + 0.05 * torch.randn(rows, 3, generator=g)

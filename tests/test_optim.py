@@ -33,10 +33,10 @@ SCENARIOS_R2 = {
                 "clip": {"mode": "value", "threshold": 0.02}, "collective": "reduce_scatter"},
         steps=10, optimizer="adam",
     ),
-    "overlap-tau1-none-clipnorm": dict(
+    "overlap-tau1-none-clipnorm-perturbed-init": dict(
         config={"outer_lr": 1.0, "outer_momentum": 0.3, "tau": 1, "gap_penalty": {"mode": "none"},
                 "clip": {"mode": "norm", "threshold": 0.05}, "collective": "all_reduce"},
-        steps=7,
+        steps=7, perturbed_init=True,
     ),
     "overlap-adaptive-clipnorm-uneven": dict(
         config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "clip": {"mode": "norm", "threshold": 0.1},
@@ -94,6 +94,10 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def run_scenario(rank: int, sc: dict) -> dict:
     """Train one scenario on this rank; record start points and what happened between them."""
     model = models.make_model(sc.get("model", "mlp"))
+    if sc.get("perturbed_init") and rank > 0:  # CO2 must start every replica from replica 0's x_0
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * rank)
     inner = models.make_optimizer(sc.get("optimizer", "sgd"), model.parameters())
     opt = CO2Optimizer(inner, sc["config"], model=model)
 

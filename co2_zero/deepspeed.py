@@ -1,0 +1,518 @@
+"""CO2 on DeepSpeed ZeRO stages 1 and 2 (DESIGN.md §6.3).
+
+A DeepSpeed user adds a `"co2": {...}` section to the JSON config and calls
+`co2_zero.deepspeed.initialize(...)` where they called `deepspeed.initialize(...)`. This module:
+
+- validates the section with `CO2Config` (DeepSpeed ignores unknown top-level keys, so a typo inside
+  `co2` is only caught here) and refuses stages 0 and 3;
+- builds the R x S topology and hands DeepSpeed a `ReplicaMPU` whose data-parallel group is the
+  replica, so ZeRO shards the inner optimizer over the S ranks of a replica only;
+- re-classes the ZeRO optimizer DeepSpeed built as `CO2ZeroOptimizer`: its `step()` is DeepSpeed's
+  step followed, on every applied step, by the round bookkeeping on `single_partition_of_fp32_groups`
+  (the fp32 master partition); a round end rewrites that partition and refreshes the low-precision
+  parameters with DeepSpeed's own `update_lp_params` (copy + all-gather inside the replica);
+- provides `save_checkpoint` / `load_checkpoint`, per-rank and atomic, because DeepSpeed's own file
+  names collide when each replica is a separate ZeRO group.
+
+Nothing here JIT-compiles: DeepSpeed's shared-memory comm op (an inference-only all-reduce kernel,
+40-85 s to build on 2 cores) is skipped when this module creates DeepSpeed's comm backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Union
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from . import checkpoint
+from .config import CO2Config
+from .errors import CO2Error
+from .outer import Segment
+from .sync import Partition, RoundEngine, parameter_signature
+from .topology import Topology
+
+__all__ = [
+    "CO2ZeroOptimizer",
+    "ReplicaMPU",
+    "init_distributed",
+    "initialize",
+    "load_checkpoint",
+    "save_checkpoint",
+    "split_config",
+    "zero_partition",
+]
+
+CHECKPOINT_FORMAT = "co2_zero.deepspeed/1"
+CHECKPOINT_TAG = "co2_ds"  # per-rank file name: <dir>/<tag>/co2_ds_rank00000.pt
+LATEST = "latest_co2"  # text file in the save directory naming the newest tag
+
+ConfigLike = Union[str, os.PathLike, Mapping[str, Any]]
+
+
+# ---- configuration --------------------------------------------------------------------------------------
+
+
+def _load_ds_config(config: ConfigLike) -> dict[str, Any]:
+    """A DeepSpeed config (dict, path or base64 string, as DeepSpeed accepts it) as a fresh dict."""
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    return dict(load_ds_config(os.fspath(config)))
+
+
+def split_config(config: ConfigLike) -> tuple[dict[str, Any], Optional[CO2Config]]:
+    """Split a DeepSpeed config into (the config without `co2`, the validated CO2Config or None).
+
+    Raises ValueError naming the field for a bad `co2` section, and for a ZeRO stage other than 1 or 2
+    when a `co2` section is present. Needs no process group: scripts can call it to fail early.
+    """
+    ds_config = _load_ds_config(config)
+    section = ds_config.pop("co2", None)
+    if section is None:
+        return ds_config, None
+    co2 = CO2Config.from_dict(section)
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else zero
+    if stage not in (1, 2):
+        raise ValueError(
+            f"co2 config: zero_optimization.stage={stage!r} is invalid with a co2 section; accepted: 1 or 2. "
+            f"CO2 needs each rank's fp32 master partition (ZeRO-1/2); stage 0 has no partition and ZeRO-3 "
+            f"partitions the parameters themselves, which CO2 does not support"
+        )
+    return ds_config, co2
+
+
+def _per_replica_batch(ds_config: dict[str, Any], topology: Topology) -> None:
+    """`train_batch_size` in the JSON is global (all N ranks), as in plain DeepSpeed; DeepSpeed sees one
+    replica (its data-parallel world is S), so give it the replica's share."""
+    total = ds_config.get("train_batch_size")
+    if total is None:
+        return
+    if isinstance(total, bool) or not isinstance(total, int) or total % topology.replicas:
+        raise ValueError(
+            f"co2 config: train_batch_size={total!r} is invalid; accepted: a multiple of the number of "
+            f"replicas R={topology.replicas} (it counts samples per optimizer step over all "
+            f"{topology.world_size} ranks)"
+        )
+    ds_config["train_batch_size"] = total // topology.replicas
+
+
+# ---- DeepSpeed's view of the topology --------------------------------------------------------------------
+
+
+class ReplicaMPU:
+    """DeepSpeed's "model parallel unit" for CO2: data parallelism is this rank's replica (the inner
+    group), there is no model parallelism (a group of this rank alone)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._solo: Any = None
+
+    def get_data_parallel_group(self) -> Any:
+        return self.topology.inner_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.topology.shard_index
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topology.shards
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.topology.inner_ranks)
+
+    def get_model_parallel_group(self) -> Any:
+        # A real one-rank group, not None: deepspeed.comm reads group=None as the world group.
+        # Local synchronisation: only this rank takes part in creating it.
+        if self._solo is None:
+            self._solo = dist.new_group([self.topology.rank], use_local_synchronization=True)
+        return self._solo
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+
+# ---- the partition --------------------------------------------------------------------------------------
+
+
+def zero_partition(zero: DeepSpeedZeroOptimizer) -> Partition:
+    """This rank's fp32 master partition in a ZeRO-1/2 optimizer, mapped to global parameter tensors.
+
+    Chunk i is `single_partition_of_fp32_groups[i]`: elements [p*size, (p+1)*size) of param group i's
+    flat buffer, p = this rank's index in the replica. The flat buffer holds the group's tensors in
+    `round_robin_bit16_groups` order at `round_robin_bit16_offsets` (alignment padding between and
+    after them belongs to no tensor and gets no segment). Tensor ids count `bit16_groups` in order, the
+    same on every rank. The result is checked against DeepSpeed's own `params_in_partition`.
+    """
+    tensor_ids: dict[int, int] = {}
+    shapes: list[torch.Size] = []
+    for group in zero.bit16_groups:
+        for p in group:
+            tensor_ids[id(p)] = len(tensor_ids)
+            shapes.append(p.shape)
+    segments: list[Segment] = []
+    base = 0
+    for i, chunk in enumerate(zero.single_partition_of_fp32_groups):
+        size = int(zero.partition_size[i])
+        index = dist.get_rank(group=zero.real_dp_process_group[i])
+        if chunk.numel() != size:
+            raise CO2Error(
+                f"co2: ZeRO param group {i}: fp32 partition has {chunk.numel()} elements but partition_size "
+                f"is {size}; this DeepSpeed version's layout is not supported"
+            )
+        lo, hi = index * size, (index + 1) * size
+        tensors = zero.round_robin_bit16_groups[i]
+        # Shapes and offsets from DeepSpeed's bookkeeping (offload may swap p.data for an empty tensor);
+        # older versions without per-tensor padding have neither: the tensors are then back to back.
+        metas = getattr(zero, "round_robin_bit16_meta", None)
+        numels = [m.numel() for m in (metas[i] if metas is not None else tensors)]
+        offsets = getattr(zero, "round_robin_bit16_offsets", None)
+        offsets = offsets[i] if offsets is not None else [sum(numels[:k]) for k in range(len(numels))]
+        owned = []
+        for tensor, offset, numel in zip(tensors, offsets, numels):
+            start, end = max(offset, lo), min(offset + numel, hi)
+            if start < end:
+                segments.append(Segment(tensor_ids[id(tensor)], base + start - lo, base + end - lo, start - offset))
+                owned.append(id(tensor))
+        expected = [id(t) for t in zero.params_in_partition[i] if t.numel() > 0]
+        if owned != expected:
+            raise CO2Error(
+                f"co2: ZeRO param group {i}: the tensors found in this rank's partition do not match "
+                f"DeepSpeed's params_in_partition; this DeepSpeed version's layout is not supported"
+            )
+        base += size
+    return Partition(
+        chunks=list(zero.single_partition_of_fp32_groups),
+        segments=segments,
+        num_tensors=len(tensor_ids),
+        signature=parameter_signature(shapes),
+    )
+
+
+# ---- the optimizer --------------------------------------------------------------------------------------
+
+
+class CO2ZeroOptimizer(DeepSpeedZeroOptimizer):
+    """DeepSpeed's ZeRO-1/2 optimizer whose `step()` also ends a CO2 round every `tau` applied steps.
+
+    Made by `initialize` from the optimizer DeepSpeed built (see `attach`); it adds methods and the
+    CO2 state, nothing of DeepSpeed's changes. `finalize()` as in `CO2Optimizer`.
+    """
+
+    engine: RoundEngine  # the round state machine (as in CO2Optimizer and CO2OSS)
+    config: CO2Config
+    topology: Topology
+    round_ended: bool
+
+    @classmethod
+    def attach(
+        cls, zero: DeepSpeedZeroOptimizer, config: CO2Config, topology: Topology, module: torch.nn.Module
+    ) -> CO2ZeroOptimizer:
+        """Turn the ZeRO optimizer DeepSpeed built into a CO2ZeroOptimizer, in place.
+
+        DeepSpeedEngine constructs its ZeRO optimizer itself (some forty arguments); re-classing the
+        finished object avoids patching DeepSpeed's module globals during construction.
+        """
+        if type(zero) is not DeepSpeedZeroOptimizer:
+            raise ValueError(
+                f"co2: DeepSpeed built a {type(zero).__name__} optimizer; a co2 section needs its ZeRO stage "
+                f"1/2 optimizer (DeepSpeedZeroOptimizer). ZenFlow, and bf16 with ZeRO-1 and "
+                f"data_types.grad_accum_dtype=fp32 (DeepSpeed's BF16_Optimizer), are not supported"
+            )
+        if zero.has_moe_layers:
+            raise ValueError("co2: mixture-of-experts layers (expert-parallel ZeRO groups) are not supported")
+        if zero.master_weights_and_grads_dtype != torch.float32:
+            raise ValueError(
+                f"co2: the ZeRO master weights are {zero.master_weights_and_grads_dtype}; CO2 needs fp32 "
+                f"masters (leave fp16/bf16_master_weights_and_grads off)"
+            )
+        zero.__class__ = cls
+        zero._co2_attach(config, topology, module)
+        return zero
+
+    def _co2_attach(self, config: CO2Config, topology: Topology, module: torch.nn.Module) -> None:
+        partition = zero_partition(self)
+        self.config = config
+        self.topology = topology
+        self.round_ended = False
+        buffers = list(module.buffers())
+        self.engine = RoundEngine(partition, config, topology, refresh=self.update_lp_params, buffers=buffers)
+
+    def step(self, closure: Any = None) -> None:
+        """DeepSpeed's step; then, if it was applied (not skipped on fp16 overflow), count it for CO2."""
+        super().step(closure)
+        self.round_ended = False if self.overflow else self.engine.inner_step_done()
+
+    def finalize(self) -> None:
+        """Wait for the round in flight and give every rank the same model (DESIGN.md §3)."""
+        self.engine.finalize()
+
+    @property
+    def last_round(self) -> dict[str, Any]:
+        """Timing of the last round end: round, inner_step, wait_s, round_end_s."""
+        return self.engine.last_round
+
+    def co2_state_bytes(self) -> int:
+        return self.engine.state_bytes()
+
+
+# ---- initialize -----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _without_shm_comm_build() -> Iterator[None]:
+    """DeepSpeed's TorchBackend JIT-builds a shared-memory all-reduce op when it is created (40-85 s on
+    2 CPU cores); only `inference_all_reduce` (tensor-parallel inference) uses it. Skip the build."""
+    # importlib: the attribute deepspeed.comm.torch is the torch package, not the submodule.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    build = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = build
+
+
+def init_distributed(**kwargs: Any) -> None:
+    """`deepspeed.init_distributed(**kwargs)` without its JIT build (see `_without_shm_comm_build`).
+
+    For scripts that need the process group before `initialize` (to read the rank): call this instead
+    of `deepspeed.init_distributed`. Joins a process group the script created itself, or starts one from
+    the launcher's environment; the backend defaults to the accelerator's (gloo on CPU).
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    kwargs.setdefault("dist_backend", get_accelerator().communication_backend_name())
+    with _without_shm_comm_build():
+        deepspeed.init_distributed(**kwargs)
+
+
+def initialize(
+    args: Any = None,
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    config: Optional[ConfigLike] = None,
+    **kwargs: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """`deepspeed.initialize` with CO2 when the config has a `"co2"` section.
+
+    Same arguments and return value `(engine, optimizer, training_dataloader, lr_scheduler)`. The config
+    may be given as `config` (dict or path), `config_params`, or `args.deepspeed_config`. With `co2`, the
+    returned optimizer is a `CO2ZeroOptimizer` (call `finalize()` at the end), `train_batch_size` (if
+    given) counts all ranks as in plain DeepSpeed, `training_data` is sampled over all ranks (each
+    replica sees different data), and `engine.save_checkpoint` / `engine.load_checkpoint` are this
+    module's per-rank versions. Without `co2`, it is plain DeepSpeed (minus the inference-only JIT build).
+    """
+    if config is None:
+        config = kwargs.pop("config_params", None)
+    else:
+        kwargs.pop("config_params", None)
+    for name in ("deepspeed_config", "deepscale_config"):
+        path = getattr(args, name, None)
+        if path is not None:
+            if config is not None:
+                raise ValueError(f"co2: the DeepSpeed config was given both as args.{name} and as config=")
+            config, args = path, copy.copy(args)
+            setattr(args, name, None)
+    if config is None:
+        raise ValueError("co2: no DeepSpeed config: pass config= (a dict or a JSON path) or args.deepspeed_config")
+    ds_config, co2 = split_config(config)
+
+    init_distributed(**{k: kwargs[k] for k in ("distributed_port", "dist_init_required") if k in kwargs})
+    if co2 is None:
+        _forget_replica_mpu()
+        return deepspeed.initialize(
+            args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+            training_data=training_data, lr_scheduler=lr_scheduler, config=ds_config, **kwargs,
+        )
+    if kwargs.get("mpu") is not None or kwargs.get("mesh_param") is not None:
+        raise ValueError("co2: mpu / mesh_param cannot be combined with a co2 section (no model parallelism)")
+    kwargs.pop("mpu", None)
+    topology = Topology.build(co2)
+    _per_replica_batch(ds_config, topology)
+    engine, zero, _, scheduler = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, training_data=None,
+        lr_scheduler=lr_scheduler, config=ds_config, mpu=ReplicaMPU(topology), **kwargs,
+    )
+    if zero is None:
+        raise ValueError("co2: DeepSpeed built no optimizer: give an optimizer in the config or as optimizer=")
+    zero = CO2ZeroOptimizer.attach(zero, co2, topology, engine.module)
+    if training_data is not None:  # the replica is DeepSpeed's data-parallel world; CO2 wants all ranks
+        sampler = torch.utils.data.DistributedSampler(
+            training_data, num_replicas=topology.world_size, rank=topology.rank
+        )
+        engine.training_dataloader = engine.deepspeed_io(
+            training_data, data_sampler=sampler, collate_fn=kwargs.get("collate_fn")
+        )
+    engine.save_checkpoint = _bound(save_checkpoint, engine)
+    engine.load_checkpoint = _bound(load_checkpoint, engine)
+    return engine, zero, engine.training_dataloader, scheduler
+
+
+def _forget_replica_mpu() -> None:
+    """DeepSpeed keeps the last engine's mpu in a module global (deepspeed.utils.groups.mpu) and an engine
+    built without one reads it: a plain engine after a CO2 one would otherwise shard over a replica."""
+    from deepspeed.utils import groups
+
+    if isinstance(groups.mpu, ReplicaMPU):
+        groups.mpu = None
+
+
+def _bound(function: Any, engine: Any) -> Any:
+    def method(*args: Any, **kwargs: Any) -> Any:
+        return function(engine, *args, **kwargs)
+
+    method.__doc__ = function.__doc__
+    method.__name__ = function.__name__
+    return method
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------
+
+
+def _co2_optimizer(engine: Any) -> CO2ZeroOptimizer:
+    zero = getattr(engine, "optimizer", None)
+    if not isinstance(zero, CO2ZeroOptimizer):
+        raise ValueError("co2: this engine was not built by co2_zero.deepspeed.initialize with a co2 section")
+    return zero
+
+
+def _all_ok(ok: bool, topology: Topology) -> bool:
+    """True when every rank reports ok (one small all-reduce on a main-thread CO2 group)."""
+    flag = torch.tensor([0.0 if ok else 1.0])
+    dist.all_reduce(flag, group=topology.buffer_group)
+    return float(flag) == 0.0
+
+
+def _frozen_state(engine: Any, zero: CO2ZeroOptimizer) -> dict[str, torch.Tensor]:
+    """The module state that is not a trainable ZeRO parameter: buffers and frozen parameters (this rank's
+    own values). Trainable parameters are restored from the fp32 master partition instead."""
+    trainable = {id(p) for group in zero.bit16_groups for p in group}
+    names = {name for name, p in engine.module.named_parameters() if id(p) in trainable}
+    return {k: v for k, v in engine.module.state_dict().items() if k not in names}
+
+
+def _rigid_state_dict(zero: CO2ZeroOptimizer) -> dict[str, Any]:
+    """DeepSpeed's ZeRO state dict in its rigid form (this rank's own optimizer state), even with
+    `elastic_checkpoint`: the elastic form needs every rank's file to load; the rigid one loads alone."""
+    elastic, zero.elastic_checkpoint = zero.elastic_checkpoint, False
+    try:
+        return zero.state_dict()
+    finally:
+        zero.elastic_checkpoint = elastic
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: Union[str, os.PathLike],
+    tag: Optional[str] = None,
+    client_state: Optional[Mapping[str, Any]] = None,
+    save_latest: bool = True,
+) -> Path:
+    """Save this rank's state to `save_dir/tag/co2_ds_rankNNNNN.pt`, atomically (collective).
+
+    Each file holds the rank's fp32 master partition and inner optimizer state (DeepSpeed's own ZeRO
+    state dict), its CO2 state (waiting for the round in flight), the module's buffers and frozen
+    parameters, the LR scheduler, the engine's step counters and `client_state`. `tag` defaults to
+    `global_step<N>`; with `save_latest`, `save_dir/latest_co2` names it once every rank has written.
+    Call it after `engine.step()` at a gradient accumulation boundary. Returns the directory.
+    """
+    zero = _co2_optimizer(engine)
+    topology = zero.topology
+    if engine.micro_steps % engine.gradient_accumulation_steps():
+        raise ValueError(
+            f"co2: save_checkpoint at micro step {engine.micro_steps} is inside a gradient accumulation "
+            f"window of {engine.gradient_accumulation_steps()}; save right after an engine.step() that "
+            f"stepped the optimizer"
+        )
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    directory = Path(save_dir) / tag
+    state = {
+        "format": CHECKPOINT_FORMAT,
+        "world_size": topology.world_size,
+        "rank": topology.rank,
+        "grid": {"replicas": topology.replicas, "shards": topology.shards},
+        "zero": _rigid_state_dict(zero),
+        "co2": zero.engine.state_dict(),
+        "module_frozen": _frozen_state(engine, zero),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "engine": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "micro_steps": engine.micro_steps,
+        },
+        "client_state": dict(client_state or {}),
+    }
+    error: Optional[BaseException] = None
+    try:
+        checkpoint.save_atomic(state, checkpoint.rank_file(directory, topology.rank, CHECKPOINT_TAG))
+    except OSError as e:
+        error = e
+    if not _all_ok(error is None, topology):
+        raise CO2Error(f"co2: save_checkpoint to {directory} failed on some rank; here: {error!r}") from error
+    if save_latest and topology.rank == 0:
+        checkpoint.write_text_atomic(Path(save_dir) / LATEST, tag)
+    return directory
+
+
+def load_checkpoint(
+    engine: Any, load_dir: Union[str, os.PathLike], tag: Optional[str] = None
+) -> tuple[Optional[Path], dict[str, Any]]:
+    """Restore what `save_checkpoint` wrote, on the same world size, grid, co2 config and model
+    (collective). `tag` defaults to the one named in `load_dir/latest_co2`. Returns (directory,
+    client_state), like DeepSpeed's `load_checkpoint`; (None, {}) when there is no checkpoint at all.
+    Training then continues exactly as if it had not stopped."""
+    zero = _co2_optimizer(engine)
+    topology = zero.topology
+    if tag is None:
+        latest = Path(load_dir) / LATEST
+        if not _all_ok(latest.is_file(), topology):
+            warnings.warn(f"co2: no {LATEST} file in {load_dir} on some rank; nothing loaded", stacklevel=2)
+            return None, {}
+        tag = latest.read_text().strip()
+    directory = Path(load_dir) / str(tag)
+    path = checkpoint.rank_file(directory, topology.rank, CHECKPOINT_TAG)
+    state: dict[str, Any] = {}
+    error: Optional[str] = None
+    try:  # everything that can fail on one rank alone, before anything collective changes state
+        state = checkpoint.load_file(path)
+        here = {"format": CHECKPOINT_FORMAT, "world_size": topology.world_size, "rank": topology.rank,
+                "grid": {"replicas": topology.replicas, "shards": topology.shards}}
+        for key, value in here.items():
+            if state.get(key) != value:
+                raise ValueError(f"{key}={state.get(key)!r} in the file, {value!r} in this run")
+        expected = set(_frozen_state(engine, zero))
+        if set(state["module_frozen"]) != expected:
+            raise ValueError(f"the module's buffers/frozen parameters differ: {sorted(expected)} here")
+        zero.engine.load_state_dict(state["co2"])  # validates the co2 config and layout before loading
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        error = f"{path}: {e}"
+    if not _all_ok(error is None, topology):
+        raise CO2Error(f"co2: load_checkpoint from {directory} failed on some rank; here: {error or 'ok'}")
+
+    engine.module.load_state_dict(state["module_frozen"], strict=False)  # trainable ones: from the masters
+    zero_states: list[Any] = [None] * topology.shards
+    zero_states[topology.shard_index] = state["zero"]
+    zero.load_state_dict(zero_states, load_optimizer_states=True, load_from_fp32_weights=True)
+    zero.update_lp_params()  # the module's parameters from the restored fp32 masters
+    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    for key, value in state["engine"].items():
+        setattr(engine, key, value)
+    return directory, state["client_state"]

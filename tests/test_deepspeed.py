@@ -1,0 +1,514 @@
+"""co2_zero.deepspeed on real gloo processes against the independent single-process reference.
+
+One spawn per world size runs every scenario (process start-up and the first DeepSpeed engine dominate
+the cost); each test then checks one property of the recorded results. World 4 is S = 2 shards x R = 2
+replicas (ZeRO shards the inner optimizer over a replica); world 2 is S = 1 x R = 2. The scenarios start
+from the shipped configs in configs/ and override only what the comparison needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import models
+from tests.dist_utils import run_ranks
+from tests.reference import simulate
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, here and in the children
+co2_deepspeed = pytest.importorskip("co2_zero.deepspeed")
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+ADAPTIVE = {"mode": "adaptive", "strength": 1.5}
+HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
+NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+
+
+def ds_config(name: str, co2: dict | None = None, zero: dict | None = None, plain: bool = False, **top) -> dict:
+    """A shipped config with test overrides: a faster schedule, the given co2 fields and top-level keys;
+    `plain` drops the co2 section."""
+    config = json.loads((CONFIGS / f"{name}.json").read_text())
+    config["optimizer"]["params"].update(lr=0.02)
+    config["scheduler"]["params"].update(warmup_min_lr=0.002, warmup_max_lr=0.02, warmup_num_steps=4)
+    config["zero_optimization"].update(zero or {})
+    config.update(top)
+    config["co2"].update(co2 or {})
+    if plain:
+        del config["co2"]
+    return config
+
+
+def _scenarios(shards: int) -> dict:
+    """The fp32 scenarios compared with the reference, for S = shards (R = 2 in both spawns)."""
+    s = {"shards_per_replica": shards}
+    return {
+        # ZeRO-1, overlap; replica 1 starts from another init (the library must broadcast replica 0's);
+        # an active inner gradient clip; WarmupLR; train_batch_size given as the global batch.
+        "z1-overlap": dict(
+            config=ds_config("ds_zero1_co2", {**s, **HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE,
+                                              "collective": "reduce_scatter"},
+                             gradient_clipping=0.05, train_batch_size=8 * 2 * shards),
+            steps=10, perturb=True,
+        ),
+        "z1-blocking": dict(
+            config=ds_config("ds_zero1_co2", {**s, **NESTEROV, "overlap": False, "tau": 2, "gap_penalty": ADAPTIVE,
+                                              "collective": "all_reduce"}, gradient_clipping=0.0),
+            steps=7,
+        ),
+        # ZeRO-2 with gradient accumulation 2 (tau counts optimizer steps), WarmupDecayLR, clipping,
+        # round-robin gradient partitioning and per-tensor alignment padding on uneven tensors.
+        "z2-overlap-accum": dict(
+            config=ds_config("ds_zero2_co2", {**s, **HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE,
+                                              "clip": {"mode": "norm", "threshold": 0.1}},
+                             zero={"round_robin_gradients": True, "parameter_alignment": True},
+                             gradient_clipping=0.05),
+            steps=7, model="uneven", data=True,
+        ),
+        "z2-blocking": dict(
+            config=ds_config("ds_zero2_co2", {**s, **HEAVY_BALL, "overlap": False, "tau": 3, "gap_penalty": ADAPTIVE,
+                                              "collective": "reduce_scatter"},
+                             gradient_accumulation_steps=1, gradient_clipping=0.0),
+            steps=9,
+        ),
+    }
+
+
+def _resume_scenario(shards: int) -> dict:
+    return dict(
+        config=ds_config("ds_zero1_co2", {"shards_per_replica": shards, **HEAVY_BALL, "tau": 3,
+                                          "gap_penalty": ADAPTIVE}),
+        steps=8, save_at=4,  # one round ended at 3, its exchange in flight
+    )
+
+
+BF16 = dict(config=ds_config("ds_zero2_co2_bf16", {"shards_per_replica": 2, "tau": 4}), steps=32)
+BF16["config"]["optimizer"]["params"]["lr"] = BF16["config"]["scheduler"]["params"]["warmup_max_lr"] = 0.05
+PLAIN = dict(config=ds_config("ds_zero1_co2", plain=True, gradient_clipping=0.0), steps=4)
+
+
+# ---- the children ----------------------------------------------------------------------------------------
+
+
+def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in module.named_parameters()}
+
+
+def _micro_batches(rank: int, shards: int, step: int, accumulation: int, dtype=torch.float32):
+    """Rank (r, s)'s micro-batches of one optimizer step: slices r, m*S + s of replica r's batch."""
+    r, s = divmod(rank, shards)
+    for m in range(accumulation):
+        x, y = models.shard_batch(r, m * shards + s, step, shards * accumulation)
+        yield x.to(dtype), y
+
+
+def _train(engine, opt, rank, shards, steps, accumulation, dtype=torch.float32, first_step=0, batches=None):
+    starts, losses = [], []
+    for step in range(first_step, steps):
+        if batches is None:
+            micro = _micro_batches(rank, shards, step, accumulation, dtype)
+        else:
+            micro = [(x.to(dtype), y) for x, y in [batches(*divmod(rank, shards), step, shards)]]
+        for x, y in micro:
+            loss = models.loss_fn(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        if opt.round_ended:
+            starts.append(_params(engine.module))
+    return starts, losses
+
+
+def _run_scenario(rank: int, shards: int, sc: dict) -> dict:
+    from co2_zero.deepspeed import initialize
+
+    model = models.make_model(sc.get("model", "mlp"))
+    if sc.get("perturb") and rank >= shards:  # replicas other than 0 start elsewhere
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    data = torch.utils.data.TensorDataset(torch.arange(64.0)) if sc.get("data") else None
+    engine, opt, loader, _ = initialize(
+        model=model, model_parameters=model.parameters(), training_data=data, config=copy.deepcopy(sc["config"])
+    )
+    # This rank's fp32 master partition as (tensor id, values) pieces, straight after initialize.
+    flat = torch.cat([c.detach() for c in opt.engine.partition.chunks])
+    pieces = [(seg.tensor_id, seg.offset, flat[seg.start : seg.end].clone()) for seg in opt.engine.partition.segments]
+    x0 = _params(engine.module)
+    starts, losses = _train(engine, opt, rank, shards, sc["steps"], engine.gradient_accumulation_steps())
+    out = {
+        "pieces": pieces,
+        "partition_length": flat.numel(),
+        "starts": [x0] + starts,
+        "final": None,
+        "losses": losses,
+        "train_batch_size": engine.train_batch_size(),
+        "first_batch": next(iter(loader))[0].tolist() if loader is not None else None,
+    }
+    opt.finalize()
+    out["final"] = _params(engine.module)
+    return out
+
+
+def _run_resume(rank: int, shards: int, sc: dict, directory: str) -> dict:
+    """Straight run to `steps` vs. save at `save_at`, a fresh engine (other init) that loads, then the rest."""
+    from co2_zero import CO2Error
+    from co2_zero.deepspeed import initialize, load_checkpoint
+
+    model = models.make_model()
+    engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(sc["config"]))
+    _train(engine, opt, rank, shards, sc["save_at"], 1)
+    saved_dir = engine.save_checkpoint(directory, client_state={"note": rank})  # redirected to co2's save
+    _train(engine, opt, rank, shards, sc["steps"], 1, first_step=sc["save_at"])
+    straight = _params(engine.module)
+    opt.finalize()
+    straight_final = _params(engine.module)
+
+    model = models.make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-3.0)
+    engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(sc["config"]))
+    loaded_dir, client = load_checkpoint(engine, directory)
+    _train(engine, opt, rank, shards, sc["steps"], 1, first_step=sc["save_at"])
+    resumed = _params(engine.module)
+    opt.finalize()
+
+    # Another co2 config cannot load it: every rank raises (none is left waiting); no checkpoint: nothing.
+    other = copy.deepcopy(sc["config"])
+    other["co2"]["tau"] += 1
+    model = models.make_model()
+    engine3, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=other)
+    try:
+        load_checkpoint(engine3, directory)
+        mismatch = None
+    except CO2Error as error:
+        mismatch = str(error)
+    with pytest.warns(UserWarning, match="nothing loaded"):
+        nothing = load_checkpoint(engine3, os.path.join(directory, "nowhere"))
+    return {
+        "mismatch": mismatch,
+        "nothing": nothing,
+        "straight": straight,
+        "straight_final": straight_final,
+        "resumed": resumed,
+        "resumed_final": _params(engine.module),
+        "client": client,
+        "same_dir": str(saved_dir) == str(loaded_dir),
+        "global_steps": engine.global_steps,
+        "files": sorted(os.listdir(saved_dir)),
+    }
+
+
+def _run_bf16(rank: int, sc: dict) -> dict:
+    from co2_zero.deepspeed import initialize
+
+    model = models.make_model()
+    engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(sc["config"]))
+    shards = sc["config"]["co2"]["shards_per_replica"]
+    starts, losses = _train(engine, opt, rank, shards, sc["steps"], 1, torch.bfloat16, batches=models.teacher_batch)
+    opt.finalize()
+    return {
+        "starts": starts,
+        "final": _params(engine.module),
+        "losses": losses,
+        "param_dtypes": {p.dtype for p in engine.module.parameters()},
+        "master_dtypes": {c.dtype for c in opt.single_partition_of_fp32_groups},
+        "rounds": opt.engine.rounds,
+    }
+
+
+def _run_refused(rank: int, shards: int) -> str:
+    """bf16 + ZeRO-1 + fp32 gradient accumulation makes DeepSpeed build its BF16_Optimizer: refused."""
+    from co2_zero.deepspeed import initialize
+
+    config = ds_config("ds_zero2_co2_bf16", {"shards_per_replica": shards}, zero={"stage": 1},
+                       data_types={"grad_accum_dtype": "fp32"})
+    model = models.make_model()
+    try:
+        initialize(model=model, model_parameters=model.parameters(), config=config)
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
+def _run_plain(rank: int, sc: dict) -> dict:
+    from co2_zero.deepspeed import CO2ZeroOptimizer, initialize
+
+    model = models.make_model()
+    engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(sc["config"]))
+    world = torch.distributed.get_world_size()
+    for step in range(sc["steps"]):
+        x, y = models.shard_batch(0, rank, step, world)  # one replica of `world` shards
+        engine.backward(models.loss_fn(engine(x), y))
+        engine.step()
+    return {"co2": isinstance(opt, CO2ZeroOptimizer), "dp_world": engine.dp_world_size, "final": _params(engine.module)}
+
+
+def run_all(rank: int, world: int, shards: int, directory: str) -> dict:
+    """Child: every scenario of this world size, then what the process looked like."""
+    import deepspeed.comm.comm as ds_comm
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed requires it; torchrun would set it
+    results = {name: _run_scenario(rank, shards, sc) for name, sc in _scenarios(shards).items()}
+    results["resume"] = _run_resume(rank, shards, _resume_scenario(shards), directory)
+    if world == 4:
+        results["bf16"] = _run_bf16(rank, BF16)
+    results["refused"] = _run_refused(rank, shards)
+    results["plain"] = _run_plain(rank, PLAIN)  # after the co2 engines: nothing of theirs may leak
+    results["shm_comm_op"] = getattr(ds_comm.cdb, "shm_comm_op", "missing")
+    results["extensions"] = sorted(os.listdir(os.environ["TORCH_EXTENSIONS_DIR"]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """{world: per-rank results}: world 4 = S 2 x R 2, world 2 = S 1 x R 2."""
+    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))  # the children's JIT
+    try:
+        return {
+            world: run_ranks(run_all, world, shards, str(tmp_path_factory.mktemp(f"ckpt{world}")), timeout=240)
+            for world, shards in ((4, 2), (2, 1))
+        }
+    finally:
+        if previous is None:
+            del os.environ["TORCH_EXTENSIONS_DIR"]
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = previous
+
+
+# ---- the reference ---------------------------------------------------------------------------------------
+
+
+class ReferenceInner:
+    """What DeepSpeed does around the inner step, for the reference: the config's optimizer (torch
+    AdamW), its gradient clipping and its LR scheduler, on one full model."""
+
+    def __init__(self, params, config: dict) -> None:
+        from deepspeed.runtime import lr_schedules
+
+        self.params = list(params)
+        hyper = {k: v for k, v in config["optimizer"]["params"].items() if k != "torch_adam"}
+        assert config["optimizer"]["type"] == "AdamW"
+        self.optimizer = torch.optim.AdamW(self.params, **hyper)
+        self.clip = config.get("gradient_clipping", 0.0)
+        scheduler = config["scheduler"]
+        self.scheduler = getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler["params"])
+
+    def step(self) -> None:
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.optimizer.step()
+        self.scheduler.step()
+
+
+def reference(sc: dict, shards: int):
+    """Start points of every round and the final parameters of R = 2 replicas of `shards` ranks."""
+    config = sc["config"]
+    micro = shards * config.get("gradient_accumulation_steps", 1)
+    starts: list = []
+    finals = simulate(
+        lambda: models.make_model(sc.get("model", "mlp")),
+        lambda params: ReferenceInner(params, config),
+        lambda r, k: models.shard_batch(r, 0, k, 1),
+        models.loss_fn,
+        config["co2"],
+        replicas=2,
+        steps=sc["steps"],
+        shards=micro,
+        shard_batch=lambda r, j, k: models.shard_batch(r, j, k, micro),
+        record=starts,
+    )
+    return starts, finals
+
+
+def _assert_close(actual: dict, expected: dict, what: str) -> None:
+    for key, value in expected.items():
+        if key in actual:
+            where = f"{what}/{key}"
+            torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}")
+
+
+# ---- the tests -------------------------------------------------------------------------------------------
+
+FP32 = [(world, name) for world in (4, 2) for name in _scenarios(1)]
+
+
+@pytest.mark.parametrize(("world", "name"), FP32, ids=[f"w{w}-{n}" for w, n in FP32])
+def test_fp32_matches_reference(results, world, name):
+    shards = world // 2
+    sc = _scenarios(shards)[name]
+    starts, finals = reference(sc, shards)
+    for rank, per_rank in enumerate(results[world]):
+        got = per_rank[name]
+        assert len(got["starts"]) == len(starts) == 1 + sc["steps"] // sc["config"]["co2"]["tau"]
+        for t, (a, e) in enumerate(zip(got["starts"], starts)):
+            _assert_close(a, e, f"{name} rank {rank} round-{t} start")
+        _assert_close(got["final"], finals[rank // shards], f"{name} rank {rank} final")
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_partition_segments_cover_the_model(results, world):
+    """Each replica's partitions, cut into tensor pieces by the segments, reassemble the model exactly."""
+    shards = world // 2
+    for name, sc in _scenarios(shards).items():
+        model = models.make_model(sc.get("model", "mlp"))
+        expected = [p.detach().reshape(-1) for p in model.parameters()]
+        for replica in range(2):
+            rebuilt = [torch.full_like(e, float("nan")) for e in expected]
+            covered = [0] * len(expected)
+            for rank in range(replica * shards, (replica + 1) * shards):
+                for tensor_id, offset, values in results[world][rank][name]["pieces"]:
+                    rebuilt[tensor_id][offset : offset + values.numel()] = values
+                    covered[tensor_id] += values.numel()
+            assert covered == [e.numel() for e in expected], (name, replica)
+            for i, (a, e) in enumerate(zip(rebuilt, expected)):
+                assert torch.equal(a, e), f"{name} replica {replica} tensor {i}"
+
+
+def test_replicas_identical_at_every_round_start(results):
+    for world, per_rank in results.items():
+        names = list(_scenarios(1)) + (["bf16"] if world == 4 else [])
+        for name in names:
+            first = per_rank[0][name]
+            for other in per_rank[1:]:
+                for a, b in zip(first["starts"], other[name]["starts"]):
+                    assert all(torch.equal(a[k], b[k]) for k in a), (world, name)
+                assert all(torch.equal(first["final"][k], v) for k, v in other[name]["final"].items()), (world, name)
+
+
+def test_gradient_accumulation_counts_optimizer_steps(results):
+    for world, per_rank in results.items():
+        sc = _scenarios(world // 2)["z2-overlap-accum"]
+        got = per_rank[0]["z2-overlap-accum"]
+        assert sc["config"]["gradient_accumulation_steps"] == 2
+        assert len(got["losses"]) == 2 * sc["steps"]  # micro-steps
+        assert len(got["starts"]) == 1 + sc["steps"] // sc["config"]["co2"]["tau"]
+
+
+def test_train_batch_size_is_global_and_data_is_sampled_over_all_ranks(results):
+    for world, per_rank in results.items():
+        # the JSON's train_batch_size counts all ranks; DeepSpeed is told the replica's share
+        assert per_rank[0]["z1-overlap"]["train_batch_size"] == 8 * (world // 2)
+        batches = [set(r["z2-overlap-accum"]["first_batch"]) for r in per_rank]
+        assert all(len(b) == 4 for b in batches)
+        assert len(set().union(*batches)) == 4 * world, "every rank must get different samples"
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_resume_continues_the_exact_trajectory(results, world):
+    for rank, per_rank in enumerate(results[world]):
+        got = per_rank["resume"]
+        assert got["same_dir"] and got["client"] == {"note": rank}
+        assert got["global_steps"] == _resume_scenario(1)["steps"]
+        for key in got["straight"]:
+            assert torch.equal(got["resumed"][key], got["straight"][key]), (world, rank, key)
+            assert torch.equal(got["resumed_final"][key], got["straight_final"][key]), (world, rank, key)
+        assert "config_hash" in got["mismatch"] and "failed on some rank" in got["mismatch"], got["mismatch"]
+        assert got["nothing"] == (None, {})
+    files = results[world][0]["resume"]["files"]
+    assert files == [f"co2_ds_rank{r:05d}.pt" for r in range(world)], files  # one per rank, no collision
+
+
+def test_bf16_trains_and_loss_falls(results):
+    per_rank = results[4]
+    tau = BF16["config"]["co2"]["tau"]
+    for rank, got in enumerate(per_rank):
+        bf16 = got["bf16"]
+        assert bf16["param_dtypes"] == {torch.bfloat16} and bf16["master_dtypes"] == {torch.float32}
+        assert bf16["rounds"] == BF16["steps"] // tau
+        losses = torch.tensor(bf16["losses"])
+        assert torch.isfinite(losses).all()
+        first, last = losses[:tau].mean(), losses[-tau:].mean()
+        assert last < 0.5 * first, (rank, first.item(), last.item())
+
+
+def test_without_co2_section_it_is_plain_deepspeed(results):
+    for world, per_rank in results.items():
+        expected = simulate(
+            models.make_model, lambda params: ReferenceInner(params, PLAIN["config"]),
+            lambda r, k: models.shard_batch(0, 0, k, 1), models.loss_fn, {"tau": 10**6}, replicas=1,
+            steps=PLAIN["steps"], finalize=False, shards=world,
+            shard_batch=lambda r, j, k, w=world: models.shard_batch(0, j, k, w),
+        )[0]
+        for got in per_rank:
+            assert not got["plain"]["co2"] and got["plain"]["dp_world"] == world
+            _assert_close(got["plain"]["final"], expected, f"plain world {world}")
+
+
+def test_optimizers_other_than_deepspeeds_zero_are_refused(results):
+    for per_rank in results.values():
+        for got in per_rank:
+            assert "BF16_Optimizer" in got["refused"] and "not supported" in got["refused"], got["refused"]
+
+
+def test_no_jit_build_on_cpu(results):
+    for per_rank in results.values():
+        for got in per_rank:
+            assert got["shm_comm_op"] is None  # DeepSpeed's comm backend exists, without the JIT-built op
+            assert got["extensions"] == []
+
+
+# ---- configuration errors (no processes needed: they are caught before any) ------------------------------
+
+
+def _initialize(config):
+    return co2_deepspeed.initialize(model=models.make_model(), config=config)
+
+
+@pytest.mark.parametrize(
+    ("co2", "field"),
+    [
+        ({"tua": 3}, "co2.tua"),
+        ({"tau": 0}, "tau"),
+        ({"outer_momentum": 1.5}, "outer_momentum"),
+        ({"gap_penalty": {"mode": "bogus"}}, "gap_penalty.mode"),
+        ({"clip": {"treshold": 1.0}}, "clip.treshold"),
+        ({"overlap": "yes"}, "overlap"),
+        ({"shards_per_replica": 0}, "shards_per_replica"),
+        (3, "co2"),
+    ],
+)
+def test_bad_co2_section_is_rejected_naming_the_field(co2, field):
+    config = ds_config("ds_zero1_co2")
+    config["co2"] = co2
+    with pytest.raises(ValueError, match=rf"co2 config: {field}="):
+        _initialize(config)
+
+
+def test_bad_co2_section_in_a_json_file_is_rejected(tmp_path):
+    config = ds_config("ds_zero2_co2", {"outer_lr": -1})
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"co2 config: outer_lr=-1"):
+        _initialize(str(path))
+
+    class Args:
+        deepspeed_config = str(path)
+        local_rank = 0
+
+    with pytest.raises(ValueError, match=r"co2 config: outer_lr=-1"):
+        co2_deepspeed.initialize(args=Args(), model=models.make_model())
+
+
+@pytest.mark.parametrize("stage", [3, 0, None])
+def test_stages_other_than_1_and_2_are_refused(stage):
+    config = ds_config("ds_zero1_co2")
+    if stage is None:
+        del config["zero_optimization"]
+    else:
+        config["zero_optimization"]["stage"] = stage
+    with pytest.raises(ValueError, match=rf"zero_optimization.stage={stage if stage is not None else 0}.*1 or 2"):
+        _initialize(config)
+
+
+def test_shipped_configs_are_valid():
+    for path in sorted(CONFIGS.glob("ds_*co2*.json")):
+        ds, co2 = co2_deepspeed.split_config(str(path))
+        assert co2 is not None and "co2" not in ds, path
+        assert ds["optimizer"]["params"]["torch_adam"] is True, f"{path}: FusedAdam would JIT-build on CPU"
