@@ -52,7 +52,7 @@ METHOD_PRESETS = {
 }
 CO2_METHODS = tuple(METHOD_PRESETS)
 METHODS = CO2_METHODS + ("ddp", "none")
-ENGINES = ("plain",)
+ENGINES = ("plain", "fairscale", "deepspeed")
 
 
 def get_args(argv=None):
@@ -61,6 +61,7 @@ def get_args(argv=None):
     # run
     a("--method", default="co2", choices=METHODS)
     a("--engine", default="plain", choices=ENGINES)
+    a("--deepspeed_config", default="configs/ds_zero2_co2.json", help="--engine deepspeed: ZeRO config")
     a("--max_steps", type=int, default=300, help="inner steps per rank")
     a("--max_seconds", type=float, default=0.0, help="stop at the next round end after this (0: off)")
     a("--seed", type=int, default=1337)
@@ -238,21 +239,79 @@ def co2_config(args):
 
 
 def build_optimizer(args, model):
-    """-> (train_model, opt, inner_opt). train_model is what forward() is called on.
+    """-> (train_model, opt, train_step, current_lr). train_model is what forward() is called on;
+    train_step(loss) does backward, clipping, the optimizer step and the LR schedule.
 
-    The one place an --engine hooks in (e.g. a ZeRO/OSS-sharded inner optimizer)."""
-    if args.engine != "plain":
-        raise ValueError(f"unsupported --engine {args.engine}")
-    inner = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay
+    The one place an --engine hooks in: plain (CO2Optimizer, or DDP / nothing for the baselines),
+    fairscale (CO2OSS + ShardedDataParallel inside a replica), deepspeed (a ZeRO-1/2 JSON config with a
+    "co2" section)."""
+    co2 = co2_config(args) if args.method in CO2_METHODS else None
+    adamw = dict(lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay)
+    if args.engine == "deepspeed":
+        return build_deepspeed(args, model, co2)
+    if args.engine == "fairscale":
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        from co2_zero.fairscale import CO2OSS
+
+        if co2 is None:
+            raise ValueError("--engine fairscale runs the CO2-family methods; use --engine plain for ddp/none")
+        opt = CO2OSS(model.parameters(), optim=torch.optim.AdamW, co2=co2, **adamw)
+        train_model = ShardedDataParallel(model, opt, process_group=opt.group)
+        clip = opt.clip_grad_norm  # the gradients are sharded: OSS computes the global norm
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
+        train_model = model
+        if args.method == "ddp":
+            train_model = nn.parallel.DistributedDataParallel(model)
+        elif co2 is not None:
+            from co2_zero import CO2Optimizer
+
+            opt = CO2Optimizer(opt, co2, model=model)
+        clip = lambda max_norm: nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
+
+    def train_step(loss):
+        opt.zero_grad(set_to_none=args.engine != "fairscale")  # OSS + SDP keep their gradient buckets
+        loss.backward()
+        if args.grad_clip > 0:
+            clip(args.grad_clip)
+        opt.step()
+        sched.step()
+
+    return train_model, opt, train_step, lambda: sched.get_last_lr()[0]
+
+
+def build_deepspeed(args, model, co2):
+    """DeepSpeed from --deepspeed_config: its ZeRO stage, precision and clipping; the co2 section is the
+    one this script's flags describe (--method ddp: none, i.e. plain DeepSpeed data parallelism)."""
+    import co2_zero.deepspeed
+
+    if co2 is None and args.method != "ddp":
+        raise ValueError("--engine deepspeed runs the CO2-family methods or ddp")
+    config = json.loads(Path(args.deepspeed_config).read_text())
+    config.pop("co2", None)
+    config.pop("scheduler", None)  # this script's warmup + cosine schedule (lr_lambda) is used
+    config.pop("train_batch_size", None)
+    config.update(train_micro_batch_size_per_gpu=args.batch_size, gradient_accumulation_steps=1,
+                  gradient_clipping=args.grad_clip)  # fmt: skip
+    config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"].update(
+        lr=args.lr, betas=[args.beta1, args.beta2], weight_decay=args.weight_decay, torch_adam=True
     )
-    if args.method == "ddp":
-        return nn.parallel.DistributedDataParallel(model), inner, inner
-    if args.method == "none":
-        return model, inner, inner
-    from co2_zero import CO2Optimizer
+    if co2 is not None:
+        config["co2"] = co2.to_dict()
+    engine, opt, _, sched = co2_zero.deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=config,
+        lr_scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(args)),
+    )
 
-    return model, CO2Optimizer(inner, co2_config(args), model=model), inner
+    def train_step(loss):
+        engine.backward(loss)
+        engine.step()  # zero_grad, gradient clipping (from the config), the LR schedule: DeepSpeed's
+
+    return engine, opt, train_step, lambda: sched.get_last_lr()[0]
 
 
 def lr_lambda(args):
@@ -313,8 +372,7 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)  # identical init on every rank
     model = GPT(256, args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout)
-    train_model, opt, inner = build_optimizer(args, model)
-    sched = torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(args))
+    train_model, opt, train_step, current_lr = build_optimizer(args, model)
     n_params = sum(p.numel() for p in model.parameters())
     tokens_per_step = args.batch_size * args.block_size * world  # global
 
@@ -358,12 +416,7 @@ def main(argv=None):
     while step < args.max_steps:
         x, y = get_batch(train_data, args.batch_size, args.block_size, gen)
         loss = train_model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        sched.step()
+        train_step(loss)
         step += 1
         loss_sum += loss.item()
         loss_n += 1
@@ -406,7 +459,7 @@ def main(argv=None):
             msg += f" | round_end {round_end_s:.3f}s"
         if v is not None:
             msg += f" | val {v:.4f}"
-        log(msg + f" | lr {sched.get_last_lr()[0]:.2e}")
+        log(msg + f" | lr {current_lr():.2e}")
         emit(method=args.method, step=step, tokens=step * tokens_per_step, elapsed_s=elapsed,
              loss=loss_mean, tokens_per_s=tps, wait_s=wait_s, round_end_s=round_end_s, val_loss=v)  # fmt: skip
         t_last, step_last = time.perf_counter(), step
