@@ -167,7 +167,8 @@ class OuterExchange:
         previous_update_sq_norms: Optional[torch.Tensor],
         round_index: int,
     ) -> OuterResult:
-        locally_finite = bool(torch.isfinite(torch.linalg.vector_norm(work[: self.layout.length], float("inf"))))
+        live = work[: self.layout.length]  # what this rank measured; may be empty
+        locally_finite = live.numel() == 0 or bool(torch.isfinite(torch.linalg.vector_norm(live, float("inf"))))
         g = self._average(work, g_buffer)
         result = outer_step(
             g,

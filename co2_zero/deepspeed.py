@@ -37,7 +37,7 @@ from . import checkpoint
 from .config import CO2Config
 from .errors import CO2Error
 from .outer import Segment
-from .sync import Partition, RoundEngine, parameter_signature
+from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
 from .topology import Topology
 
 __all__ = [
@@ -204,7 +204,7 @@ def zero_partition(zero: DeepSpeedZeroOptimizer) -> Partition:
 # ---- the optimizer --------------------------------------------------------------------------------------
 
 
-class CO2ZeroOptimizer(DeepSpeedZeroOptimizer):
+class CO2ZeroOptimizer(CO2Steps, DeepSpeedZeroOptimizer):
     """DeepSpeed's ZeRO-1/2 optimizer whose `step()` also ends a CO2 round every `tau` applied steps.
 
     Made by `initialize` from the optimizer DeepSpeed built (see `attach`); it adds methods and the
@@ -214,7 +214,6 @@ class CO2ZeroOptimizer(DeepSpeedZeroOptimizer):
     engine: RoundEngine  # the round state machine (as in CO2Optimizer and CO2OSS)
     config: CO2Config
     topology: Topology
-    round_ended: bool
 
     @classmethod
     def attach(
@@ -246,26 +245,13 @@ class CO2ZeroOptimizer(DeepSpeedZeroOptimizer):
         partition = zero_partition(self)
         self.config = config
         self.topology = topology
-        self.round_ended = False
         buffers = list(module.buffers())
         self.engine = RoundEngine(partition, config, topology, refresh=self.update_lp_params, buffers=buffers)
 
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's step; then, if it was applied (not skipped on fp16 overflow), count it for CO2."""
         super().step(closure)
-        self.round_ended = False if self.overflow else self.engine.inner_step_done()
-
-    def finalize(self) -> None:
-        """Wait for the round in flight and give every rank the same model (DESIGN.md §3)."""
-        self.engine.finalize()
-
-    @property
-    def last_round(self) -> dict[str, Any]:
-        """Timing of the last round end: round, inner_step, wait_s, round_end_s."""
-        return self.engine.last_round
-
-    def co2_state_bytes(self) -> int:
-        return self.engine.state_bytes()
+        self._count_step(applied=not self.overflow)
 
 
 # ---- initialize -----------------------------------------------------------------------------------------

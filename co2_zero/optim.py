@@ -13,7 +13,7 @@ import torch
 
 from .config import CO2Config
 from .outer import Segment
-from .sync import Partition, RoundEngine, parameter_signature
+from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
 from .topology import Topology
 
 
@@ -39,7 +39,7 @@ def flatten_parameters_(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return flat
 
 
-class CO2Optimizer(torch.optim.Optimizer):
+class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
     """Wraps an inner optimizer: `step()` is the inner step plus, every `tau`-th, a CO2 round end.
 
     `param_groups`, `state` and `defaults` are the inner optimizer's own, so LR schedulers and
@@ -97,16 +97,10 @@ class CO2Optimizer(torch.optim.Optimizer):
         buffers = list(model.buffers()) if model is not None else []
         self.engine = RoundEngine(partition, config, self.topology, buffers=buffers)
         self.config = config
-        self.round_ended = False
-
-    @property
-    def last_round(self) -> dict[str, Any]:
-        """Timing of the last round end: round, inner_step, wait_s, round_end_s."""
-        return self.engine.last_round
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         loss = self.optimizer.step(closure)
-        self.round_ended = self.engine.inner_step_done()
+        self._count_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -117,20 +111,12 @@ class CO2Optimizer(torch.optim.Optimizer):
         self.engine.finalize()
         self.topology.destroy(inner=True)  # nobody else uses the single-rank replica groups
 
-    def co2_state_bytes(self) -> int:
-        return self.engine.state_bytes()
-
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "co2": self.engine.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.engine.load_state_dict(state_dict["co2"])
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "engine"):
-            raise RuntimeError("co2: parameters cannot be added after the CO2 partition was built")
-        super().add_param_group(param_group)
 
     def __repr__(self) -> str:
         return f"CO2Optimizer({self.config}, inner={self.optimizer!r})"

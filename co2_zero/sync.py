@@ -398,6 +398,35 @@ class RoundEngine:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class CO2Steps:
+    """What every integration's optimizer adds to its framework's optimizer, around `self.engine`."""
+
+    engine: RoundEngine
+    round_ended: bool = False  # did the last step() end a round
+
+    def _count_step(self, applied: bool = True) -> None:
+        """After the framework's step: count it for CO2 if it was applied (not skipped on overflow)."""
+        self.round_ended = applied and self.engine.inner_step_done()
+
+    @property
+    def last_round(self) -> dict[str, Any]:
+        """Timing of the last round end: round, inner_step, wait_s, round_end_s."""
+        return self.engine.last_round
+
+    def finalize(self) -> None:
+        """Wait for the round in flight and give every rank the same model (DESIGN.md §3)."""
+        self.engine.finalize()
+
+    def co2_state_bytes(self) -> int:
+        """Bytes of CO2 state on this rank (DESIGN.md §4)."""
+        return self.engine.state_bytes()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "engine"):
+            raise RuntimeError("co2: parameters cannot be added after the CO2 partition was built")
+        super().add_param_group(param_group)  # type: ignore[misc]
+
+
 def consolidate(state: dict[str, Any]) -> dict[str, Any]:
     """One rank's layout-independent share of a `RoundEngine.state_dict()`, for resharding.
 

@@ -250,15 +250,13 @@ def build_optimizer(args, model):
     if args.engine == "deepspeed":
         return build_deepspeed(args, model, co2)
     if args.engine == "fairscale":
-        from fairscale.nn.data_parallel import ShardedDataParallel
-
-        from co2_zero.fairscale import CO2OSS
+        from co2_zero.fairscale import CO2OSS, ShardedDataParallel  # FairScale's SDP, fixed for replica groups
 
         if co2 is None:
             raise ValueError("--engine fairscale runs the CO2-family methods; use --engine plain for ddp/none")
         opt = CO2OSS(model.parameters(), optim=torch.optim.AdamW, co2=co2, **adamw)
         train_model = ShardedDataParallel(model, opt, process_group=opt.group)
-        clip = opt.clip_grad_norm  # the gradients are sharded: OSS computes the global norm
+        clip = opt.clip_grad_norm  # the gradients are sharded: the norm over the replica, as OSS computes it
     else:
         opt = torch.optim.AdamW(model.parameters(), **adamw)
         train_model = model

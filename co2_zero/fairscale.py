@@ -1,0 +1,342 @@
+"""`CO2OSS`: FairScale's OSS inside each replica, CO2 across replicas (DESIGN.md §6.2).
+
+OSS shards the inner optimizer over the **inner group** (the S ranks of one replica) and turns the
+trainable parameters each rank owns into views of one flat bucket: that bucket is the rank's CO2
+partition. The outer state is split over the outer group like in every integration (DESIGN.md §2),
+and after a round end the owners' rewritten buckets reach the rest of their replica through OSS's own
+parameter broadcast. In a FairScale script, `OSS(...)` becomes `CO2OSS(..., co2=...)` and the
+ShardedDataParallel import comes from here (FairScale's drops gradients on a replica group, see there)::
+
+    from co2_zero.fairscale import CO2OSS, ShardedDataParallel
+
+    opt = CO2OSS(model.parameters(), optim=torch.optim.AdamW, lr=3e-4, co2={"tau": 12}, model=model)
+    model = ShardedDataParallel(model, opt, process_group=opt.group)  # reduce inside the replica only
+
+or, equivalently, ``model, opt = co2_zero.fairscale.wrap(model, co2={"tau": 12}, lr=3e-4)``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Mapping, Optional, Type, Union
+
+import torch
+import torch.distributed as dist
+
+try:
+    from fairscale.internal.params import calc_grad_norm
+    from fairscale.nn.data_parallel import ShardedDataParallel as _FairScaleSDP
+    from fairscale.optim import OSS
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("co2_zero.fairscale needs FairScale: pip install fairscale") from error
+
+from .config import CO2Config
+from .errors import CO2Error
+from .outer import Segment
+from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
+from .topology import Topology
+
+__all__ = ["CO2OSS", "ShardedDataParallel", "wrap"]
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """Detached CPU copies of the tensors in a (nested) state dict; a snapshot, never a live view."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    return obj
+
+
+class CO2OSS(CO2Steps, OSS):
+    """`fairscale.optim.OSS` whose replicas train with CO2; `step()` = the OSS step + CO2 bookkeeping.
+
+    Same constructor as OSS plus `co2` (a `CO2Config` or a dict of its fields) and `model` (optional:
+    its float buffers, e.g. BatchNorm statistics, are averaged across all ranks at every round end).
+    `group` is built from `co2.shards_per_replica` when None; a group passed in must hold exactly this
+    rank's replica. After construction `self.group` is that inner group: give it to
+    `co2_zero.fairscale.ShardedDataParallel(..., process_group=opt.group)` (FairScale's own drops
+    gradients on such a group, see there) or to DDP, so gradients are reduced inside the replica only.
+    Every rank must construct it (it creates process groups). The default inner optimizer is AdamW
+    (OSS's is SGD). `state_dict()` carries the CO2 state in both of its forms: OSS's consolidated one
+    (one file per replica) and, where nothing was consolidated, this rank's own share (per-rank files,
+    `co2_zero.checkpoint`).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optim: Type[torch.optim.Optimizer] = torch.optim.AdamW,
+        group: Optional[Any] = None,
+        broadcast_buffer_size: int = -1,
+        broadcast_fp16: bool = False,
+        force_broadcast_object: bool = False,
+        co2: Union[CO2Config, Mapping[str, Any], None] = None,
+        model: Optional[torch.nn.Module] = None,
+        **defaults: Any,
+    ) -> None:
+        config = CO2Config.coerce(co2)
+        # OSS talks on its group inside __init__, so the replica's group must exist first.
+        topology = Topology.build(config, inner_group=group)
+        super().__init__(
+            params,
+            optim=optim,
+            group=topology.inner_group,
+            broadcast_buffer_size=broadcast_buffer_size,
+            broadcast_fp16=broadcast_fp16,
+            force_broadcast_object=force_broadcast_object,
+            **defaults,
+        )
+        self.config = config
+        self.topology = topology
+        self._partition = self._find_partition()
+        self._buffers = list(model.buffers()) if model is not None else []
+        self.engine = self._new_engine()
+        self._co2_states: list[Optional[dict[str, Any]]] = []
+
+    # ---- the partition: OSS's flat bucket of this rank ----------------------------------------------
+
+    def _find_partition(self) -> Partition:
+        """This rank's OSS bucket, and which global parameter tensor each piece of it is.
+
+        Tensor ids count the trainable parameters of all param groups in order (identical on every
+        rank, and the convention of every adapter, so a checkpoint can be resharded across them). The
+        pieces' places are read from the parameters' own storage offsets, not assumed from OSS's order.
+        """
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) != 1:
+            raise ValueError(f"co2: parameters live on several devices {sorted(map(str, devices))}; expected one")
+        device = devices.pop()
+        for i, p in enumerate(params):
+            if p.dtype != torch.float32:
+                raise ValueError(
+                    f"co2: parameter {i} (shape {tuple(p.shape)}) is {p.dtype}; CO2OSS needs fp32 parameters "
+                    f"(OSS keeps no fp32 master copy: use autocast with fp32 parameters)"
+                )
+        index = {id(p): i for i, p in enumerate(params)}
+        signature = parameter_signature([p.shape for p in params])
+        bucket = self.buckets.get(device, {}).get(self.rank)
+        if bucket is None:
+            # This rank owns no trainable parameter: one private zero that never moves keeps the
+            # engine's buffers on the parameters' device.
+            return Partition([torch.zeros(1, device=device)], [], len(params), signature)
+        buffer = bucket.buffer
+        owned = [p for g in self.partition_parameters()[self.rank] for p in g["params"] if p.requires_grad]
+        segments = []
+        for p in owned:
+            if p.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+                raise CO2Error(f"co2: trainable parameter {index[id(p)]} is not a view of this rank's OSS bucket")
+            start = p.storage_offset() - buffer.storage_offset()
+            segments.append(Segment(index[id(p)], start, start + p.numel()))  # OSS never splits a tensor
+        segments.sort(key=lambda seg: seg.start)
+        if [seg.start for seg in segments] != [0] + [seg.end for seg in segments[:-1]] or (
+            segments[-1].end != buffer.numel()
+        ):
+            raise CO2Error("co2: the OSS bucket is not exactly this rank's trainable parameters, back to back")
+        return Partition([buffer], segments, len(params), signature)
+
+    def _follow_bucket(self) -> None:
+        """Keep the engine's partition on OSS's current bucket (same layout, new storage).
+
+        OSS replaces its bucket tensors in `refresh_trainable()` (ShardedDataParallel calls it on the
+        first forward and on every train/eval switch) and, with `broadcast_fp16`, in every parameter
+        broadcast. Called after each of those, so the engine never touches a stale bucket.
+        """
+        live = self._partition.chunks[0]
+        bucket = self.buckets.get(live.device, {}).get(self.rank)
+        if not self._partition.segments:  # the placeholder of a rank that owns nothing
+            unchanged = bucket is None
+        else:
+            unchanged = bucket is not None and bucket.buffer is live
+        if unchanged:
+            return
+        current = self._find_partition()
+        if tuple(current.segments) != tuple(self._partition.segments):
+            raise CO2Error(
+                "co2: the parameters this rank trains changed after CO2OSS was built (frozen or unfrozen "
+                "parameters?); the CO2 partition cannot change during training"
+            )
+        self._partition.chunks[:] = current.chunks
+
+    def _refresh(self) -> None:
+        """After a round end rewrote this rank's bucket: OSS's broadcast inside the replica."""
+        self._broadcast_params()
+        self._follow_bucket()
+
+    def refresh_trainable(self) -> None:
+        """OSS's (it rebuilds the buckets), then re-point the CO2 partition at the new bucket."""
+        super().refresh_trainable()
+        if hasattr(self, "engine"):
+            self._follow_bucket()
+
+    def _new_engine(self) -> RoundEngine:
+        """Collective over every rank (the engine checks that all ranks agree on the layout)."""
+        return RoundEngine(self._partition, self.config, self.topology, refresh=self._refresh, buffers=self._buffers)
+
+    # ---- training -----------------------------------------------------------------------------------
+
+    def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:
+        """The OSS step (own shard, then broadcast inside the replica), then count it for CO2.
+
+        A round end rewrites this rank's bucket and broadcasts again, so the other ranks of the replica
+        start the round from the new start point too (one extra inner broadcast every tau steps).
+        """
+        loss = super().step(closure, **kwargs)
+        self._follow_bucket()  # broadcast_fp16 replaced the bucket
+        self._count_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradients in place by default (OSS inherits torch 2.x's `set_to_none=True`).
+
+        ShardedDataParallel reduces small gradients through views of its flat gradient buckets. Setting
+        `.grad` to None cuts those views: from step 2 on, backward writes fresh tensors, the stale bucket
+        is what gets reduced, and the owner steps with its own unreduced gradient, silently.
+        """
+        super().zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm(
+        self,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        filter_params_fn: Optional[Callable[[Any], Any]] = None,
+    ) -> torch.Tensor:
+        """OSS's gradient clipping, with the norm taken over the replica (call it on all its ranks).
+
+        OSS all-reduces the norm over the whole world: under CO2 that would mix the replicas'
+        gradients (a norm about sqrt(R) too large) and add a cross-replica collective to every step.
+        With ShardedDataParallel each rank holds only its own reduced gradients, so
+        `torch.nn.utils.clip_grad_norm_` is wrong too; this is the one to use.
+        """
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        params = self._local_params if filter_params_fn is None else filter_params_fn(self._local_params)
+        norm = calc_grad_norm(params, norm_type).to(self._default_device)
+        if norm_type == math.inf:
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
+        else:
+            norm = norm**norm_type
+            dist.all_reduce(norm, group=self.group)
+            norm = norm ** (1.0 / norm_type)
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1:
+            for per_rank in self._per_device_params.values():
+                for p in per_rank[self.rank]:
+                    if p.grad is not None:
+                        p.grad.detach().mul_(coef)
+        return norm
+
+    # ---- state -------------------------------------------------------------------------------------
+
+    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
+        """OSS's consolidation of the inner optimizer state, plus the CO2 state of every rank of the
+        replica, onto `recipient_rank` of the replica (-1: every rank). Call it on all ranks.
+
+        The inner optimizer state differs between replicas, so this checkpoint is one file per replica
+        (saved by its recipient); it then holds everything the replica's ranks need to resume.
+        """
+        super().consolidate_state_dict(recipient_rank)
+        mine = None if self.engine.finalized else _cpu_copy(self.engine.state_dict())
+        states: list[Optional[dict[str, Any]]] = [None] * self.world_size
+        if recipient_rank == -1:
+            dist.all_gather_object(states, mine, group=self.group)
+        else:
+            receive = states if self.rank == recipient_rank else None
+            dist.gather_object(mine, receive, dst=self._local_to_global_rank[recipient_rank], group=self.group)
+        self._co2_states = states if recipient_rank in (-1, self.rank) else []
+
+    def state_dict(self, all_ranks: bool = False) -> dict[str, Any]:
+        """Where OSS has a consolidated state (the recipient after `consolidate_state_dict()`, or
+        `all_ranks`): OSS's PyTorch-compatible dict, plus `"co2"` (this rank's CO2 state) and
+        `"co2_replica"` (that of every rank of the replica, for one file per replica).
+
+        Elsewhere (where OSS would raise): this rank's own share, `{"oss_shard": ..., "co2": ...}`, what
+        per-rank checkpoint files hold (`co2_zero.checkpoint.save`). Tensors are live references, as
+        in `torch.optim.Optimizer.state_dict()`: save them before the next step.
+        """
+        if all_ranks or self._all_states:
+            state = super().state_dict(all_ranks=all_ranks)
+            state["co2"] = self._co2_states[self.rank]
+            state["co2_replica"] = {
+                "replica": self.topology.replica_index,
+                "ranks": list(self.topology.inner_ranks),
+                "states": self._co2_states,
+            }
+            return state
+        return {
+            "oss_shard": {"rank": self.rank, "world_size": self.world_size, "state": self.optim.state_dict()},
+            "co2": None if self.engine.finalized else self.engine.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore either form of `state_dict()`, saved by the same rank (own share) or the same
+        replica (consolidated) of a run with the same topology and co2 config. Call it on all ranks,
+        after loading the model weights.
+
+        A state without CO2 state (a plain OSS checkpoint, or one saved after `finalize()`) loads the
+        inner optimizer and restarts CO2 from the current parameters, with a warning.
+        """
+        replica = state_dict.get("co2_replica")
+        if replica is not None:
+            if replica["replica"] != self.topology.replica_index or len(replica["states"]) != self.world_size:
+                raise ValueError(
+                    f"co2 checkpoint: it holds the state of replica {replica['replica']} (global ranks "
+                    f"{replica['ranks']}) but this rank is in replica {self.topology.replica_index} (global "
+                    f"ranks {list(self.topology.inner_ranks)}); each replica loads the file its own recipient saved"
+                )
+            mine = replica["states"][self.rank]
+        else:
+            mine = state_dict.get("co2")
+        shard = state_dict.get("oss_shard")
+        if shard is not None and (shard["rank"], shard["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(
+                f"co2 checkpoint: this optimizer shard was saved by rank {shard['rank']} of a replica of "
+                f"{shard['world_size']}; this is rank {self.rank} of {self.world_size}: load each rank's own file"
+            )
+        if mine is not None:
+            self.engine.load_state_dict(mine)  # validates before it changes anything
+        if shard is not None:
+            self.optim.load_state_dict(shard["state"])
+            OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
+        else:
+            super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("co2", "co2_replica")})
+        if mine is None:
+            warnings.warn(
+                "co2: the optimizer state carries no CO2 state (a plain OSS checkpoint, or one saved after "
+                "finalize()); CO2 restarts from the current parameters",
+                stacklevel=2,
+            )
+            self.engine.close()  # its worker and CO2 groups; OSS keeps the replica's group
+            self.topology = Topology.build(self.config, inner_group=self.group)
+            self.engine = self._new_engine()
+
+
+class ShardedDataParallel(_FairScaleSDP):
+    """`fairscale.nn.ShardedDataParallel`, fixed for a `process_group` that is not the whole world.
+
+    After reducing a gradient that is not in a reduce bucket, FairScale keeps it only where
+    `dst_rank == self._global_rank`: the owner's rank *in the group* against this rank's *global* rank.
+    On every replica but the first the owner then drops its reduced gradient and OSS skips the
+    parameter, silently: every parameter larger than `reduce_buffer_size` (an embedding, say), and all
+    of them when S = 1 (a group of one has no buckets). The attribute serves nothing else, so it is
+    set to the rank in the group. Same constructor as FairScale's.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._global_rank = self._rank  # compared with group ranks only (FairScale 0.4.13)
+
+
+def wrap(
+    module: torch.nn.Module,
+    co2: Union[CO2Config, Mapping[str, Any], None] = None,
+    optim: Type[torch.optim.Optimizer] = torch.optim.AdamW,
+    sdp_kwargs: Optional[Mapping[str, Any]] = None,
+    **defaults: Any,
+) -> tuple[ShardedDataParallel, CO2OSS]:
+    """Build `CO2OSS` over `module`'s parameters and wrap `module` in ShardedDataParallel on the
+    replica's group: the usual FairScale pair, CO2 across replicas. `defaults` go to the inner
+    optimizer (e.g. lr, weight_decay); `sdp_kwargs` to ShardedDataParallel. Call it on all ranks."""
+    opt = CO2OSS(module.parameters(), optim=optim, co2=co2, model=module, **defaults)
+    return ShardedDataParallel(module, opt, process_group=opt.group, **dict(sdp_kwargs or {})), opt
