@@ -62,6 +62,17 @@ class Layout(NamedTuple):
         )
 
 
+class PipelineJob(NamedTuple):
+    """The inputs of one pipeline (DESIGN.md §3 a–g)."""
+
+    work: torch.Tensor  # D on entry, the new start point on exit (partition-sized)
+    base: torch.Tensor  # the start point the update applies to
+    momentum: torch.Tensor  # m on this rank's slice
+    g_buffer: Optional[torch.Tensor]  # reduce_scatter: where this rank's sub-shard of g lands
+    previous_update_sq_norms: Optional[torch.Tensor]  # the staleness gap's partial norms (None: no gap)
+    round_index: int
+
+
 class BackgroundWorker:
     """A daemon thread that runs submitted jobs one at a time, in order.
 
@@ -127,36 +138,26 @@ class OuterExchange:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.worker = BackgroundWorker(f"co2-outer-rank{topology.rank}")
 
-    def launch(
-        self,
-        work: torch.Tensor,
-        base: torch.Tensor,
-        momentum: torch.Tensor,
-        g_buffer: Optional[torch.Tensor],
-        previous_update_sq_norms: Optional[torch.Tensor],
-        round_index: int,
-    ) -> Future:
-        """Start the pipeline on D (in `work`); the new start point lands in `work`.
+    def launch(self, job: PipelineJob) -> Future:
+        """Start pipeline `job.round_index` in the background; the new start point lands in `job.work`.
 
-        `base` and `momentum` must not be touched by the caller until the future is done; `work`
-        must hold D, complete, on the current stream.
+        `job.work` must hold D, complete, on the current stream; the caller must not touch `job.base`
+        or `job.momentum` until the future is done. The future yields (OuterResult, CUDA event or None).
         """
-        ready = None
-        if self.stream is not None:
-            ready = torch.cuda.Event()
-            ready.record()
+        if self.stream is None:
+            return self.worker.submit(lambda: (self._pipeline(*job), None))
+        ready = torch.cuda.Event()
+        ready.record()
 
-        def job() -> tuple[OuterResult, Optional[torch.cuda.Event]]:
-            if self.stream is None:
-                return self._pipeline(work, base, momentum, g_buffer, previous_update_sq_norms, round_index), None
+        def on_stream() -> tuple[OuterResult, torch.cuda.Event]:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
-                result = self._pipeline(work, base, momentum, g_buffer, previous_update_sq_norms, round_index)
+                result = self._pipeline(*job)
                 done = torch.cuda.Event()
                 done.record(self.stream)
             return result, done
 
-        return self.worker.submit(job)
+        return self.worker.submit(on_stream)
 
     def _pipeline(
         self,

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import Layout, OuterExchange
+from .comm import Layout, OuterExchange, PipelineJob
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError
 from .outer import Segment
@@ -130,7 +130,7 @@ class RoundEngine:
         self._subtract_live(self.start_point, out=work)  # step 2: D = B - x
         gap = self.previous_update_sq_norms if overlap else None
         self.pending_round = self.exchange.launch(
-            work, base, self.momentum, self.g_buffer, gap, self.rounds
+            PipelineJob(work, base, self.momentum, self.g_buffer, gap, self.rounds)
         )
         if not overlap:
             wait_s += self._wait_pending()
