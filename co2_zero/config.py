@@ -68,7 +68,7 @@ class GapPenalty:
 
     mode: str = "adaptive"
     value: float = 1.0
-    strength: float = 1.0
+    strength: float = 2.0
 
     def __post_init__(self) -> None:
         _check_choice("gap_penalty.mode", self.mode, PENALTY_MODES)
@@ -95,7 +95,7 @@ class CO2Config:
 
     tau: int = 12
     outer_lr: float = 1.0
-    outer_momentum: float = 0.2
+    outer_momentum: float = 0.0
     nesterov: bool = False
     overlap: bool = True
     gap_penalty: Union[GapPenalty, Mapping[str, Any]] = field(default_factory=GapPenalty)

@@ -45,7 +45,7 @@ from tqdm import tqdm
 # Presets for the CO2-family methods; any flag given explicitly overrides them.
 _P = ("overlap", "outer_lr", "outer_momentum", "nesterov", "gap_penalty")
 METHOD_PRESETS = {
-    "co2": dict(zip(_P, (True, 1.0, 0.2, False, "adaptive"))),
+    "co2": dict(zip(_P, (True, 1.0, 0.0, False, "adaptive"))),
     "localsgd": dict(zip(_P, (False, 1.0, 0.0, False, "none"))),
     "slowmo": dict(zip(_P, (False, 1.0, 0.5, False, "none"))),
     "diloco": dict(zip(_P, (False, 0.7, 0.9, True, "none"))),
@@ -91,7 +91,7 @@ def get_args(argv=None):
     a("--nesterov", default=None, action=argparse.BooleanOptionalAction)
     a("--overlap", default=None, action=argparse.BooleanOptionalAction)
     a("--gap_penalty", default=None, choices=("none", "constant", "adaptive"))
-    a("--gap_strength", type=float, default=1.0, help="adaptive: 1 + strength*|gap|/|g|")
+    a("--gap_strength", type=float, default=2.0, help="adaptive: 1 + strength*|gap|/|g|")
     a("--gap_value", type=float, default=1.0, help="constant: divide by this")
     a("--clip", default="none", choices=("none", "value", "norm"), help="outer momentum clip")
     a("--clip_threshold", type=float, default=1.0)

@@ -63,7 +63,7 @@ def test_defaults_and_dict_round_trip():
 
 def test_nested_sections_accept_dataclasses_and_partial_dicts():
     config = CO2Config(gap_penalty={"mode": "constant", "value": 2}, clip=Clip("norm", 0.5))
-    assert config.gap_penalty == GapPenalty(mode="constant", value=2, strength=1.0)
+    assert config.gap_penalty == GapPenalty(mode="constant", value=2, strength=2.0)
     assert config.clip.mode == "norm" and config.clip.threshold == 0.5
     assert dataclasses.replace(config, tau=3).tau == 3
     with pytest.raises(ValueError, match="tau"):
