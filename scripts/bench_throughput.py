@@ -1,0 +1,255 @@
+"""Throughput of CO2 against DDP, the blocking baselines and compute-only, on an emulated cluster.
+
+For every cell (nodes P x link rate) it builds the cluster (scripts/emulated_cluster.py), runs the
+bandwidth self-check, runs scripts/tune_tau.py to pick τ for that cell, then runs scripts/train_lm.py
+once per method and repetition (methods in a rotated order each repetition, so slow drift of the
+host does not favour one). The figure of merit is each method's steady-state tokens/s divided by
+that of `none` (no communication at all: compute-only) in the same repetition of the same cluster.
+
+Steady state: the first logged round (start-up, and for CO2 a round with nothing in flight) is
+dropped; tokens/s is measured from the end of that round to the end of the run, excluding validation.
+For the CO2-family methods the seconds blocked on the exchange (wait) and the round-end bookkeeping
+(round_end - wait) are reported as fractions of that time.
+
+Results: <out_dir>/throughput.json (every run, with the load average and CPU-busy fraction of the
+host before it, the self-check, the tuner's measurements and the exact command) and
+<out_dir>/throughput.md (medians). Numbers measured while other programs load the host are
+meaningless: by default it waits for the 1-minute load average to fall below --max_load first.
+
+    python scripts/bench_throughput.py --cells 4:1gbit 2:1gbit --reps 3        # the headline
+    python scripts/bench_throughput.py --cells 2:100mbit 4:100mbit 2:10gbit 2:unshaped --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import emulated_cluster as ec  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = str(ROOT / "scripts" / "train_lm.py")
+TUNE = str(ROOT / "scripts" / "tune_tau.py")
+METHODS = ("none", "ddp", "co2", "localsgd", "slowmo", "diloco")
+CO2_FAMILY = ("co2", "localsgd", "slowmo", "diloco")
+
+
+def get_args(argv: Optional[Sequence[str]] = None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cells", nargs="+", default=["4:1gbit", "2:1gbit"],
+                   help="NODES:RATE pairs, RATE in 100mbit|1gbit|10gbit|unshaped")  # fmt: skip
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=10, help="CO2 rounds per run (steps = rounds x tau; same for all)")
+    p.add_argument("--max_seconds", type=float, default=25.0, help="cap on each run's training time")
+    p.add_argument("--tau", type=int, default=0, help="fixed tau (0: what tune_tau.py picks in each cell)")
+    p.add_argument("--margin", type=float, default=1.5, help="tune_tau.py --margin")
+    p.add_argument("--co2_flags", default="--outer_momentum 0 --gap_penalty adaptive --gap_strength 2",
+                   help="extra train_lm.py flags of the co2 runs and the tuner (see bench_convergence.py)")  # fmt: skip
+    p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "throughput"))
+    p.add_argument("--tag", default="", help="suffix of the result files")
+    p.add_argument("--max_load", type=float, default=2.5, help="wait for the 1-min load average below this")
+    p.add_argument("--wait_load_s", type=float, default=1800, help="give up waiting after this (and say so)")
+    p.add_argument("--strict_check", action=argparse.BooleanOptionalAction, default=True,
+                   help="abort a cell whose bandwidth self-check fails")  # fmt: skip
+    # the model and batch (train_lm.py flags): tokens/rank/step small enough that DDP is communication-bound
+    p.add_argument("--model", default="--n_layer 4 --n_embd 320 --n_head 4 --block_size 64 --batch_size 1",
+                   help="train_lm.py model/batch flags, one string")  # fmt: skip
+    return p.parse_args(argv)
+
+
+def steady_state(records: list[dict]) -> dict:
+    """tokens/s, wait and bookkeeping fractions after the first logged interval."""
+    rounds = [r for r in records if not r.get("summary") and r.get("step", 0) > 0]
+    if len(rounds) < 2:
+        raise ValueError(f"need at least 2 logged intervals for a steady state, got {len(rounds)}")
+    first, last = rounds[0], rounds[-1]
+    seconds = last["elapsed_s"] - first["elapsed_s"]
+    out = {"tokens_per_s": (last["tokens"] - first["tokens"]) / seconds, "seconds": seconds,
+           "steps": last["step"] - first["step"], "intervals": len(rounds) - 1}  # fmt: skip
+    later = rounds[1:]
+    if all(r.get("wait_s") is not None for r in later):
+        wait = sum(r["wait_s"] for r in later)
+        out["wait_fraction"] = wait / seconds
+        if all(r.get("round_end_s") is not None for r in later):
+            out["bookkeeping_fraction"] = (sum(r["round_end_s"] for r in later) - wait) / seconds
+            out["round_s"] = seconds / len(later)
+    return out
+
+
+def run_tuner(cluster: ec.EmulatedCluster, model: list[str], margin: float, log_dir: Path) -> dict:
+    """scripts/tune_tau.py in the cluster; `model`: train_lm.py flags (model, batch, CO2 knobs)."""
+    out = log_dir / "tune.json"
+    args = [*model, "--margin", str(margin), "--tune_json", str(out)]
+    cluster.torchrun(TUNE, args, log_dir=log_dir, timeout_s=600)
+    result = json.loads(out.read_text())
+    result["command"] = shlex.join(["scripts/tune_tau.py", *args[:-2]])
+    result["log"] = (log_dir / "node0.log").read_text(errors="replace")[-3000:]
+    return result
+
+
+def train_args(method: str, tau: int, steps: int, model: list[str], max_seconds: float, out_json: Path) -> list[str]:
+    """train_lm.py flags of one run. CO2-family methods log once per round; `none` every tau steps (the
+    same per-round sync as CO2's log line); ddp every min(4, tau) steps, so that even a slow link
+    gives it a few log intervals within --max_seconds (it only stops at a log line)."""
+    log_every = min(4, tau) if method == "ddp" else tau
+    return [
+        "--method", method, "--tau", str(tau), "--log_every", str(log_every), "--max_steps", str(steps),
+        "--max_seconds", str(max_seconds), "--eval_every", "0", "--eval_batches", "2", "--data_bytes", "1000000",
+        "--warmup_steps", "5", "--no_progress", *model, "--out_json", str(out_json),
+    ]  # fmt: skip
+
+
+def run_cell(nodes: int, rate: str, a, log_root: Path) -> dict:
+    model, co2_flags = a.model.split(), a.co2_flags.split()
+    cell = {"nodes": nodes, "rate": rate, "host_before": ec.wait_for_quiet_host(a.max_load, a.wait_load_s)}
+    print(f"== cell P={nodes} {rate}: {cell['host_before']}", file=sys.stderr, flush=True)
+    with ec.EmulatedCluster(nodes, rate) as cluster:
+        check = cluster.self_check(strict=False)
+        cell["self_check"] = check
+        print(f"   self-check: {json.dumps(check)}", file=sys.stderr, flush=True)
+        if check.get("status") == "fail" and a.strict_check:
+            raise ec.ShapingError(f"cell P={nodes} {rate}: self-check failed: {check.get('error')}")
+        if a.tau > 0:
+            tau, cell["tuner"] = a.tau, None
+        else:
+            cell["tuner"] = run_tuner(cluster, model + co2_flags, a.margin, log_root / f"P{nodes}_{rate}_tune")
+            tau = cell["tuner"]["recommendation"]["tau"]
+            print(f"   tuner: tau={tau} {cell['tuner']['recommendation']}", file=sys.stderr, flush=True)
+        cell["tau"] = tau
+        steps = a.rounds * tau
+        runs = []
+        for rep in range(a.reps):
+            k = rep % len(a.methods)
+            for method in a.methods[k:] + a.methods[:k]:
+                log_dir = log_root / f"P{nodes}_{rate}_{method}_r{rep}"
+                out_json = log_dir / "train.jsonl"
+                flags = model + co2_flags if method == "co2" else model
+                args = train_args(method, tau, steps, flags, a.max_seconds, out_json)
+                host = {"load_avg": ec.load_average(), "cpu_busy": round(ec.host_cpu_busy(1.0), 3)}
+                began = time.time()
+                cluster.torchrun(TRAIN, args, log_dir=log_dir, timeout_s=600)
+                records = [json.loads(line) for line in out_json.read_text().splitlines()]
+                run = {"method": method, "rep": rep, "host_before": host, "wall_s": round(time.time() - began, 1),
+                       "command": shlex.join(["scripts/train_lm.py", *args[:-2]]),
+                       "final_val_loss": records[-1].get("val_loss")}  # fmt: skip
+                try:
+                    run.update(steady_state(records))
+                except ValueError as error:  # too few log lines: recorded, left out of the medians
+                    run["error"] = str(error)
+                    print(f"   {method:9s} rep {rep}: {error}", file=sys.stderr, flush=True)
+                    runs.append(run)
+                    continue
+                runs.append(run)
+                print(f"   {method:9s} rep {rep}: {run['tokens_per_s']:8.0f} tok/s"
+                      + (f" wait {100 * run['wait_fraction']:.1f}%" if "wait_fraction" in run else "")
+                      + (f" book {100 * run['bookkeeping_fraction']:.1f}%" if "bookkeeping_fraction" in run else "")
+                      + f"  (host before: {host})", file=sys.stderr, flush=True)  # fmt: skip
+    cell["runs"] = runs
+    cell["host_after"] = {"load_avg": ec.load_average()}
+    cell["summary"] = summarize(runs, a.methods)
+    return cell
+
+
+def summarize(runs: list[dict], methods: Sequence[str]) -> dict:
+    """Per method: median tokens/s, median of per-repetition ratios to `none`, median wait/bookkeeping."""
+    by = {(r["method"], r["rep"]): r for r in runs if "tokens_per_s" in r}
+    reps = sorted({r["rep"] for r in runs})
+    out = {}
+    for m in methods:
+        mine = [by[(m, k)] for k in reps if (m, k) in by]
+        if not mine:
+            continue
+        row = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine), "n": len(mine)}
+        ratios = [by[(m, k)]["tokens_per_s"] / by[("none", k)]["tokens_per_s"]
+                  for k in reps if (m, k) in by and ("none", k) in by]  # fmt: skip
+        if ratios:
+            row["ratio_to_none"] = statistics.median(ratios)
+            row["ratio_range"] = [min(ratios), max(ratios)]
+        for key in ("wait_fraction", "bookkeeping_fraction", "round_s"):
+            vals = [r[key] for r in mine if key in r]
+            if vals and m != "none":
+                row[key] = statistics.median(vals)
+        out[m] = row
+    return out
+
+
+def _pct(row: dict, key: str) -> str:
+    return f"{100 * row[key]:.1f}%" if key in row else ""
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Throughput on the emulated cluster",
+        "",
+        f"Model/batch: `{result['model']}`, one thread per rank, {result['host']['cores']} cores. Figure of merit: "
+        "steady-state tokens/s as a ratio of `none` (compute only, no communication) in the same repetition. "
+        "Medians over repetitions (range of the ratio in brackets). `wait` = blocked on the exchange, "
+        "`book` = round-end bookkeeping, as % of training time. τ: picked by `scripts/tune_tau.py` in each cell.",
+        "",
+        "| P | link | achieved all-reduce | τ | comm/step | method | tokens/s | × none | wait | book |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in result["cells"]:
+        chk = cell["self_check"]
+        bw = f"{chk['bus_bits_per_s'] / 1e9:.2f} Gbit/s" if "bus_bits_per_s" in chk else "?"
+        if chk.get("status") == "host_limited":
+            bw += " (host limit: not a real 10gbit)"
+        elif chk.get("status") == "fail":
+            bw += " (SELF-CHECK FAILED)"
+        tuner = cell.get("tuner") or {}
+        ratio = tuner.get("recommendation", {}).get("comm_over_step")
+        first = True
+        for m, row in cell["summary"].items():
+            rr = (f"{row['ratio_to_none']:.3f} [{row['ratio_range'][0]:.2f}–{row['ratio_range'][1]:.2f}]"
+                  if "ratio_to_none" in row else "")  # fmt: skip
+            head = (f"| {cell['nodes']} | {cell['rate']} | {bw} | {cell['tau']} | "
+                    f"{'' if ratio is None else f'{ratio:.2f}'} |") if first else "| | | | | |"  # fmt: skip
+            lines.append(f"{head} {m} | {row['tokens_per_s']:,.0f} | {rr} | {_pct(row, 'wait_fraction')} | "
+                         f"{_pct(row, 'bookkeeping_fraction')} |")  # fmt: skip
+            first = False
+    lines += ["", "`comm/step`: the tuner's one-round exchange time over one inner step's compute time — also "
+              "DDP's communication/compute ratio (DDP all-reduces the same bytes every step).", "",
+              "Host load average before each cell: "
+              + "; ".join(f"P={c['nodes']} {c['rate']}: {c['host_before']['load_avg']}" for c in result["cells"]),
+              "", "Command:", "", f"    {result['command']}", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = get_args(argv)
+    ec.require_privileges()
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_root = Path("/tmp") / f"c2z-bench-{int(time.time())}"
+    result = {
+        "command": shlex.join(["python", "scripts/bench_throughput.py", *(sys.argv[1:] if argv is None else argv)]),
+        "model": a.model, "co2_flags": a.co2_flags, "methods": a.methods, "reps": a.reps, "rounds": a.rounds,
+        "host": {"cores": os.cpu_count(), "load_avg_start": ec.load_average()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cells": [],
+    }  # fmt: skip
+    stem = "throughput" + (f"_{a.tag}" if a.tag else "")
+    began = time.time()
+    for spec in a.cells:
+        nodes, rate = spec.split(":")
+        result["cells"].append(run_cell(int(nodes), rate, a, log_root))
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))  # after every cell: partial results
+        (out_dir / f"{stem}.md").write_text(markdown(result))
+    result["total_s"] = round(time.time() - began, 1)
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out_dir / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"logs: {log_root}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
