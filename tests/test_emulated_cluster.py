@@ -36,6 +36,14 @@ def _can_run():
     return ec.can_create_namespaces()
 
 
+@pytest.fixture
+def namespaces():
+    """Skip, with the reason, where network namespaces cannot be made (not root, no iproute2)."""
+    ok, reason = _can_run()
+    if not ok:
+        pytest.skip(f"emulated cluster needs network namespaces: {reason}")
+
+
 def _ours(tag):
     return [ns for ns in ec.list_namespaces() if ns.startswith(tag)]
 
@@ -51,10 +59,7 @@ def test_parse_rate():
 
 
 @pytest.mark.slow
-def test_smoke_unshaped_two_nodes(tmp_path):
-    ok, reason = _can_run()
-    if not ok:
-        pytest.skip(f"emulated cluster needs network namespaces: {reason}")
+def test_smoke_unshaped_two_nodes(tmp_path, namespaces):
     out = tmp_path / "log.jsonl"
     with ec.EmulatedCluster(nodes=2, rate=None) as cluster:
         tag = cluster.tag
@@ -76,10 +81,7 @@ def test_smoke_unshaped_two_nodes(tmp_path):
 
 
 @pytest.mark.slow
-def test_failure_still_removes_namespaces(tmp_path):
-    ok, reason = _can_run()
-    if not ok:
-        pytest.skip(f"emulated cluster needs network namespaces: {reason}")
+def test_failure_still_removes_namespaces(tmp_path, namespaces):
     bad = tmp_path / "bad.py"
     bad.write_text("import sys; sys.exit(3)\n")
     with pytest.raises(ec.HarnessError, match="ranks failed"):
