@@ -69,8 +69,12 @@ def get_args(argv: Optional[Sequence[str]] = None):
 def steady_state(records: list[dict]) -> dict:
     """tokens/s, wait and bookkeeping fractions after the first logged interval."""
     rounds = [r for r in records if not r.get("summary") and r.get("step", 0) > 0]
+    if len(rounds) == 1:  # a very slow method (ddp on a slow link): the one interval, start-up included
+        r = rounds[0]
+        return {"tokens_per_s": r["tokens"] / r["elapsed_s"], "seconds": r["elapsed_s"], "steps": r["step"],
+                "intervals": 1, "includes_startup": True}  # fmt: skip
     if len(rounds) < 2:
-        raise ValueError(f"need at least 2 logged intervals for a steady state, got {len(rounds)}")
+        raise ValueError(f"need at least 1 logged interval, got {len(rounds)}")
     first, last = rounds[0], rounds[-1]
     seconds = last["elapsed_s"] - first["elapsed_s"]
     out = {"tokens_per_s": (last["tokens"] - first["tokens"]) / seconds, "seconds": seconds,
@@ -169,6 +173,8 @@ def summarize(runs: list[dict], methods: Sequence[str]) -> dict:
         if not mine:
             continue
         row = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine), "n": len(mine)}
+        if any(r.get("includes_startup") for r in mine):
+            row["includes_startup"] = True
         ratios = [by[(m, k)]["tokens_per_s"] / by[("none", k)]["tokens_per_s"]
                   for k in reps if (m, k) in by and ("none", k) in by]  # fmt: skip
         if ratios:
@@ -200,7 +206,8 @@ def markdown(result: dict) -> str:
     ]
     for cell in result["cells"]:
         chk = cell["self_check"]
-        bw = f"{chk['bus_bits_per_s'] / 1e9:.2f} Gbit/s" if "bus_bits_per_s" in chk else "?"
+        bits = chk.get("bus_bits_per_s")
+        bw = "?" if bits is None else f"{bits / 1e9:.2f} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:.0f} Mbit/s"
         if chk.get("status") == "host_limited":
             bw += " (host limit: not a real 10gbit)"
         elif chk.get("status") == "fail":
@@ -213,11 +220,13 @@ def markdown(result: dict) -> str:
                   if "ratio_to_none" in row else "")  # fmt: skip
             head = (f"| {cell['nodes']} | {cell['rate']} | {bw} | {cell['tau']} | "
                     f"{'' if ratio is None else f'{ratio:.2f}'} |") if first else "| | | | | |"  # fmt: skip
-            lines.append(f"{head} {m} | {row['tokens_per_s']:,.0f} | {rr} | {_pct(row, 'wait_fraction')} | "
+            star = "*" if row.get("includes_startup") else ""
+            lines.append(f"{head} {m}{star} | {row['tokens_per_s']:,.0f} | {rr} | {_pct(row, 'wait_fraction')} | "
                          f"{_pct(row, 'bookkeeping_fraction')} |")  # fmt: skip
             first = False
     lines += ["", "`comm/step`: the tuner's one-round exchange time over one inner step's compute time — also "
-              "DDP's communication/compute ratio (DDP all-reduces the same bytes every step).", "",
+              "DDP's communication/compute ratio (DDP all-reduces the same bytes every step). `*`: too slow "
+              "for a steady state within --max_seconds; its one logged interval, start-up included.", "",
               "Host load average before each cell: "
               + "; ".join(f"P={c['nodes']} {c['rate']}: {c['host_before']['load_avg']}" for c in result["cells"]),
               "", "Command:", "", f"    {result['command']}", ""]  # fmt: skip

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -304,7 +305,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     comm = measure_exchange_time(numel, config, shards=1, reps=ours.reps) if world > 1 else {"t_comm": 0.0}
     rec = recommend_tau(comm["t_comm"], compute["t_step"], ours.margin)
     result = {"world_size": world, "params": numel, "tokens_per_rank_step": args.batch_size * args.block_size,
-              "compute": compute, "comm": comm, "recommendation": rec}  # fmt: skip
+              "compute": compute, "comm": comm, "recommendation": rec,
+              "host": {"cpus": os.cpu_count(), "load_avg_start": [round(x, 2) for x in os.getloadavg()]},
+              "argv": list(sys.argv[1:] if argv is None else argv)}  # fmt: skip
     if ours.verify_rounds > 0 and world > 1:
         result["verify"] = search_tau(args, ours, rec, compute["t_step"])
         last_pass = [v for v in result["verify"] if v["passes"]]
@@ -313,6 +316,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                    tau=min(v["tau"] for v in last_pass) if last_pass else result["verify"][-1]["tau"],
                    verified=bool(last_pass))  # fmt: skip
         result["recommendation"] = rec
+    result["host"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     if rank == 0:
         _report(result)
         if ours.tune_json:
