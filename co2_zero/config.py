@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
@@ -19,6 +20,15 @@ CLIP_MODES = ("none", "value", "norm")
 COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
 COMM_DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("raise", "skip_round")
+# The accepted values of every choice field, by dotted name (for messages that name another rank's value).
+CHOICES = {
+    "gap_penalty.mode": PENALTY_MODES,
+    "clip.mode": CLIP_MODES,
+    "collective": COLLECTIVES,
+    "comm_dtype": COMM_DTYPES,
+    "nonfinite": NONFINITE_POLICIES,
+}
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week; process-group timeouts are kept in milliseconds by the backends
 
 
 def _fail(name: str, value: Any, accepted: str) -> None:
@@ -36,8 +46,17 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 
 def _check_number(name: str, value: Any, accepted: str, ok) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(float(value)):
+    """A finite int or float for which `ok` holds (inf and NaN are refused: they poison the outer state)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(name, value, accepted)
+    if not math.isfinite(float(value)) or not ok(float(value)):
+        _fail(name, value, accepted)
+
+
+def _as_floats(instance: Any, *names: str) -> None:
+    """Store int values of float fields as floats, so `1` (JSON) and `1.0` (Python) are one config."""
+    for name in names:
+        object.__setattr__(instance, name, float(getattr(instance, name)))
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -74,6 +93,7 @@ class GapPenalty:
         _check_choice("gap_penalty.mode", self.mode, PENALTY_MODES)
         _check_number("gap_penalty.value", self.value, "a number >= 1", lambda v: v >= 1.0)
         _check_number("gap_penalty.strength", self.strength, "a number >= 0", lambda v: v >= 0.0)
+        _as_floats(self, "value", "strength")
 
 
 @dataclass(frozen=True)
@@ -87,6 +107,7 @@ class Clip:
     def __post_init__(self) -> None:
         _check_choice("clip.mode", self.mode, CLIP_MODES)
         _check_number("clip.threshold", self.threshold, "a number > 0", lambda v: v > 0.0)
+        _as_floats(self, "threshold")
 
 
 @dataclass(frozen=True)
@@ -118,8 +139,10 @@ class CO2Config:
             _check_int("shards_per_replica", self.shards_per_replica, 1)
         _check_choice("collective", self.collective, COLLECTIVES)
         _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
-        _check_number("timeout_s", self.timeout_s, "a number of seconds > 0", lambda v: v > 0.0)
+        seconds = f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
+        _check_number("timeout_s", self.timeout_s, seconds, lambda v: 0 < v <= MAX_TIMEOUT_S)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _as_floats(self, "outer_lr", "outer_momentum", "timeout_s")
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:
@@ -133,6 +156,16 @@ class CO2Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def leaves(self) -> dict[str, Any]:
+        """Every field as `{dotted name: value}` (`gap_penalty.mode`, ...), nested sections flattened."""
+        flat: dict[str, Any] = {}
+        for key, value in self.to_dict().items():
+            if isinstance(value, dict):
+                flat.update({f"{key}.{sub}": v for sub, v in value.items()})
+            else:
+                flat[key] = value
+        return flat
 
     def math_hash(self) -> str:
         """Hash of the fields that change the trajectory (not timeouts, collectives or sharding)."""

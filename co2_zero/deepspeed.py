@@ -38,7 +38,7 @@ from .config import CO2Config
 from .errors import CO2Error
 from .outer import Segment
 from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
-from .topology import Topology
+from .topology import Topology, collective_device
 
 __all__ = [
     "CO2ZeroOptimizer",
@@ -323,8 +323,14 @@ def initialize(
     if co2 is None:
         _forget_replica_mpu()
         return deepspeed.initialize(
-            args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-            training_data=training_data, lr_scheduler=lr_scheduler, config=ds_config, **kwargs,
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            config=ds_config,
+            **kwargs,
         )
     if kwargs.get("mpu") is not None or kwargs.get("mesh_param") is not None:
         raise ValueError("co2: mpu / mesh_param cannot be combined with a co2 section (no model parallelism)")
@@ -332,8 +338,15 @@ def initialize(
     topology = Topology.build(co2)
     _per_replica_batch(ds_config, topology)
     engine, zero, _, scheduler = deepspeed.initialize(
-        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, training_data=None,
-        lr_scheduler=lr_scheduler, config=ds_config, mpu=ReplicaMPU(topology), **kwargs,
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=None,
+        lr_scheduler=lr_scheduler,
+        config=ds_config,
+        mpu=ReplicaMPU(topology),
+        **kwargs,
     )
     if zero is None:
         raise ValueError("co2: DeepSpeed built no optimizer: give an optimizer in the config or as optimizer=")
@@ -380,7 +393,7 @@ def _co2_optimizer(engine: Any) -> CO2ZeroOptimizer:
 
 def _all_ok(ok: bool, topology: Topology) -> bool:
     """True when every rank reports ok (one small all-reduce on a main-thread CO2 group)."""
-    flag = torch.tensor([0.0 if ok else 1.0])
+    flag = torch.tensor([0.0 if ok else 1.0], device=collective_device(topology.buffer_group))
     dist.all_reduce(flag, group=topology.buffer_group)
     return float(flag) == 0.0
 
@@ -478,8 +491,12 @@ def load_checkpoint(
     error: Optional[str] = None
     try:  # everything that can fail on one rank alone, before anything collective changes state
         state = checkpoint.load_file(path)
-        here = {"format": CHECKPOINT_FORMAT, "world_size": topology.world_size, "rank": topology.rank,
-                "grid": {"replicas": topology.replicas, "shards": topology.shards}}
+        here = {
+            "format": CHECKPOINT_FORMAT,
+            "world_size": topology.world_size,
+            "rank": topology.rank,
+            "grid": {"replicas": topology.replicas, "shards": topology.shards},
+        }
         for key, value in here.items():
             if state.get(key) != value:
                 raise ValueError(f"{key}={state.get(key)!r} in the file, {value!r} in this run")

@@ -30,7 +30,7 @@ from .comm import Layout, OuterExchange, PipelineJob
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError
 from .outer import Segment
-from .topology import Topology
+from .topology import Topology, fingerprint, gather_fingerprints
 
 STATE_VERSION = 1
 
@@ -167,7 +167,6 @@ class RoundEngine:
         which the integration's framework keeps using). Also runs at interpreter exit."""
         self._at_exit()
 
-
     # ---- waiting with a deadline ---------------------------------------------------------------------
 
     def _wait_pending(self) -> float:
@@ -263,35 +262,29 @@ class RoundEngine:
     # ---- agreement, state, footprint ---------------------------------------------------------------
 
     def _check_agreement(self) -> None:
-        """Fail fast, naming the difference, when ranks were started with different CO2 configs,
-        models or partition layouts (a hash exchange at start-up instead of a hang later)."""
-        topo = self.topology
-        config = self.config.to_dict()
-        config.pop("timeout_s")  # may differ harmlessly
-        mine = {
-            "config": config,
-            "grid": (topo.replicas, topo.shards),
-            "model": (self.partition.num_tensors, self.partition.signature),
-            "partition": (topo.shard_index, self.layout.length, hash(self.layout.segments)),
-        }
-        everyone: list[Any] = [None] * topo.world_size
-        dist.all_gather_object(everyone, mine, group=topo.norm_group)
-        for rank, theirs in enumerate(everyone):
-            fields = {k for k in config if theirs["config"].get(k) != config.get(k)}
-            if fields:
-                diff = ", ".join(f"{k}={config[k]!r} here vs {theirs['config'][k]!r}" for k in sorted(fields))
-                raise CO2Error(f"co2: rank {topo.rank} and rank {rank} have different co2 configs: {diff}")
-            for key, what in (("grid", "(replicas, shards)"), ("model", "(parameter tensors, shape signature)")):
-                if theirs[key] != mine[key]:
-                    raise CO2Error(
-                        f"co2: rank {topo.rank} and rank {rank} disagree on the {what}: "
-                        f"{mine[key]} here vs {theirs[key]}"
-                    )
-            if theirs["partition"][0] == topo.shard_index and theirs["partition"] != mine["partition"]:
+        """Fail fast, naming the difference, when ranks hold different models or partition layouts
+        (a fingerprint exchange at start-up instead of a hang later; the configs and the grid were
+        compared when the topology was built)."""
+        topo, layout = self.topology, self.layout
+        mine = [
+            fingerprint(self.partition.num_tensors),
+            fingerprint(self.partition.signature),
+            topo.shard_index,
+            layout.length,
+            fingerprint(tuple(tuple(seg) for seg in layout.segments)),
+        ]
+        table = gather_fingerprints(mine, topo.norm_group, self.config.timeout_s, "start-up model check")
+        for rank, theirs in enumerate(table):
+            if theirs[:2] != mine[:2]:
+                raise CO2Error(
+                    f"co2: rank {topo.rank} and rank {rank} disagree on the (parameter tensors, shape signature): "
+                    f"{self.partition.num_tensors} tensors here; every rank must build the same model"
+                )
+            if theirs[2] == topo.shard_index and theirs[3:] != mine[3:]:
                 raise CO2Error(
                     f"co2: rank {topo.rank} and rank {rank} own shard {topo.shard_index} but their "
-                    f"partitions differ ({mine['partition'][1]} vs {theirs['partition'][1]} elements or "
-                    f"a different split into tensors); every replica must partition the model the same way"
+                    f"partitions differ ({layout.length} elements here vs {theirs[3]}, or a different split "
+                    f"into tensors); every replica must partition the model the same way"
                 )
 
     def _identity(self) -> dict[str, Any]:
@@ -442,13 +435,15 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
         if lo >= hi:
             continue
         momentum = slice(lo - state["momentum_start"], hi - state["momentum_start"])
-        pieces.append({
-            "tensor_id": seg.tensor_id,
-            "offset": seg.offset + lo - seg.start,
-            "start_point": state["start_point"][lo:hi].cpu().clone(),
-            "next_start": None if state["next_start"] is None else state["next_start"][lo:hi].cpu().clone(),
-            "momentum": state["momentum"][momentum].cpu().clone(),
-        })
+        pieces.append(
+            {
+                "tensor_id": seg.tensor_id,
+                "offset": seg.offset + lo - seg.start,
+                "start_point": state["start_point"][lo:hi].cpu().clone(),
+                "next_start": None if state["next_start"] is None else state["next_start"][lo:hi].cpu().clone(),
+                "momentum": state["momentum"][momentum].cpu().clone(),
+            }
+        )
     norms = state["previous_update_sq_norms"]
     return {
         "config_hash": state["config_hash"],

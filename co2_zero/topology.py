@@ -1,4 +1,4 @@
-"""Replicas x shards (DESIGN.md §2) and the process groups CO2 talks on.
+"""Replicas x shards (docs/design.md §2) and the process groups CO2 talks on.
 
 World of N ranks = R replicas x S shards; replica r holds ranks [r*S, (r+1)*S). The inner group is a
 replica (ZeRO/OSS shard the inner optimizer over it); the outer group of shard index s is
@@ -11,13 +11,96 @@ see one collective at a time, in the same order on every rank.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
-from .config import CO2Config
+from .config import CHOICES, CO2Config
+from .errors import CO2Error, CO2TimeoutError
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device a tensor must be on for a collective on `group` (docs/design.md §5).
+
+    NCCL takes only tensors on the rank's current CUDA device; gloo (and a default group that pairs
+    gloo for CPU with NCCL for CUDA) takes CPU tensors. Every small tensor the library sends (flags,
+    norms, fingerprints) is placed by this one function, so the rule holds by construction.
+    """
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def fingerprint(value: Any) -> int:
+    """One int64 identifying `value` exactly: numbers by their float64 bits (decodable), booleans as
+    0/1, anything else by a hash of its repr."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)):
+        return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:8], "little", signed=True)
+
+
+def _describe(code: int, like: Any, choices: Sequence[Any] = ()) -> str:
+    """What another rank's fingerprint `code` stands for, given this rank's value `like`."""
+    if isinstance(like, bool):
+        return repr(bool(code))
+    if isinstance(like, (int, float)):
+        number = struct.unpack("<d", struct.pack("<q", code))[0]
+        return repr(int(number) if isinstance(like, int) and number.is_integer() else number)
+    for choice in choices:
+        if fingerprint(choice) == code:
+            return repr(choice)
+    return "a different value"
+
+
+def gather_fingerprints(values: Sequence[int], group: Any, timeout_s: float, what: str) -> list[list[int]]:
+    """All-gather a fixed-size vector of int64 fingerprints over `group`, within `timeout_s`.
+
+    One tensor collective, no pickling (no numpy needed), valid on every backend. Returns one list per
+    rank of the group, in group rank order. A rank that never arrives raises CO2TimeoutError naming
+    `what` and the group's ranks, instead of a bare backend timeout.
+    """
+    device = collective_device(group)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    try:
+        dist.all_gather(everyone, mine, group=group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as error:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        raise CO2TimeoutError(
+            f"co2: {what}: not every rank of the group of global ranks {ranks} took part within "
+            f"timeout_s={timeout_s:g} ({type(error).__name__}: {error}); every rank must build the CO2 "
+            f"optimizer, in the same order"
+        ) from error
+    return [t.tolist() for t in everyone]
+
+
+def agree_on_config(config: CO2Config, shards: int) -> None:
+    """Fail fast, naming the field, when the ranks were started with different co2 configs or would
+    split the world differently (`shards_per_replica: "node"` on nodes of different sizes).
+
+    Runs on the default group before any CO2 group exists: with different grids the ranks would
+    otherwise build different groups and hang in `new_group`.
+    """
+    leaves = config.leaves()
+    leaves.pop("timeout_s")  # may differ harmlessly
+    leaves["shards_per_replica"] = shards
+    names = sorted(leaves)
+    table = gather_fingerprints([fingerprint(leaves[n]) for n in names], None, config.timeout_s, "start-up check")
+    rank, mine = dist.get_rank(), table[dist.get_rank()]
+    for other, theirs in enumerate(table):
+        differ = [i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
+        if differ:
+            here = [(names[i], leaves[names[i]], theirs[i]) for i in differ]
+            diff = ", ".join(f"{n}={v!r} here vs {_describe(code, v, CHOICES.get(n, ()))}" for n, v, code in here)
+            raise CO2Error(f"co2: rank {rank} and rank {other} have different co2 configs: {diff}")
 
 
 @dataclass
@@ -48,9 +131,7 @@ class Topology:
         return f"outer group of shard {self.shard_index} (global ranks {list(self.outer_ranks)})"
 
     @classmethod
-    def build(
-        cls, config: CO2Config, shards: Optional[int] = None, inner_group: Any = None
-    ) -> Topology:
+    def build(cls, config: CO2Config, shards: Optional[int] = None, inner_group: Any = None) -> Topology:
         """Create the CO2 groups. Collective: every rank must call it, in the same order.
 
         `shards` overrides `config.shards_per_replica` (the plain-PyTorch optimizer passes 1).
@@ -65,6 +146,7 @@ class Topology:
             )
         world, rank = dist.get_world_size(), dist.get_rank()
         shards = config.resolve_shards(world) if shards is None else shards
+        agree_on_config(config, shards)
         if shards < 1 or world % shards != 0:
             raise ValueError(
                 f"co2 config: shards_per_replica={shards!r} does not divide the world size {world}; "

@@ -33,6 +33,13 @@ BAD_FIELDS = [
     ("collective", "allreduce", "collective"),
     ("comm_dtype", "fp16", "comm_dtype"),
     ("timeout_s", 0, "timeout_s"),
+    ("timeout_s", float("inf"), "timeout_s"),
+    ("timeout_s", 1e10, "timeout_s"),
+    ("outer_lr", float("inf"), "outer_lr"),
+    ("outer_lr", float("nan"), "outer_lr"),
+    ("gap_penalty", {"strength": float("inf")}, "gap_penalty.strength"),
+    ("gap_penalty", {"mode": "constant", "value": float("inf")}, "gap_penalty.value"),
+    ("clip", {"mode": "norm", "threshold": float("inf")}, "clip.threshold"),
     ("nonfinite", "ignore", "nonfinite"),
 ]
 
@@ -83,3 +90,17 @@ def test_shards_node_reads_local_world_size(monkeypatch):
     assert CO2Config(shards_per_replica=2).resolve_shards(8) == 2
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert CO2Config().resolve_shards(8) == 1
+
+
+def test_json_integers_and_python_floats_are_one_config():
+    """`"outer_lr": 1` in a JSON file and `outer_lr=1.0` in Python must resume each other's runs."""
+    from_json = CO2Config.from_dict(json.loads('{"outer_lr": 1, "gap_penalty": {"strength": 2}, "timeout_s": 60}'))
+    in_python = CO2Config(outer_lr=1.0, gap_penalty={"strength": 2.0}, timeout_s=60.0)
+    assert from_json == in_python
+    assert from_json.math_hash() == in_python.math_hash()
+    assert isinstance(from_json.outer_lr, float) and isinstance(from_json.gap_penalty.strength, float)
+
+
+def test_json_infinity_is_refused():
+    with pytest.raises(ValueError, match="outer_lr"):
+        CO2Config.from_dict(json.loads('{"outer_lr": Infinity}'))

@@ -84,6 +84,13 @@ def misconfigured(rank: int, world: int) -> dict:
     def shards_do_not_divide():
         Topology.build(CO2Config(shards_per_replica=3))
 
+    def different_shards():  # "node" read on nodes of different sizes
+        began = time.monotonic()
+        try:
+            Topology.build(CO2Config(shards_per_replica=1 + rank, timeout_s=TIMEOUT_S))
+        finally:
+            out["different_shards_s"] = time.monotonic() - began
+
     def nonfinite(policy):
         def run():
             model = models.make_model("mlp")
@@ -103,6 +110,7 @@ def misconfigured(rank: int, world: int) -> dict:
     attempt("different_tau", different_tau)
     attempt("different_model", different_model)
     attempt("shards_do_not_divide", shards_do_not_divide)
+    attempt("different_shards", different_shards)
     attempt("nonfinite_raise", nonfinite("raise"))
     attempt("nonfinite_skip", nonfinite("skip_round"))
     return out
@@ -130,6 +138,36 @@ def test_shards_that_do_not_divide_the_world_are_rejected(misconfigured_results)
     for result in misconfigured_results:
         error = result["shards_do_not_divide"]
         assert isinstance(error, ValueError) and "shards_per_replica=3" in str(error), error
+
+
+def test_different_shards_per_replica_fail_naming_the_field_before_any_group(misconfigured_results):
+    for rank, result in enumerate(misconfigured_results):
+        error = result["different_shards"]
+        assert isinstance(error, CO2Error), error
+        assert f"shards_per_replica={1 + rank} here vs {2 - rank}" in str(error), error
+        assert result["different_shards_s"] < TIMEOUT_S, result["different_shards_s"]
+
+
+def never_builds(rank: int, world: int) -> dict:
+    """Rank 1 never constructs the optimizer; rank 0 must fail naming the start-up check, in time."""
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 3.0)
+        os._exit(0)
+    began = time.monotonic()
+    model = models.make_model("mlp")
+    try:
+        CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), CO2Config(timeout_s=TIMEOUT_S))
+    except CO2Error as error:
+        return {"error": error, "elapsed": time.monotonic() - began}
+    return {"error": None, "elapsed": time.monotonic() - began}
+
+
+def test_rank_that_never_builds_the_optimizer_fails_the_others_in_time():
+    result = run_ranks(never_builds, 2, allow_exit=(1,), timeout=60)[0]
+    error = result["error"]
+    assert isinstance(error, CO2TimeoutError), result
+    assert "start-up check" in str(error) and "[0, 1]" in str(error), error
+    assert result["elapsed"] < TIMEOUT_S + 5.0, result
 
 
 def test_nonfinite_displacement_raises_naming_round_and_replica(misconfigured_results):
