@@ -28,14 +28,19 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Union
 
-import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from .errors import CO2Error, missing_extra
+
+try:
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise missing_extra("DeepSpeed", "deepspeed", error) from error
 
 from . import checkpoint
 from .config import CO2Config
-from .errors import CO2Error
 from .outer import Segment
 from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
 from .topology import Topology, collective_device

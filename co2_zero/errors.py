@@ -11,3 +11,12 @@ class CO2TimeoutError(CO2Error, TimeoutError):
 
 class NonFiniteError(CO2Error, FloatingPointError):
     """A replica's displacement held NaN or Inf (policy `nonfinite: "raise"`)."""
+
+
+def missing_extra(package: str, extra: str, error: ImportError) -> ImportError:
+    """The ImportError to raise when an optional integration's framework is not installed."""
+    message = (
+        f"co2_zero needs {package} for this integration, which the base install does not include: "
+        f"pip install 'co2_zero[{extra}]' (from a clone: pip install -e '.[{extra}]'); import failed with: {error}"
+    )
+    return ImportError(message, name=getattr(error, "name", None))

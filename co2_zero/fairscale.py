@@ -24,15 +24,16 @@ from typing import Any, Callable, Mapping, Optional, Type, Union
 import torch
 import torch.distributed as dist
 
+from .errors import CO2Error, missing_extra
+
 try:
     from fairscale.internal.params import calc_grad_norm
     from fairscale.nn.data_parallel import ShardedDataParallel as _FairScaleSDP
     from fairscale.optim import OSS
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("co2_zero.fairscale needs FairScale: pip install fairscale") from error
+    raise missing_extra("FairScale", "fairscale", error) from error
 
 from .config import CO2Config
-from .errors import CO2Error
 from .outer import Segment
 from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
 from .topology import Topology

@@ -105,8 +105,19 @@ def curve(records: list[dict]) -> dict:
             "tokens_per_s": summary["tokens_per_s"], "steps": summary["steps"]}  # fmt: skip
 
 
+def require_matplotlib() -> None:
+    """The plots come last, after many minutes of runs: fail at the start if they could not be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise SystemExit(
+            f"bench_convergence.py draws its plots with matplotlib ({error}): pip install -e '.[bench]'"
+        ) from error
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = get_args(argv)
+    require_matplotlib()
     ec.require_privileges()
     specs = run_specs(a)
     labels = a.runs or list(specs)
