@@ -46,7 +46,9 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
     """Wraps an inner optimizer: `step()` is the inner step plus, every `tau`-th, a CO2 round end.
 
     `param_groups`, `state` and `defaults` are the inner optimizer's own, so LR schedulers and
-    gradient clipping work on either object. Requires `torch.distributed` to be initialised.
+    gradient clipping work on either object. Requires `torch.distributed` to be initialised. Plain
+    parameters: S = 1. DTensor parameters from `fully_shard` over `co2_zero.fsdp.replica_mesh(config)`:
+    the mesh is the replica (S = its size), the partition the local shards.
     """
 
     def __init__(

@@ -193,6 +193,12 @@ def _run_resume(rank: int, shards: int, mesh, sc: dict, directory: str) -> dict:
     _train(model, opt, rank, shards, sc["save_at"], sc["steps"], record=straight)
     opt.finalize()
     out = {"straight": straight, "straight_final": _full(model)}
+    # After finalize() every replica holds the same model: one DCP checkpoint over the world (DCP keeps
+    # one copy of the replicas' identical shards), readable into an unsharded model.
+    dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(directory, "final"))
+    plain = make_model(sc.get("model", "mlp")).state_dict()
+    dcp.load(plain, checkpoint_id=os.path.join(directory, "final"), no_dist=True)
+    out["final_unsharded"] = plain
 
     for how in ("co2", "dcp"):
         model, opt = _build(rank, shards, mesh, sc, perturb=-2.0)
@@ -437,6 +443,7 @@ def test_resume_continues_the_exact_trajectory(results, world):
             for k, (a, b) in enumerate(zip(got[how]["resumed"], got["straight"])):
                 assert all(torch.equal(a[n], b[n]) for n in b), (how, rank, RESUME["save_at"] + k + 1)
             assert all(torch.equal(got[how]["final"][n], v) for n, v in got["straight_final"].items()), (how, rank)
+        assert all(torch.equal(got["final_unsharded"][n], v) for n, v in got["straight_final"].items()), rank
 
 
 @pytest.mark.parametrize("world", WORLDS)
