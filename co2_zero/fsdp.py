@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from datetime import timedelta
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .config import CO2Config
+from .errors import CO2Error
 from .outer import Segment
 from .sync import Partition, parameter_signature
 
@@ -64,12 +65,17 @@ def is_sharded(params: Sequence[torch.Tensor]) -> bool:
     return any(isinstance(p, DTensor) for p in params)
 
 
-def find_partition(params: Sequence[torch.nn.Parameter], config: CO2Config) -> tuple[Partition, Any]:
+def find_partition(
+    params: Sequence[torch.nn.Parameter], config: CO2Config
+) -> tuple[Partition, Any, Callable[[], None]]:
     """The partition of fully_shard'ed `params` (the inner optimizer's trainable parameters, in
-    order) and the replica's process group, for `Topology.build(..., inner_group=...)`.
+    order), the replica's process group (for `Topology.build(..., inner_group=...)`) and the
+    engine's `refresh` callback.
 
     Chunks are the local shards (views of FSDP2's sharded storage, without its padding rows);
-    segments map them to the parameters' flattened global elements.
+    segments map them to the parameters' flattened global elements. Nothing needs spreading after a
+    round end (FSDP2 all-gathers the shards for every forward), so `refresh` only checks that the
+    shards are still the tensors FSDP2 reads.
     """
     mesh = _replica_mesh_of(params, config)
     shards, shard = mesh.size(), mesh.get_local_rank()
@@ -95,7 +101,25 @@ def find_partition(params: Sequence[torch.nn.Parameter], config: CO2Config) -> t
         num_tensors=len(params),
         signature=parameter_signature([p.shape for p in params]),
     )
-    return partition, mesh.get_group()
+    return partition, mesh.get_group(), _check_shards_unmoved(params, chunks)
+
+
+def _check_shards_unmoved(params: Sequence[DTensor], chunks: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """A check that each parameter's local shard is still the storage the partition views. FSDP2
+    re-allocates it only when the parameter is replaced under it (e.g. `_apply` with tensor swapping,
+    `to_empty`); CO2 would then silently train a copy, so fail instead."""
+
+    def check() -> None:
+        with torch.no_grad():
+            for i, (p, chunk) in enumerate(zip(params, chunks)):
+                if chunk.numel() and p.to_local().data_ptr() != chunk.data_ptr():
+                    raise CO2Error(
+                        f"co2: the local shard of parameter {i} (shape {tuple(p.shape)}) moved after "
+                        f"CO2Optimizer was built; build the optimizer after the model's storage is final "
+                        f"(after to_empty(), init, load_state_dict(assign=True))"
+                    )
+
+    return check
 
 
 def _replica_mesh_of(params: Sequence[torch.nn.Parameter], config: CO2Config) -> DeviceMesh:

@@ -42,6 +42,10 @@ def flatten_parameters_(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return flat
 
 
+def _nothing_to_spread() -> None:
+    """S = 1: the replica is this rank alone, so a rewritten partition needs no refresh."""
+
+
 class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
     """Wraps an inner optimizer: `step()` is the inner step plus, every `tau`-th, a CO2 round end.
 
@@ -84,13 +88,13 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
 
         if fsdp.is_sharded(params):
             self.flat_params = None
-            partition, replica_group = fsdp.find_partition(params, config)
+            partition, replica_group, refresh = fsdp.find_partition(params, config)
             self.topology = Topology.build(config, inner_group=replica_group)
         else:
-            partition = self._flat_partition(params, config)
+            partition, refresh = self._flat_partition(params, config), _nothing_to_spread
             self.topology = Topology.build(config, shards=1)
         buffers = list(model.buffers()) if model is not None else []
-        self.engine = RoundEngine(partition, config, self.topology, buffers=buffers)
+        self.engine = RoundEngine(partition, config, self.topology, refresh=refresh, buffers=buffers)
         self.config = config
 
     def _flat_partition(self, params: list[torch.nn.Parameter], config: CO2Config) -> Partition:

@@ -275,7 +275,26 @@ def _run_refusals(rank: int, shards: int, world: int) -> dict:
     opt = opt_for(shard(make_model(), hsdp_mesh["shard"]))
     out["hsdp_slice_accepted"] = sorted(dist.get_process_group_ranks(opt.topology.inner_group))
     opt.finalize()
+    out["moved_shard"] = _moved_shard(rank, shards, mesh, config)
     return out
+
+
+def _moved_shard(rank: int, shards: int, mesh, config: dict) -> str:
+    """A local shard re-allocated under CO2 (as FSDP2 does when a parameter is swapped under it) is
+    caught at the next round end instead of CO2 silently training a copy."""
+    from co2_zero import CO2Error
+
+    model = shard(make_model(), mesh)
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+    weight = model[0].weight
+    weight._local_tensor = weight._local_tensor.clone()
+    try:
+        _train(model, opt, rank, shards, 0, config["tau"])
+    except CO2Error as error:
+        return str(error)
+    finally:
+        opt.engine.close()
+    return "not caught"
 
 
 def run_all(rank: int, world: int, shards: int, directory: str) -> dict:
@@ -474,5 +493,6 @@ def test_models_it_cannot_train_are_refused_with_what_to_do(results, world):
         assert "plain tensors" in got["half_sharded"], got["half_sharded"]
         if shards > 1:
             assert "shards_per_replica=2 is invalid" in got["plain_params_s"], got["plain_params_s"]
+        assert "parameter 0 (shape (8, 4)) moved" in got["moved_shard"], got["moved_shard"]
         replica = rank // shards
         assert got["hsdp_slice_accepted"] == list(range(replica * shards, (replica + 1) * shards))
