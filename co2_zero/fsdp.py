@@ -3,9 +3,10 @@
 PyTorch's `fully_shard` over `replica_mesh(config)` (a 1-D mesh = this rank's replica) shards every
 parameter by rows over the replica's S ranks and keeps each rank's rows as the local tensor of a
 DTensor parameter. Those local tensors are this rank's partition: CO2 reads and writes them in place
-and FSDP2 all-gathers them for every forward and backward, so nothing needs refreshing. This module
-only builds the mesh and finds the partition; `CO2Optimizer` dispatches here when the inner
-optimizer holds DTensor parameters.
+and FSDP2 all-gathers them for every forward and backward, so nothing needs spreading after a round
+end (the refresh callback only checks that the shards did not move). This module only builds the
+mesh and finds the partition; `CO2Optimizer` dispatches here when the inner optimizer holds DTensor
+parameters.
 """
 
 from __future__ import annotations
