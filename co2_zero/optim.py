@@ -1,8 +1,11 @@
-"""`CO2Optimizer`: CO2 around any `torch.optim.Optimizer` (DESIGN.md §6.1).
+"""`CO2Optimizer`: CO2 around any `torch.optim.Optimizer` (DESIGN.md §6.1, §6.4).
 
-Every rank is its own replica (S = 1), so the partition is the whole model: the parameters are
-re-pointed into one flat fp32 buffer and that buffer is the live partition. The model must not be
-wrapped in DDP; CO2 is the only cross-rank traffic.
+Plain parameters: every rank is its own replica (S = 1), so the partition is the whole model: the
+parameters are re-pointed into one flat fp32 buffer and that buffer is the live partition. The model
+must not be wrapped in DDP; CO2 is the only cross-rank traffic.
+
+DTensor parameters (a model sharded by FSDP2's `fully_shard` over `co2_zero.fsdp.replica_mesh`): the
+replica is the mesh's S ranks and the partition is this rank's local shards (`co2_zero.fsdp`).
 """
 
 from __future__ import annotations
@@ -39,11 +42,17 @@ def flatten_parameters_(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return flat
 
 
+def _nothing_to_spread() -> None:
+    """S = 1: the replica is this rank alone, so a rewritten partition needs no refresh."""
+
+
 class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
     """Wraps an inner optimizer: `step()` is the inner step plus, every `tau`-th, a CO2 round end.
 
     `param_groups`, `state` and `defaults` are the inner optimizer's own, so LR schedulers and
-    gradient clipping work on either object. Requires `torch.distributed` to be initialised.
+    gradient clipping work on either object. Requires `torch.distributed` to be initialised. Plain
+    parameters: S = 1. DTensor parameters from `fully_shard` over `co2_zero.fsdp.replica_mesh(config)`:
+    the mesh is the replica (S = its size), the partition the local shards.
     """
 
     def __init__(
@@ -53,12 +62,6 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         model: Optional[torch.nn.Module] = None,
     ) -> None:
         config = CO2Config.coerce(config)
-        if config.shards_per_replica not in ("node", 1):
-            raise ValueError(
-                f"co2 config: shards_per_replica={config.shards_per_replica!r} is invalid for "
-                f"CO2Optimizer, where every rank is its own replica; accepted: 1 or 'node' (read as 1). "
-                f"Use co2_zero.fairscale.CO2OSS or co2_zero.deepspeed to shard a replica"
-            )
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError(
                 "co2: the model is wrapped in DistributedDataParallel; CO2Optimizer replaces its "
@@ -81,22 +84,39 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
                     params.append(p)
         if not params:
             raise ValueError("co2: the inner optimizer holds no trainable parameters")
+        from . import fsdp  # here, not at import: torch.distributed.tensor takes a while to import
+
+        if fsdp.is_sharded(params):
+            self.flat_params = None
+            partition, replica_group, refresh = fsdp.find_partition(params, config)
+            self.topology = Topology.build(config, inner_group=replica_group)
+        else:
+            partition, refresh = self._flat_partition(params, config), _nothing_to_spread
+            self.topology = Topology.build(config, shards=1)
+        buffers = list(model.buffers()) if model is not None else []
+        self.engine = RoundEngine(partition, config, self.topology, refresh=refresh, buffers=buffers)
+        self.config = config
+
+    def _flat_partition(self, params: list[torch.nn.Parameter], config: CO2Config) -> Partition:
+        """S = 1: the parameters re-pointed into one flat fp32 buffer, which is the partition."""
+        if config.shards_per_replica not in ("node", 1):
+            raise ValueError(
+                f"co2 config: shards_per_replica={config.shards_per_replica!r} is invalid for "
+                f"CO2Optimizer over plain parameters, where every rank is its own replica; accepted: 1 "
+                f"or 'node' (read as 1). Shard a replica with FSDP2 (co2_zero.fsdp.replica_mesh), "
+                f"co2_zero.fairscale.CO2OSS or co2_zero.deepspeed"
+            )
         self.flat_params = flatten_parameters_(params)
         segments, offset = [], 0
         for i, p in enumerate(params):
             segments.append(Segment(i, offset, offset + p.numel()))
             offset += p.numel()
-
-        self.topology = Topology.build(config, shards=1)
-        partition = Partition(
+        return Partition(
             chunks=[self.flat_params],
             segments=segments,
             num_tensors=len(params),
             signature=parameter_signature([p.shape for p in params]),
         )
-        buffers = list(model.buffers()) if model is not None else []
-        self.engine = RoundEngine(partition, config, self.topology, buffers=buffers)
-        self.config = config
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         loss = self.optimizer.step(closure)
@@ -109,7 +129,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
     def finalize(self) -> None:
         """Wait for the round in flight and give every rank the same model (DESIGN.md §3)."""
         self.engine.finalize()
-        self.topology.destroy(inner=True)  # nobody else uses the single-rank replica groups
+        self.topology.destroy(inner=True)  # the single-rank replica groups; never a given (FSDP2) group
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "co2": self.engine.state_dict()}

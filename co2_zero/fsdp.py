@@ -1,0 +1,180 @@
+"""FSDP2 inside each replica, CO2 across replicas (docs/design.md §6.4).
+
+PyTorch's `fully_shard` over `replica_mesh(config)` (a 1-D mesh = this rank's replica) shards every
+parameter by rows over the replica's S ranks and keeps each rank's rows as the local tensor of a
+DTensor parameter. Those local tensors are this rank's partition: CO2 reads and writes them in place
+and FSDP2 all-gathers them for every forward and backward, so nothing needs spreading after a round
+end (the refresh callback only checks that the shards did not move). This module only builds the
+mesh and finds the partition; `CO2Optimizer` dispatches here when the inner optimizer holds DTensor
+parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .config import CO2Config
+from .errors import CO2Error
+from .outer import Segment
+from .sync import Partition, parameter_signature
+
+_USE_REPLICA_MESH = "shard the model with fully_shard(module, mesh=co2_zero.fsdp.replica_mesh(config))"
+
+
+def replica_mesh(config: Union[CO2Config, dict, None] = None, device_type: Optional[str] = None) -> DeviceMesh:
+    """This rank's replica (ranks [r*S, (r+1)*S)) as a 1-D DeviceMesh for `fully_shard`.
+
+    Collective over the default group: every rank calls it once, in the same order relative to its
+    other group creations. S is `config.shards_per_replica` ("node": the ranks per node). The device
+    type is "cuda" when the default backend drives CUDA (nccl) and CUDA is available, else "cpu";
+    pass `device_type` to override. On CUDA, set the rank's device before calling it.
+    """
+    config = CO2Config.coerce(config)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("co2: replica_mesh needs torch.distributed initialised first (init_process_group)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shards = config.resolve_shards(world)
+    if world % shards != 0:
+        raise ValueError(
+            f"co2 config: shards_per_replica={shards!r} does not divide the world size {world}; "
+            f"accepted: a divisor of {world} (ranks per replica)"
+        )
+    timeout = timedelta(seconds=float(config.timeout_s))
+    # dist.new_group is collective over the default group: every rank creates every replica's group
+    # in this order and keeps its own.
+    groups = [
+        dist.new_group(list(range(r * shards, (r + 1) * shards)), timeout=timeout) for r in range(world // shards)
+    ]
+    return DeviceMesh.from_group(groups[rank // shards], device_type or default_device_type())
+
+
+def default_device_type() -> str:
+    """`"cuda"` when the default process group's backend runs on CUDA (nccl) and CUDA is available."""
+    backend = str(dist.get_backend())
+    return "cuda" if torch.cuda.is_available() and ("nccl" in backend or "cuda" in backend) else "cpu"
+
+
+def is_sharded(params: Sequence[torch.Tensor]) -> bool:
+    """True when any parameter is a DTensor (the model went through `fully_shard`)."""
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def find_partition(
+    params: Sequence[torch.nn.Parameter], config: CO2Config
+) -> tuple[Partition, Any, Callable[[], None]]:
+    """The partition of fully_shard'ed `params` (the inner optimizer's trainable parameters, in
+    order), the replica's process group (for `Topology.build(..., inner_group=...)`) and the
+    engine's `refresh` callback.
+
+    Chunks are the local shards (views of FSDP2's sharded storage, without its padding rows);
+    segments map them to the parameters' flattened global elements. Nothing needs spreading after a
+    round end (FSDP2 all-gathers the shards for every forward), so `refresh` only checks that the
+    shards are still the tensors FSDP2 reads.
+    """
+    mesh = _replica_mesh_of(params, config)
+    shards, shard = mesh.size(), mesh.get_local_rank()
+    chunks, segments, offset = [], [], 0
+    for i, p in enumerate(params):
+        local = _local_shard(i, p, mesh)
+        rows = math.ceil(p.shape[0] / shards)  # FSDP2 shards dim 0 like torch.chunk
+        first = min(shard * rows, p.shape[0])
+        expected = min(rows, p.shape[0] - first)
+        if local.shape[0] != expected:
+            raise ValueError(
+                f"co2: parameter {i} (shape {tuple(p.shape)}) has {local.shape[0]} local rows on shard "
+                f"{shard}; fully_shard's dim-0 sharding gives {expected}. Custom shard placements are "
+                f"not supported"
+            )
+        chunks.append(local.view(-1))
+        if local.numel():
+            segments.append(Segment(i, offset, offset + local.numel(), first * math.prod(p.shape[1:])))
+            offset += local.numel()
+    partition = Partition(
+        chunks=chunks,
+        segments=segments,
+        num_tensors=len(params),
+        signature=parameter_signature([p.shape for p in params]),
+    )
+    return partition, mesh.get_group(), _check_shards_unmoved(params, chunks)
+
+
+def _check_shards_unmoved(params: Sequence[DTensor], chunks: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """A check that each parameter's local shard is still the storage the partition views. FSDP2
+    re-allocates it only when the parameter is replaced under it (e.g. `_apply` with tensor swapping,
+    `to_empty`); CO2 would then silently train a copy, so fail instead."""
+
+    def check() -> None:
+        with torch.no_grad():
+            for i, (p, chunk) in enumerate(zip(params, chunks)):
+                if chunk.numel() and p.to_local().data_ptr() != chunk.data_ptr():
+                    raise CO2Error(
+                        f"co2: the local shard of parameter {i} (shape {tuple(p.shape)}) moved after "
+                        f"CO2Optimizer was built; build the optimizer after the model's storage is final "
+                        f"(after to_empty(), init, load_state_dict(assign=True))"
+                    )
+
+    return check
+
+
+def _replica_mesh_of(params: Sequence[torch.nn.Parameter], config: CO2Config) -> DeviceMesh:
+    """The one 1-D mesh every parameter is sharded over, checked to be exactly this rank's replica."""
+    plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(
+            f"co2: parameters {plain} are plain tensors while others are DTensors; every trainable "
+            f"parameter must be sharded by fully_shard over the replica mesh ({_USE_REPLICA_MESH})"
+        )
+    meshes = {p.device_mesh for p in params}
+    if len(meshes) != 1:
+        raise ValueError(f"co2: the parameters are sharded over {len(meshes)} different meshes; {_USE_REPLICA_MESH}")
+    mesh = meshes.pop()
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"co2: the model is sharded over a {mesh.ndim}-D mesh {mesh.mesh.tolist()} (HSDP); CO2 replaces "
+            f"HSDP's replicate dimension: {_USE_REPLICA_MESH}, a 1-D mesh of this rank's replica"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shards = config.resolve_shards(world)
+    replica = rank // shards
+    expected = list(range(replica * shards, (replica + 1) * shards))
+    ranks = mesh.mesh.tolist()
+    if ranks != expected:
+        raise ValueError(
+            f"co2: the model is sharded over the mesh of global ranks {ranks}, but shards_per_replica="
+            f"{config.shards_per_replica!r} (S = {shards}) puts rank {rank} in replica {replica} = ranks "
+            f"{expected}; {_USE_REPLICA_MESH} with the same config"
+        )
+    return mesh
+
+
+def _local_shard(i: int, p: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The DTensor's local tensor (the object FSDP2 all-gathers from), checked usable as a chunk."""
+    if tuple(p.placements) != (Shard(0),):
+        raise ValueError(
+            f"co2: parameter {i} (shape {tuple(p.shape)}) has placements {tuple(p.placements)}; "
+            f"accepted: (Shard(dim=0),), fully_shard's default"
+        )
+    if p.dtype != torch.float32:
+        raise ValueError(
+            f"co2: parameter {i} (shape {tuple(p.shape)}) is {p.dtype}; CO2 needs fp32 sharded "
+            f"parameters. Keep the model fp32 and compute in low precision with "
+            f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))"
+        )
+    with torch.no_grad():
+        local = p.to_local()  # without autograd: the DTensor's own local tensor, not a view of it
+    if local.device.type != mesh.device_type:
+        raise ValueError(
+            f"co2: parameter {i} lives on {local.device} while its mesh is on {mesh.device_type} "
+            f"(CPUOffloadPolicy); CPU offload is not supported with CO2: its collectives run on the "
+            f"mesh's device. Drop offload_policy"
+        )
+    if not local.is_contiguous():
+        raise ValueError(f"co2: the local shard of parameter {i} (shape {tuple(p.shape)}) is not contiguous")
+    return local
