@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .config import CO2Config
 from .errors import NonFiniteError
 from .outer import OuterResult, Segment, outer_step
-from .topology import Topology
+from .topology import Topology, collective_device
 
 # torch 2.13 renamed the tensor collectives `*_single` and warns on the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -135,6 +135,8 @@ class OuterExchange:
             self.segments = layout.segments
             self.counted = tuple(s._replace(start=s.start + start, end=s.end + start) for s in sub_shard_segments)
         self.slice_length = self.slice.stop - self.slice.start
+        # Placed here, on the main thread: a new thread's current CUDA device is device 0, not this rank's.
+        self.flag_device = collective_device(topology.norm_group)
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.worker = BackgroundWorker(f"co2-outer-rank{topology.rank}")
 
@@ -183,7 +185,7 @@ class OuterExchange:
             sum_across_ranks=self._sum_across_ranks,
         )
         if not result.finite:
-            self._non_finite(locally_finite, round_index, work.device)  # raises, or skips the round
+            self._non_finite(locally_finite, round_index)  # raises, or skips the round
         if self.strategy == "reduce_scatter":
             _all_gather(work, g, group=self.topology.outer_group)
         return result
@@ -210,10 +212,10 @@ class OuterExchange:
         dist.all_reduce(small, group=self.topology.norm_group)
         return small
 
-    def _non_finite(self, locally_finite: bool, round_index: int, device: torch.device) -> None:
+    def _non_finite(self, locally_finite: bool, round_index: int) -> None:
         if self.config.nonfinite == "skip_round":
             return
-        flags = torch.zeros(self.topology.replicas, device=device)
+        flags = torch.zeros(self.topology.replicas, device=self.flag_device)
         flags[self.topology.replica_index] = 0.0 if locally_finite else 1.0
         bad = [r for r, flag in enumerate(self._sum_across_ranks(flags).tolist()) if flag > 0]
         raise NonFiniteError(

@@ -14,8 +14,9 @@ A DeepSpeed user adds a `"co2": {...}` section to the JSON config and calls
 - provides `save_checkpoint` / `load_checkpoint`, per-rank and atomic, because DeepSpeed's own file
   names collide when each replica is a separate ZeRO group.
 
-Nothing here JIT-compiles: DeepSpeed's shared-memory comm op (an inference-only all-reduce kernel,
-40-85 s to build on 2 cores) is skipped when this module creates DeepSpeed's comm backend.
+What this module does only because of DeepSpeed 0.19.8's behaviour (the JIT build of an inference-only
+comm op, the gradient-clipping default of 1.0, the module-global mpu) is in one section, "DeepSpeed 0.19.8
+behaviours we work around", each entry naming the upstream behaviour and when to delete it.
 """
 
 from __future__ import annotations
@@ -259,13 +260,50 @@ class CO2ZeroOptimizer(CO2Steps, DeepSpeedZeroOptimizer):
         self._count_step(applied=not self.overflow)
 
 
-# ---- initialize -----------------------------------------------------------------------------------------
+# ==== DeepSpeed 0.19.8 behaviours we work around ==========================================================
+#
+# Everything this module does only because of how DeepSpeed 0.19.8 behaves lives here, one function per
+# upstream behaviour, each saying what upstream does and when to delete it. `initialize` applies all of
+# them, with a `co2` section and without one (plain DeepSpeed through our `initialize`).
+# tests/test_deepspeed_upstream.py pins each behaviour on plain DeepSpeed: when one of its tests turns
+# red (an expected failure that passes, or a pinned behaviour that changed), revisit the entry here.
+
+
+def _explicit_gradient_clipping(ds_config: dict[str, Any]) -> None:
+    """An absent `gradient_clipping` means no clipping, as it did in DeepSpeed before its PR #8068.
+
+    Upstream: deepspeedai/DeepSpeed PR #8068 ("Default gradient_clipping to 1.0", in the pinned 0.19.8) changed
+    `GRADIENT_CLIPPING_DEFAULT` in deepspeed/runtime/constants.py from 0.0 to 1.0. A config without the
+    key then clips the global gradient norm at 1.0 in `DeepSpeedZeroOptimizer.unscale_and_clip_grads`
+    (stage_1_and_2.py), silently: the optimizer receives g * min(1, 1/(|g| + 1e-6)) wherever |g| > 1.
+    The same JSON file trains differently on DeepSpeed before and after that change, so co2_zero reads
+    an absent key as 0.0 (DeepSpeed's own "off": `unscale_and_clip_grads` then returns at once with
+    the unscaled fp32 gradient) and warns. An explicit value, including 1.0, is passed on untouched.
+    Delete when DeepSpeed's default is 0.0 again (then this already does nothing), or if co2_zero decides
+    to follow DeepSpeed's default instead.
+    """
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT
+
+    if GRADIENT_CLIPPING in ds_config or GRADIENT_CLIPPING_DEFAULT == 0.0:
+        return
+    warnings.warn(
+        f"co2: the DeepSpeed config has no gradient_clipping; DeepSpeed {deepspeed.__version__} would clip "
+        f"the gradient norm at {GRADIENT_CLIPPING_DEFAULT} by default (its PR #8068), co2_zero.deepspeed."
+        f"initialize does not clip (gradient_clipping=0.0). Set gradient_clipping explicitly to choose",
+        stacklevel=3,
+    )
+    ds_config[GRADIENT_CLIPPING] = 0.0
 
 
 @contextlib.contextmanager
 def _without_shm_comm_build() -> Iterator[None]:
-    """DeepSpeed's TorchBackend JIT-builds a shared-memory all-reduce op when it is created (40-85 s on
-    2 CPU cores); only `inference_all_reduce` (tensor-parallel inference) uses it. Skip the build."""
+    """DeepSpeed's comm backend without its JIT-built shared-memory op.
+
+    Upstream: `deepspeed.comm.torch.TorchBackend.__init__` calls `build_shm_op()`, which JIT-compiles
+    a shared-memory all-reduce kernel (36 s measured, 40-85 s on 2 CPU cores) that only
+    `inference_all_reduce` (tensor-parallel inference) uses. Skipped while the backend is created.
+    Delete when DeepSpeed builds the op lazily, on first use.
+    """
     # importlib: the attribute deepspeed.comm.torch is the torch package, not the submodule.
     ds_torch = importlib.import_module("deepspeed.comm.torch")
     build = ds_torch.build_shm_op
@@ -274,6 +312,25 @@ def _without_shm_comm_build() -> Iterator[None]:
         yield
     finally:
         ds_torch.build_shm_op = build
+
+
+def _forget_replica_mpu() -> None:
+    """Clear a CO2 engine's mpu from DeepSpeed's module global before a plain engine is built.
+
+    Upstream: `deepspeed.initialize` stores the mpu in `deepspeed.utils.groups.mpu` and an engine built
+    without one reads that global, so a plain engine after a CO2 one would shard over a replica.
+    Delete when DeepSpeed keeps the mpu per engine.
+    """
+    from deepspeed.utils import groups
+
+    if isinstance(groups.mpu, ReplicaMPU):
+        groups.mpu = None
+
+
+# ==== end of the DeepSpeed 0.19.8 workarounds ==============================================================
+
+
+# ---- initialize -----------------------------------------------------------------------------------------
 
 
 def init_distributed(**kwargs: Any) -> None:
@@ -307,7 +364,9 @@ def initialize(
     returned optimizer is a `CO2ZeroOptimizer` (call `finalize()` at the end), `train_batch_size` (if
     given) counts all ranks as in plain DeepSpeed, `training_data` is sampled over all ranks (each
     replica sees different data), and `engine.save_checkpoint` / `engine.load_checkpoint` are this
-    module's per-rank versions. Without `co2`, it is plain DeepSpeed (minus the inference-only JIT build).
+    module's per-rank versions. Without `co2`, it is plain DeepSpeed. Both ways the DeepSpeed 0.19.8
+    workarounds apply: no inference-only JIT build, and an absent `gradient_clipping` means no clipping
+    (DeepSpeed 0.19.8 would clip at 1.0; see `_explicit_gradient_clipping`).
     """
     if config is None:
         config = kwargs.pop("config_params", None)
@@ -323,6 +382,7 @@ def initialize(
     if config is None:
         raise ValueError("co2: no DeepSpeed config: pass config= (a dict or a JSON path) or args.deepspeed_config")
     ds_config, co2 = split_config(config)
+    _explicit_gradient_clipping(ds_config)
 
     init_distributed(**{k: kwargs[k] for k in ("distributed_port", "dist_init_required") if k in kwargs})
     if co2 is None:
@@ -366,15 +426,6 @@ def initialize(
     engine.save_checkpoint = _bound(save_checkpoint, engine)
     engine.load_checkpoint = _bound(load_checkpoint, engine)
     return engine, zero, engine.training_dataloader, scheduler
-
-
-def _forget_replica_mpu() -> None:
-    """DeepSpeed keeps the last engine's mpu in a module global (deepspeed.utils.groups.mpu) and an engine
-    built without one reads it: a plain engine after a CO2 one would otherwise shard over a replica."""
-    from deepspeed.utils import groups
-
-    if isinstance(groups.mpu, ReplicaMPU):
-        groups.mpu = None
 
 
 def _bound(function: Any, engine: Any) -> Any:

@@ -36,7 +36,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from .config import CO2Config
 from .outer import Segment
 from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
-from .topology import Topology
+from .topology import Topology, collective_device
 
 __all__ = ["CO2OSS", "ShardedDataParallel", "wrap"]
 
@@ -213,7 +213,7 @@ class CO2OSS(CO2Steps, OSS):
         """
         max_norm, norm_type = float(max_norm), float(norm_type)
         params = self._local_params if filter_params_fn is None else filter_params_fn(self._local_params)
-        norm = calc_grad_norm(params, norm_type).to(self._default_device)
+        norm = calc_grad_norm(params, norm_type).to(collective_device(self.group))
         if norm_type == math.inf:
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
         else:

@@ -30,7 +30,7 @@ from .comm import Layout, OuterExchange, PipelineJob
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError
 from .outer import Segment
-from .topology import Topology, fingerprint, gather_fingerprints
+from .topology import Topology, collective_device, fingerprint, gather_fingerprints
 
 STATE_VERSION = 1
 
@@ -52,6 +52,27 @@ class Partition:
     @property
     def length(self) -> int:
         return sum(c.numel() for c in self.chunks)
+
+
+def _state_device(partition: Partition, topology: Topology) -> torch.device:
+    """Where the CO2 state lives: with the partition, whose collectives run on the outer group.
+
+    An empty partition takes the outer group's collective device. NCCL takes tensors on this rank's
+    CUDA device only, so a partition elsewhere (e.g. DeepSpeed's optimizer CPU offload) is refused
+    here, naming the devices, instead of failing in the first collective.
+    """
+    wanted = collective_device(topology.outer_group)
+    if not partition.chunks:
+        return wanted
+    device = partition.chunks[0].device
+    if wanted.type == "cuda" and device != wanted:
+        raise CO2Error(
+            f"co2: the fp32 master partition is on {device}, but the CO2 process groups use the "
+            f"{dist.get_backend(topology.outer_group)} backend, whose collectives need tensors on {wanted}; "
+            f"keep the master parameters on this rank's GPU (no optimizer CPU offload) and call "
+            f"torch.cuda.set_device(local_rank) before building the optimizer"
+        )
+    return device
 
 
 class RoundEngine:
@@ -76,7 +97,7 @@ class RoundEngine:
         self.partition = partition
         self.refresh = refresh
         self.buffers = [b for b in buffers if b.is_floating_point()]
-        device = partition.chunks[0].device if partition.chunks else torch.device("cpu")
+        device = _state_device(partition, topology)
 
         replicas = topology.replicas
         padded = max(replicas, math.ceil(partition.length / replicas) * replicas)
@@ -247,7 +268,8 @@ class RoundEngine:
         """Average float module buffers over every rank (main thread, its own group)."""
         if not self.buffers:
             return
-        flat = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
+        device = collective_device(self.topology.buffer_group)
+        flat = torch.cat([b.detach().reshape(-1).float().to(device) for b in self.buffers])
         try:
             dist.all_reduce(flat, group=self.topology.buffer_group)
         except Exception as error:

@@ -537,7 +537,7 @@ def _allreduce_worker(argv: Sequence[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    x = torch.ones(int(a.mb * 1e6 / 4))
+    x = torch.ones(int(a.mb * 1e6 / 4), device="cpu")  # gloo: CPU tensors
     dist.all_reduce(x)  # warm-up: connections, buffers
     times = []
     for _ in range(a.reps):
@@ -545,7 +545,7 @@ def _allreduce_worker(argv: Sequence[str]) -> None:
         t = time.perf_counter()
         dist.all_reduce(x)
         times.append(time.perf_counter() - t)
-    t_med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    t_med = torch.tensor([statistics.median(times)], dtype=torch.float64, device="cpu")
     dist.all_reduce(t_med, op=dist.ReduceOp.MAX)  # the slowest rank's median
     nbytes = x.numel() * 4
     if dist.get_rank() == 0:

@@ -64,11 +64,13 @@ import train_lm  # noqa: E402  (scripts/train_lm.py: the model, its flags and th
 
 from co2_zero import CO2Config, CO2Optimizer  # noqa: E402
 from co2_zero.comm import choose_collective  # noqa: E402
+from co2_zero.topology import collective_device  # noqa: E402
 
 
 def _slowest(seconds: float) -> float:
     """Max over all ranks (the slowest replica gates a round)."""
-    t = torch.tensor([seconds], dtype=torch.float64)
+    device = collective_device() if dist.is_initialized() else "cpu"
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
@@ -103,10 +105,12 @@ def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, shards
     strategy = choose_collective(config, dist.get_backend(group))
     dtype = torch.bfloat16 if config.comm_dtype == "bf16" else torch.float32
     padded = -(-numel // replicas) * replicas
-    buf = torch.zeros(padded, dtype=dtype)  # D on the wire
+    device = collective_device(group)  # where training's partition (hence its exchange) lives
+    buf = torch.zeros(padded, dtype=dtype, device=device)  # D on the wire
     if strategy == "reduce_scatter":
-        out = torch.zeros(padded // replicas, dtype=dtype)
-        start_point, sub_shard = torch.zeros(padded), torch.zeros(padded // replicas)  # gathered in fp32
+        out = torch.zeros(padded // replicas, dtype=dtype, device=device)
+        start_point = torch.zeros(padded, device=device)  # gathered in fp32
+        sub_shard = torch.zeros(padded // replicas, device=device)
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -180,7 +184,7 @@ def verify(args, tau: int, rounds: int, t_step: float) -> dict:
     inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt = CO2Optimizer(inner, train_lm.co2_config(args), model=model)
     x, y = _batch(args)
-    log = torch.zeros(2, dtype=torch.float64)
+    log = torch.zeros(2, dtype=torch.float64, device=collective_device())
 
     def run(step_fn, n_rounds):
         """n_rounds rounds of tau steps; per-round seconds."""
@@ -246,8 +250,14 @@ def search_tau(args, ours, rec: dict, t_step: float) -> list[dict]:
             failing = max(failing, tau)
         if passing is None:
             step_s = v["compute_round_s"] / v["tau"]
-            est = recommend_tau(0.0, step_s, t_book=v["t_book"], max_overhead=ours.max_overhead,
-                                round_overhead=v["round_overhead_s"], target_efficiency=ours.target_efficiency)
+            est = recommend_tau(
+                0.0,
+                step_s,
+                t_book=v["t_book"],
+                max_overhead=ours.max_overhead,
+                round_overhead=v["round_overhead_s"],
+                target_efficiency=ours.target_efficiency,
+            )
             tau = min(ours.max_tau, max(tau + 1, est["tau"]))
             if tau == v["tau"]:  # at --max_tau already
                 break

@@ -36,11 +36,7 @@ def resolve_config(config: dict) -> dict[str, Any]:
     cfg = {key: config.get(key, value) for key, value in DEFAULTS.items()}
     for key in ("gap_penalty", "clip"):
         cfg[key] = {**DEFAULTS[key], **(config.get(key) or {})}
-    if (
-        isinstance(cfg["tau"], bool)
-        or not isinstance(cfg["tau"], int)
-        or cfg["tau"] < 1
-    ):
+    if isinstance(cfg["tau"], bool) or not isinstance(cfg["tau"], int) or cfg["tau"] < 1:
         raise ValueError(f"tau must be a positive int, got {cfg['tau']!r}")
     if cfg["gap_penalty"]["mode"] not in ("none", "constant", "adaptive"):
         raise ValueError(f"unknown gap_penalty mode {cfg['gap_penalty']['mode']!r}")
@@ -49,9 +45,7 @@ def resolve_config(config: dict) -> dict[str, Any]:
     return cfg
 
 
-def outer_step(
-    base: Params, g: Params, gap: Params, m: Params, cfg: dict[str, Any]
-) -> tuple[Params, Params, Params]:
+def outer_step(base: Params, g: Params, gap: Params, m: Params, cfg: dict[str, Any]) -> tuple[Params, Params, Params]:
     """One outer step; updates ``m`` in place, returns (result, u, penalty Λ)."""
     alpha, beta = cfg["outer_lr"], cfg["outer_momentum"]
     pen, clip = cfg["gap_penalty"], cfg["clip"]
@@ -63,9 +57,7 @@ def outer_step(
         elif pen["mode"] == "constant":
             lam[name] = torch.tensor(float(pen["value"]))
         else:
-            lam[name] = 1.0 + pen["strength"] * gap[name] / (
-                torch.linalg.vector_norm(g_l) + EPS
-            )
+            lam[name] = 1.0 + pen["strength"] * gap[name] / (torch.linalg.vector_norm(g_l) + EPS)
         scaled[name] = g_l / lam[name]
         m[name] = beta * m[name] + scaled[name]
     phi = float(clip["threshold"])
@@ -131,9 +123,7 @@ def _inner_step(
         model.zero_grad(set_to_none=True)
         loss_fn(model(inputs), targets).backward()
         bufs[s] = _buffers(model)
-        per_shard.append(
-            {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
-        )
+        per_shard.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
     for n, p in named:
         grads = [shard[n] for shard in per_shard if n in shard]
         p.grad = torch.stack(grads).sum(0) / len(micro) if grads else None
@@ -154,6 +144,7 @@ def simulate(
     *,
     record: list[Params] | None = None,
     trace: list[dict[str, Any]] | None = None,
+    step_record: list[list[Params]] | None = None,
 ) -> list[Params]:
     """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
 
@@ -162,7 +153,9 @@ def simulate(
     x_0 first, then one entry per round end. ``trace`` (if given) receives one
     dict per outer step: ``round`` (int), ``g``, ``gap`` (α‖u_prev‖, 0-dim),
     ``penalty`` (Λ, 0-dim), ``m`` (after clipping), ``u``, ``base``, ``result``
-    (each {name: tensor}).
+    (each {name: tensor}). ``step_record`` (if given) receives one entry per
+    inner step: the list of every replica's fp32 parameters as the next step
+    starts from them (after the round end when the step ends a round).
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
@@ -196,39 +189,40 @@ def simulate(
                 assert shard_batch is not None
                 micro = [shard_batch(r, s, k) for s in range(shards)]
             _inner_step(model, opt, loss_fn, micro, bufs[r])
-        if (k + 1) % tau:
-            continue
-        xs = [_params(model) for model in models]
-        g = {n: torch.stack([start[n] - x[n] for x in xs]).mean(0) for n in start}
-        if overlap and u_prev is not None:
-            gap = {n: alpha * torch.linalg.vector_norm(u_prev[n]) for n in start}
-        else:
-            gap = {n: torch.tensor(0.0) for n in start}
-        base = pending if overlap else start
-        result, u, lam = outer_step(base, g, gap, m, cfg)
-        if trace is not None:
-            trace.append(
-                {
-                    "round": (k + 1) // tau - 1,
-                    "g": g,
-                    "gap": gap,
-                    "penalty": lam,
-                    "m": {n: v.clone() for n, v in m.items()},
-                    "u": u,
-                    "base": {n: v.clone() for n, v in base.items()},
-                    "result": {n: v.clone() for n, v in result.items()},
-                }
-            )
-        u_prev = u
-        if overlap:
-            start, pending = pending, result
-        else:
-            start = result
-        for model in models:
-            _set_params(model, start)
-        _average_float_buffers(bufs)
-        if record is not None:
-            record.append({n: v.clone() for n, v in start.items()})
+        if (k + 1) % tau == 0:
+            xs = [_params(model) for model in models]
+            g = {n: torch.stack([start[n] - x[n] for x in xs]).mean(0) for n in start}
+            if overlap and u_prev is not None:
+                gap = {n: alpha * torch.linalg.vector_norm(u_prev[n]) for n in start}
+            else:
+                gap = {n: torch.tensor(0.0) for n in start}
+            base = pending if overlap else start
+            result, u, lam = outer_step(base, g, gap, m, cfg)
+            if trace is not None:
+                trace.append(
+                    {
+                        "round": (k + 1) // tau - 1,
+                        "g": g,
+                        "gap": gap,
+                        "penalty": lam,
+                        "m": {n: v.clone() for n, v in m.items()},
+                        "u": u,
+                        "base": {n: v.clone() for n, v in base.items()},
+                        "result": {n: v.clone() for n, v in result.items()},
+                    }
+                )
+            u_prev = u
+            if overlap:
+                start, pending = pending, result
+            else:
+                start = result
+            for model in models:
+                _set_params(model, start)
+            _average_float_buffers(bufs)
+            if record is not None:
+                record.append({n: v.clone() for n, v in start.items()})
+        if step_record is not None:
+            step_record.append([_params(model) for model in models])
 
     if finalize:
         final = pending if overlap else start

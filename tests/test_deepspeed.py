@@ -3,7 +3,8 @@
 One spawn per world size runs every scenario (process start-up and the first DeepSpeed engine dominate
 the cost); each test then checks one property of the recorded results. World 4 is S = 2 shards x R = 2
 replicas (ZeRO shards the inner optimizer over a replica); world 2 is S = 1 x R = 2. The scenarios start
-from the shipped configs in configs/ and override only what the comparison needs.
+from the shipped configs in configs/ and override only what the comparison needs. The fp32 scenarios are
+compared with the reference after every inner step on every rank, not only at round starts.
 """
 
 from __future__ import annotations
@@ -29,66 +30,136 @@ HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 
 
-def ds_config(name: str, co2: dict | None = None, zero: dict | None = None, plain: bool = False, **top) -> dict:
-    """A shipped config with test overrides: a faster schedule, the given co2 fields and top-level keys;
-    `plain` drops the co2 section."""
+# The defaults of the co2 section as the README's Configuration table documents them, spelled out for the
+# reference (which has defaults of its own): a scenario that gives the library an empty co2 section is
+# compared with a reference run on these.
+DOCUMENTED_DEFAULTS = {
+    "tau": 12,
+    "outer_lr": 1.0,
+    "outer_momentum": 0.0,
+    "nesterov": False,
+    "overlap": True,
+    "gap_penalty": {"mode": "adaptive", "strength": 2.0},
+    "clip": {"mode": "none"},
+}
+
+
+def ds_config(
+    name: str,
+    co2: dict | None = None,
+    zero: dict | None = None,
+    plain: bool = False,
+    drop: tuple[str, ...] = (),
+    co2_only: bool = False,
+    **top,
+) -> dict:
+    """A shipped config with test overrides: a faster schedule, the given co2 fields and top-level keys.
+    `plain` drops the co2 section, `drop` top-level keys (e.g. "gradient_clipping", "scheduler");
+    `co2_only` makes `co2` the whole section (every other field then takes the library's default)."""
     config = json.loads((CONFIGS / f"{name}.json").read_text())
     config["optimizer"]["params"].update(lr=0.02)
     config["scheduler"]["params"].update(warmup_min_lr=0.002, warmup_max_lr=0.02, warmup_num_steps=4)
     config["zero_optimization"].update(zero or {})
     config.update(top)
-    config["co2"].update(co2 or {})
+    if co2_only:
+        config["co2"] = dict(co2 or {})
+    else:
+        config["co2"].update(co2 or {})
+    for key in drop:
+        del config[key]
     if plain:
         del config["co2"]
     return config
 
 
 def _scenarios(shards: int) -> dict:
-    """The fp32 scenarios compared with the reference, for S = shards (R = 2 in both spawns)."""
+    """The fp32 scenarios compared with the reference at every step, for S = shards (R = 2 in both spawns).
+
+    Between them, each ZeRO stage runs overlap on and off, `gradient_clipping` absent (no clipping, see
+    co2_zero.deepspeed's workaround section), 0 and active, with and without an LR scheduler, and
+    with the library's default co2 section (only S given: tau 12, so 25 steps cover two round ends
+    and a step of the third round, after the first outer update has landed).
+    """
     s = {"shards_per_replica": shards}
+    no_clip_key, defaults = ("gradient_clipping", "scheduler"), dict(reference_co2=DOCUMENTED_DEFAULTS, steps=25)
     return {
         # ZeRO-1, overlap; replica 1 starts from another init (the library must broadcast replica 0's);
         # an active inner gradient clip; WarmupLR; train_batch_size given as the global batch.
         "z1-overlap": dict(
-            config=ds_config("ds_zero1_co2", {**s, **HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE,
-                                              "collective": "reduce_scatter"},
-                             gradient_clipping=0.05, train_batch_size=8 * 2 * shards),
-            steps=10, perturb=True,
+            config=ds_config(
+                "ds_zero1_co2",
+                {**s, **HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+                gradient_clipping=0.05,
+                train_batch_size=8 * 2 * shards,
+            ),
+            steps=10,
+            perturb=True,
         ),
+        # ZeRO-1, blocking, gradient_clipping 0, no LR scheduler.
         "z1-blocking": dict(
-            config=ds_config("ds_zero1_co2", {**s, **NESTEROV, "overlap": False, "tau": 2, "gap_penalty": ADAPTIVE,
-                                              "collective": "all_reduce"}, gradient_clipping=0.0),
+            config=ds_config(
+                "ds_zero1_co2",
+                {**s, **NESTEROV, "overlap": False, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce"},
+                drop=("scheduler",),
+                gradient_clipping=0.0,
+            ),
             steps=7,
         ),
+        # ZeRO-1, the default co2 section, no gradient_clipping key, no LR scheduler.
+        "z1-defaults": dict(config=ds_config("ds_zero1_co2", s, co2_only=True, drop=no_clip_key), **defaults),
         # ZeRO-2 with gradient accumulation 2 (tau counts optimizer steps), WarmupDecayLR, clipping,
         # round-robin gradient partitioning and per-tensor alignment padding on uneven tensors.
         "z2-overlap-accum": dict(
-            config=ds_config("ds_zero2_co2", {**s, **HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE,
-                                              "clip": {"mode": "norm", "threshold": 0.1}},
-                             zero={"round_robin_gradients": True, "parameter_alignment": True},
-                             gradient_clipping=0.05),
-            steps=7, model="uneven", data=True,
+            config=ds_config(
+                "ds_zero2_co2",
+                {**s, **HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "clip": {"mode": "norm", "threshold": 0.1}},
+                zero={"round_robin_gradients": True, "parameter_alignment": True},
+                gradient_clipping=0.05,
+            ),
+            steps=7,
+            model="uneven",
+            data=True,
         ),
+        # ZeRO-2, blocking, gradient_clipping 0, WarmupDecayLR.
         "z2-blocking": dict(
-            config=ds_config("ds_zero2_co2", {**s, **HEAVY_BALL, "overlap": False, "tau": 3, "gap_penalty": ADAPTIVE,
-                                              "collective": "reduce_scatter"},
-                             gradient_accumulation_steps=1, gradient_clipping=0.0),
+            config=ds_config(
+                "ds_zero2_co2",
+                {
+                    **s,
+                    **HEAVY_BALL,
+                    "overlap": False,
+                    "tau": 3,
+                    "gap_penalty": ADAPTIVE,
+                    "collective": "reduce_scatter",
+                },
+                gradient_accumulation_steps=1,
+                gradient_clipping=0.0,
+            ),
             steps=9,
+        ),
+        # ZeRO-2, the default co2 section, no gradient_clipping key, no LR scheduler.
+        "z2-defaults": dict(
+            config=ds_config("ds_zero2_co2", s, co2_only=True, drop=no_clip_key, gradient_accumulation_steps=1),
+            **defaults,
         ),
     }
 
 
 def _resume_scenario(shards: int) -> dict:
     return dict(
-        config=ds_config("ds_zero1_co2", {"shards_per_replica": shards, **HEAVY_BALL, "tau": 3,
-                                          "gap_penalty": ADAPTIVE}),
-        steps=8, save_at=4,  # one round ended at 3, its exchange in flight
+        config=ds_config(
+            "ds_zero1_co2", {"shards_per_replica": shards, **HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE}
+        ),
+        steps=8,
+        save_at=4,  # one round ended at 3, its exchange in flight
     )
 
 
 BF16 = dict(config=ds_config("ds_zero2_co2_bf16", {"shards_per_replica": 2, "tau": 4}), steps=32)
 BF16["config"]["optimizer"]["params"]["lr"] = BF16["config"]["scheduler"]["params"]["warmup_max_lr"] = 0.05
-PLAIN = dict(config=ds_config("ds_zero1_co2", plain=True, gradient_clipping=0.0), steps=4)
+# Plain DeepSpeed through co2_zero's initialize, without a gradient_clipping key (DeepSpeed 0.19.8 would
+# clip at 1.0); data of replica 1 (targets offset by 1) gives gradient norms above 1.
+PLAIN = dict(config=ds_config("ds_zero1_co2", plain=True, drop=("gradient_clipping",)), steps=4, data_replica=1)
 
 
 # ---- the children ----------------------------------------------------------------------------------------
@@ -106,7 +177,11 @@ def _micro_batches(rank: int, shards: int, step: int, accumulation: int, dtype=t
         yield x.to(dtype), y
 
 
-def _train(engine, opt, rank, shards, steps, accumulation, dtype=torch.float32, first_step=0, batches=None):
+def _train(
+    engine, opt, rank, shards, steps, accumulation, dtype=torch.float32, first_step=0, batches=None, trajectory=None
+):
+    """Train; returns the parameters at every round start after the first, and the losses. `trajectory`
+    (a list) receives the parameters after every optimizer step, as the next step starts from them."""
     starts, losses = [], []
     for step in range(first_step, steps):
         if batches is None:
@@ -120,6 +195,8 @@ def _train(engine, opt, rank, shards, steps, accumulation, dtype=torch.float32, 
             losses.append(loss.item())
         if opt.round_ended:
             starts.append(_params(engine.module))
+        if trajectory is not None:
+            trajectory.append(_params(engine.module))
     return starts, losses
 
 
@@ -139,11 +216,14 @@ def _run_scenario(rank: int, shards: int, sc: dict) -> dict:
     flat = torch.cat([c.detach() for c in opt.engine.partition.chunks])
     pieces = [(seg.tensor_id, seg.offset, flat[seg.start : seg.end].clone()) for seg in opt.engine.partition.segments]
     x0 = _params(engine.module)
-    starts, losses = _train(engine, opt, rank, shards, sc["steps"], engine.gradient_accumulation_steps())
+    trajectory: list = []
+    accumulation = engine.gradient_accumulation_steps()
+    starts, losses = _train(engine, opt, rank, shards, sc["steps"], accumulation, trajectory=trajectory)
     out = {
         "pieces": pieces,
         "partition_length": flat.numel(),
         "starts": [x0] + starts,
+        "trajectory": trajectory,
         "final": None,
         "losses": losses,
         "train_batch_size": engine.train_batch_size(),
@@ -226,8 +306,9 @@ def _run_refused(rank: int, shards: int) -> str:
     """bf16 + ZeRO-1 + fp32 gradient accumulation makes DeepSpeed build its BF16_Optimizer: refused."""
     from co2_zero.deepspeed import initialize
 
-    config = ds_config("ds_zero2_co2_bf16", {"shards_per_replica": shards}, zero={"stage": 1},
-                       data_types={"grad_accum_dtype": "fp32"})
+    config = ds_config(
+        "ds_zero2_co2_bf16", {"shards_per_replica": shards}, zero={"stage": 1}, data_types={"grad_accum_dtype": "fp32"}
+    )
     model = models.make_model()
     try:
         initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -242,11 +323,13 @@ def _run_plain(rank: int, sc: dict) -> dict:
     model = models.make_model()
     engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(sc["config"]))
     world = torch.distributed.get_world_size()
+    trajectory = []
     for step in range(sc["steps"]):
-        x, y = models.shard_batch(0, rank, step, world)  # one replica of `world` shards
+        x, y = models.shard_batch(sc["data_replica"], rank, step, world)  # one replica of `world` shards
         engine.backward(models.loss_fn(engine(x), y))
         engine.step()
-    return {"co2": isinstance(opt, CO2ZeroOptimizer), "dp_world": engine.dp_world_size, "final": _params(engine.module)}
+        trajectory.append(_params(engine.module))
+    return {"co2": isinstance(opt, CO2ZeroOptimizer), "dp_world": engine.dp_world_size, "trajectory": trajectory}
 
 
 def run_all(rank: int, world: int, shards: int, directory: str) -> dict:
@@ -287,7 +370,9 @@ def results(tmp_path_factory):
 
 class ReferenceInner:
     """What DeepSpeed does around the inner step, for the reference: the config's optimizer (torch
-    AdamW), its gradient clipping and its LR scheduler, on one full model."""
+    AdamW), its gradient clipping and its LR scheduler (if any), on one full model. An absent
+    `gradient_clipping` means no clipping, as co2_zero.deepspeed.initialize documents (DeepSpeed 0.19.8
+    alone would clip at 1.0)."""
 
     def __init__(self, params, config: dict) -> None:
         from deepspeed.runtime import lr_schedules
@@ -297,34 +382,42 @@ class ReferenceInner:
         assert config["optimizer"]["type"] == "AdamW"
         self.optimizer = torch.optim.AdamW(self.params, **hyper)
         self.clip = config.get("gradient_clipping", 0.0)
-        scheduler = config["scheduler"]
-        self.scheduler = getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler["params"])
+        scheduler = config.get("scheduler")
+        self.scheduler = scheduler and getattr(lr_schedules, scheduler["type"])(self.optimizer, **scheduler["params"])
 
     def step(self) -> None:
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.optimizer.step()
-        self.scheduler.step()
+        if self.scheduler:
+            self.scheduler.step()
+
+
+def _reference_co2(sc: dict) -> dict:
+    return sc.get("reference_co2", sc["config"]["co2"])
 
 
 def reference(sc: dict, shards: int):
-    """Start points of every round and the final parameters of R = 2 replicas of `shards` ranks."""
+    """Of R = 2 replicas of `shards` ranks: the start point of every round, the parameters of every
+    replica after every inner step, and the final parameters."""
     config = sc["config"]
     micro = shards * config.get("gradient_accumulation_steps", 1)
     starts: list = []
+    steps: list = []
     finals = simulate(
         lambda: models.make_model(sc.get("model", "mlp")),
         lambda params: ReferenceInner(params, config),
         lambda r, k: models.shard_batch(r, 0, k, 1),
         models.loss_fn,
-        config["co2"],
+        _reference_co2(sc),
         replicas=2,
         steps=sc["steps"],
         shards=micro,
         shard_batch=lambda r, j, k: models.shard_batch(r, j, k, micro),
         record=starts,
+        step_record=steps,
     )
-    return starts, finals
+    return starts, steps, finals
 
 
 def _assert_close(actual: dict, expected: dict, what: str) -> None:
@@ -340,13 +433,20 @@ FP32 = [(world, name) for world in (4, 2) for name in _scenarios(1)]
 
 
 @pytest.mark.parametrize(("world", "name"), FP32, ids=[f"w{w}-{n}" for w, n in FP32])
-def test_fp32_matches_reference(results, world, name):
+def test_fp32_matches_reference_at_every_step(results, world, name):
     shards = world // 2
     sc = _scenarios(shards)[name]
-    starts, finals = reference(sc, shards)
+    starts, steps, finals = reference(sc, shards)
+    tau = _reference_co2(sc)["tau"]
+    assert len(steps) == sc["steps"] and len(starts) == 1 + sc["steps"] // tau
+    for t, start in enumerate(starts[1:]):  # the reference's own records agree with each other
+        assert all(torch.equal(start[k], v) for k, v in steps[(t + 1) * tau - 1][0].items())
     for rank, per_rank in enumerate(results[world]):
         got = per_rank[name]
-        assert len(got["starts"]) == len(starts) == 1 + sc["steps"] // sc["config"]["co2"]["tau"]
+        assert len(got["trajectory"]) == sc["steps"] and len(got["starts"]) == len(starts)
+        _assert_close(got["starts"][0], starts[0], f"{name} rank {rank} x0")
+        for k, (a, e) in enumerate(zip(got["trajectory"], steps)):
+            _assert_close(a, e[rank // shards], f"{name} rank {rank} after inner step {k}")
         for t, (a, e) in enumerate(zip(got["starts"], starts)):
             _assert_close(a, e, f"{name} rank {rank} round-{t} start")
         _assert_close(got["final"], finals[rank // shards], f"{name} rank {rank} final")
@@ -428,17 +528,22 @@ def test_bf16_trains_and_loss_falls(results):
         assert last < 0.5 * first, (rank, first.item(), last.item())
 
 
-def test_without_co2_section_it_is_plain_deepspeed(results):
+def test_without_co2_section_it_is_plain_deepspeed_at_every_step(results):
+    """One ZeRO group over the world, no gradient_clipping key (so no clipping), every step."""
+    data = PLAIN["data_replica"]
     for world, per_rank in results.items():
-        expected = simulate(
+        steps: list = []
+        simulate(
             models.make_model, lambda params: ReferenceInner(params, PLAIN["config"]),
-            lambda r, k: models.shard_batch(0, 0, k, 1), models.loss_fn, {"tau": 10**6}, replicas=1,
+            lambda r, k: models.shard_batch(data, 0, k, 1), models.loss_fn, {"tau": 10**6}, replicas=1,
             steps=PLAIN["steps"], finalize=False, shards=world,
-            shard_batch=lambda r, j, k, w=world: models.shard_batch(0, j, k, w),
-        )[0]
-        for got in per_rank:
+            shard_batch=lambda r, j, k, w=world: models.shard_batch(data, j, k, w), step_record=steps,
+        )  # fmt: skip
+        for rank, got in enumerate(per_rank):
             assert not got["plain"]["co2"] and got["plain"]["dp_world"] == world
-            _assert_close(got["plain"]["final"], expected, f"plain world {world}")
+            assert len(got["plain"]["trajectory"]) == len(steps) == PLAIN["steps"]
+            for k, (a, e) in enumerate(zip(got["plain"]["trajectory"], steps)):
+                _assert_close(a, e[0], f"plain world {world} rank {rank} after step {k}")
 
 
 def test_optimizers_other_than_deepspeeds_zero_are_refused(results):
