@@ -307,8 +307,8 @@ class ReferenceInner:
         self.scheduler.step()
 
 
-def reference(sc: dict, shards: int):
-    """Start points of every round and the final parameters of R = 2 replicas of `shards` ranks."""
+def reference(sc: dict, shards: int, replicas: int = 2):
+    """Start points of every round and the final parameters of R replicas of `shards` ranks."""
     config = sc["config"]
     micro = shards * config.get("gradient_accumulation_steps", 1)
     starts: list = []
@@ -318,7 +318,7 @@ def reference(sc: dict, shards: int):
         lambda r, k: models.shard_batch(r, 0, k, 1),
         models.loss_fn,
         config["co2"],
-        replicas=2,
+        replicas=replicas,
         steps=sc["steps"],
         shards=micro,
         shard_batch=lambda r, j, k: models.shard_batch(r, j, k, micro),
