@@ -16,7 +16,7 @@ AdamW, pinned host batches copied without blocking; --compile). Engines: plain (
 for --method ddp), fairscale (CO2OSS + ShardedDataParallel inside a replica), deepspeed (ZeRO-1/2
 from --deepspeed_config, whose "co2" section is honoured unless a flag overrides it).
 
-Model: --model tiny (the default, 5 M parameters on bytes) or gpt2 / gpt2-medium / gpt2-large /
+Model: --model tiny (the default, 0.6 M parameters on bytes) or gpt2 / gpt2-medium / gpt2-large /
 gpt2-xl (124 M to 1.5 B); --n_layer, --n_head, --n_embd, --block_size override the preset.
 
 Data: without --data, every *.py file of the running interpreter's standard library (site-packages
@@ -81,7 +81,7 @@ METHODS = CO2_METHODS + ("ddp", "none")
 
 # Model sizes; --n_layer, --n_head, --n_embd, --block_size override them one by one.
 MODEL_PRESETS = {
-    "tiny": {"n_layer": 3, "n_head": 4, "n_embd": 128, "block_size": 64},  # 5 M parameters on bytes
+    "tiny": {"n_layer": 3, "n_head": 4, "n_embd": 128, "block_size": 64},  # 0.6 M parameters on bytes
     "gpt2": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024},  # 124 M
     "gpt2-medium": {"n_layer": 24, "n_head": 16, "n_embd": 1024, "block_size": 1024},  # 350 M
     "gpt2-large": {"n_layer": 36, "n_head": 20, "n_embd": 1280, "block_size": 1024},  # 774 M
@@ -110,6 +110,7 @@ def get_args(argv=None) -> argparse.Namespace:
     a("--max_seconds", type=float, default=0.0, help="stop at the next round end after this (0: off)")
     a("--seed", type=int, default=1337)
     a("--threads", type=int, default=1, help="torch.set_num_threads per process")
+    a("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's; LOCAL_RANK is used
     # device
     a("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU per rank (LOCAL_RANK)")
     a("--backend", default=None, choices=("gloo", "nccl"), help="default: nccl on cuda, gloo on cpu")
@@ -616,12 +617,11 @@ def setup_dist(device: str = "cpu", backend: Optional[str] = None) -> tuple[int,
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda: torch sees no CUDA device here; accepted: --device cpu")
         gpus, local = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)  # torchrun, deepspeed
         if backend == "nccl" and per_node > gpus:
             raise RuntimeError(
-                f"--device cuda --backend nccl needs one GPU per rank: {per_node} ranks on this node "
-                f"(LOCAL_WORLD_SIZE) but {gpus} GPU(s) visible; accepted: --nproc_per_node <= {gpus}, "
-                f"or --backend gloo to share GPUs"
+                f"--device cuda --backend nccl needs one GPU per rank: {per_node} ranks on this node but "
+                f"{gpus} GPU(s) visible; accepted: at most {gpus} ranks per node, or --backend gloo to share GPUs"
             )
         torch.cuda.set_device(local % gpus)
     dist.init_process_group(backend)
@@ -699,13 +699,19 @@ class Run:
         t = time.perf_counter()
         directory = Path(self.args.save_dir) / f"step{self.step:07d}"
         save_checkpoint(self.trainer, directory, {"step": self.step, "rng": rng_state(self.gen)})
-        dist.barrier()  # every rank's part is written before `latest` names it
+        self.barrier()  # every rank's part is written before `latest` names it
         if self.master:
             latest = Path(self.args.save_dir) / "latest"
             latest.with_suffix(".tmp").write_text(directory.name)
             os.replace(latest.with_suffix(".tmp"), latest)
         self.log(f"step {self.step} | checkpoint {directory} ({time.perf_counter() - t:.1f}s)")
         self.paused_s += time.perf_counter() - t
+
+    def barrier(self) -> None:
+        if dist.get_backend() == "nccl":  # NCCL's barrier must know the rank's GPU
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
 
     def memory_gib(self) -> Optional[float]:
         return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
@@ -850,7 +856,7 @@ def finish(run: Run) -> None:
              round_end_s=run.round_end_tot if run.is_co2 else None, initial_val_loss=run.v0, val_loss=vf,
              co2_state_bytes=opt.co2_state_bytes() if run.is_co2 else 0, n_params=run.n_params,
              mfu=run.last_mfu, max_memory_gib=run.memory_gib(), args=vars(a))  # fmt: skip
-    dist.barrier()
+    run.barrier()
     dist.destroy_process_group()
 
 

@@ -82,6 +82,8 @@ def test_checkpoint_resume(engine, tokens, tmp_path):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="torch.compile is exercised on CUDA only (CPU inductor builds take minutes)")
-def test_compile(tokens, tmp_path):
-    records = launch(tmp_path, flags(tokens, "--compile", "--max_steps", "40"), ranks=nccl_world(), timeout=600)
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_compile(engine, tokens, tmp_path):
+    more = [*ENGINES[engine], "--compile", "--max_steps", "40", "--dtype", "bfloat16"]
+    records = launch(tmp_path, flags(tokens, *more), ranks=nccl_world(), timeout=600)
     check_trains(records, "bfloat16")
