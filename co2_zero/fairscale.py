@@ -265,6 +265,8 @@ class CO2OSS(CO2Steps, OSS):
                 "states": self._co2_states,
             }
             return state
+        # a scheduler writes OSS's groups; the inner optimizer's copy lags until the next step()
+        OSS._sync_param_groups(self.param_groups, self.optim.param_groups)
         return {
             "oss_shard": {"rank": self.rank, "world_size": self.world_size, "state": self.optim.state_dict()},
             "co2": None if self.engine.finalized else self.engine.state_dict(),

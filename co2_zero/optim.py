@@ -136,6 +136,9 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        # torch's load_state_dict replaces the inner optimizer's group list and state: share the new ones,
+        # or an LR scheduler built on this optimizer would no longer reach the inner one
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         self.engine.load_state_dict(state_dict["co2"])
 
     def __repr__(self) -> str:

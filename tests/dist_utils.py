@@ -1,8 +1,10 @@
-"""Run a function on N real processes joined by a gloo process group (torch.multiprocessing spawn).
+"""Run a function on N real processes joined by a process group (torch.multiprocessing spawn).
 
 `run_ranks(fn, world_size, *args)` returns what each rank's `fn(rank, world_size, *args)` returned
-(anything torch.save can pickle). A rank that raises fails the call with its traceback; a run that
-outlives `timeout` is killed and fails, so a hang is a test failure, not a stuck suite.
+(anything torch.save can pickle; tensors come back on the CPU). A rank that raises fails the call with
+its traceback; a run that outlives `timeout` is killed and fails, so a hang is a test failure, not a
+stuck suite. gloo on the CPU by default; the GPU suite passes `backend="nccl"` (one GPU per rank) or
+`device="cuda"` with gloo (ranks sharing a GPU), and `tests.models` then builds on that device.
 """
 
 from __future__ import annotations
@@ -20,11 +22,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(fn: Callable, rank: int, world_size: int, workdir: str, args: tuple) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, workdir: str, args: tuple, backend: str, device: str) -> None:
+    from tests import models
+
     torch.set_num_threads(1)
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    if device == "cuda":  # NCCL: a GPU per rank; gloo: ranks share them round-robin
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        models.set_device(torch.device("cuda", torch.cuda.current_device()))
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{workdir}/store",
         rank=rank,
         world_size=world_size,
@@ -46,11 +53,18 @@ class Outcome(NamedTuple):
     ended_at: float  # time.monotonic() when the process was seen to end
 
 
-def launch_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Outcome]:
+def launch_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, backend: str = "gloo", device: str = "cpu"
+) -> list[Outcome]:
     """Run fn on world_size ranks and report how each one ended, whatever happened."""
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(f"backend='nccl' needs device='cuda', got device={device!r}")
     with tempfile.TemporaryDirectory(prefix="co2test") as workdir:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args)) for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args, backend, device))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         ended_at: dict[int, float] = {}
@@ -69,7 +83,7 @@ def launch_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180
             outcomes.append(
                 Outcome(
                     exitcode=p.exitcode if r in ended_at else None,
-                    result=torch.load(res, weights_only=False) if res.exists() else None,
+                    result=torch.load(res, weights_only=False, map_location="cpu") if res.exists() else None,
                     error=err.read_text() if err.exists() else None,
                     ended_at=ended_at.get(r, float("inf")),
                 )
@@ -77,11 +91,19 @@ def launch_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180
         return outcomes
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, allow_exit: tuple = ()) -> list[Any]:
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    allow_exit: tuple = (),
+    backend: str = "gloo",
+    device: str = "cpu",
+) -> list[Any]:
     """Run fn on world_size ranks and return their results; any failure or hang fails the call.
 
     Ranks in `allow_exit` may exit without a result (None)."""
-    outcomes = launch_ranks(fn, world_size, *args, timeout=timeout)
+    outcomes = launch_ranks(fn, world_size, *args, timeout=timeout, backend=backend, device=device)
     errors = []
     for r, o in enumerate(outcomes):
         if o.error is not None:

@@ -1,14 +1,31 @@
-"""Tiny models and deterministic data shared by the distributed tests and the reference runs."""
+"""Tiny models and deterministic data shared by the distributed tests and the reference runs.
+
+Models and batches are created on the CPU (the same values everywhere) and moved to `DEVICE`: the CPU,
+unless a process of the GPU suite (tests/gpu) set it to its CUDA device. The reference always runs in
+the test process itself, on the CPU.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+DEVICE = torch.device("cpu")
+
+
+def set_device(device: str | torch.device) -> None:
+    """Where this process's models and batches live (tests/dist_utils.py sets it in each rank)."""
+    global DEVICE
+    DEVICE = torch.device(device)
+
 
 def make_model(kind: str = "mlp") -> nn.Module:
     """Identically initialised on every call (and every rank)."""
     torch.manual_seed(1234)
+    return _model(kind).to(DEVICE)
+
+
+def _model(kind: str) -> nn.Module:
     if kind == "linear":
         return nn.Linear(4, 3)
     if kind == "mlp":
@@ -33,7 +50,7 @@ def batch(replica: int, step: int, rows: int = 8) -> tuple[torch.Tensor, torch.T
     g = torch.Generator().manual_seed(10_000 * replica + step)
     x = torch.randn(rows, 4, generator=g)
     y = torch.randn(rows, 3, generator=g) + replica  # replicas disagree: displacements differ
-    return x, y
+    return x.to(DEVICE), y.to(DEVICE)
 
 
 def shard_batch(replica: int, shard: int, step: int, shards: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,4 +72,5 @@ def teacher_batch(
     a, b = torch.randn(4, 8, generator=teacher), torch.randn(8, 3, generator=teacher)
     g = torch.Generator().manual_seed(20_000 * replica + 100 * step + shard)
     x = torch.randn(rows, 4, generator=g)
-    return x, torch.tanh(x @ a) @ b + 0.05 * torch.randn(rows, 3, generator=g)
+    y = torch.tanh(x @ a) @ b + 0.05 * torch.randn(rows, 3, generator=g)
+    return x.to(DEVICE), y.to(DEVICE)

@@ -397,8 +397,8 @@ def _reference_co2(sc: dict) -> dict:
     return sc.get("reference_co2", sc["config"]["co2"])
 
 
-def reference(sc: dict, shards: int):
-    """Of R = 2 replicas of `shards` ranks: the start point of every round, the parameters of every
+def reference(sc: dict, shards: int, replicas: int = 2):
+    """Of R replicas of `shards` ranks: the start point of every round, the parameters of every
     replica after every inner step, and the final parameters."""
     config = sc["config"]
     micro = shards * config.get("gradient_accumulation_steps", 1)
@@ -410,7 +410,7 @@ def reference(sc: dict, shards: int):
         lambda r, k: models.shard_batch(r, 0, k, 1),
         models.loss_fn,
         _reference_co2(sc),
-        replicas=2,
+        replicas=replicas,
         steps=sc["steps"],
         shards=micro,
         shard_batch=lambda r, j, k: models.shard_batch(r, j, k, micro),

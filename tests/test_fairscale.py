@@ -107,7 +107,7 @@ RESUME_ONE_SHARD = dict(
 def make_model(kind: str) -> nn.Module:
     if kind == "single":
         torch.manual_seed(1234)
-        return nn.Linear(4, 3, bias=False)
+        return nn.Linear(4, 3, bias=False).to(models.DEVICE)
     return models.make_model(kind)
 
 

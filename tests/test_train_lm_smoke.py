@@ -1,5 +1,14 @@
-"""Smoke test of scripts/train_lm.py: 2 ranks under torchrun, CO2 with tau=2, a tiny model."""
+"""Smoke tests of scripts/train_lm.py: real launches (torchrun with 2 ranks, or one process), tiny models.
 
+The default byte corpus with CO2; a uint16 token file (--data); gradient accumulation against one big
+batch; checkpoints of every engine resumed mid-run continue the uninterrupted run exactly; the model
+presets and the precedence of the CO2 settings (in process, no launch).
+"""
+
+from __future__ import annotations
+
+import array
+import importlib.util
 import json
 import math
 import os
@@ -7,33 +16,215 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "train_lm.py"
 TINY = [
     "--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--block_size", "32", "--batch_size", "8",
     "--data_bytes", "300000", "--eval_batches", "4", "--eval_every", "5", "--warmup_steps", "5",
     "--lr", "1e-2", "--min_lr", "1e-3", "--no_progress",
 ]  # fmt: skip
+TOKENS = ["--vocab_size", "400"]  # token ids 300..349 (above a byte: the file really is read as uint16)
+
+
+def load_script():
+    """scripts/train_lm.py as a module (registered as `train_lm`, as scripts/tune_tau.py imports it)."""
+    if "train_lm" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
+        sys.modules["train_lm"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["train_lm"])
+    return sys.modules["train_lm"]
+
+
+def launch(workdir: Path, flags: list[str], ranks: int = 2, timeout: float = 240) -> list[dict]:
+    """Run train_lm.py (torchrun with `ranks` ranks, or one plain process) -> its JSON records."""
+    out = workdir / f"log{len(list(workdir.glob('log*.jsonl')))}.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    cmd = [*(launcher if ranks > 1 else [sys.executable]), str(SCRIPT), *flags, "--out_json", str(out)]
+    proc = subprocess.run(cmd, check=False, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def write_tokens(directory: Path) -> Path:
+    """train.bin / val.bin of uint16 ids: a cycle through 50 ids above 255, easy to learn."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = [300 + (7 * i) % 50 for i in range(60_000)]
+    for name, part in (("train.bin", ids[:50_000]), ("val.bin", ids[50_000:])):
+        with open(directory / name, "wb") as f:
+            array.array("H", part).tofile(f)
+    return directory
+
+
+def by_step(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records if not r.get("summary")}
+
+
+# ---- launches -------------------------------------------------------------------------------------------
 
 
 def test_train_lm_co2_two_ranks(tmp_path):
-    out = tmp_path / "log.jsonl"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(ROOT / "scripts" / "train_lm.py"), "--method", "co2", "--max_steps", "40", "--tau", "2",
-        "--out_json", str(out), *TINY,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-
-    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    recs = launch(tmp_path, ["--method", "co2", "--max_steps", "40", "--tau", "2", *TINY])
     summary = [r for r in recs if r.get("summary")]
     rounds = [r for r in recs if not r.get("summary") and r["step"] > 0]
     assert len(summary) == 1 and len(rounds) >= 1
     assert all(math.isfinite(r["loss"]) for r in rounds)
     assert all(r["wait_s"] >= 0 and r["round_end_s"] >= r["wait_s"] for r in rounds)
+    assert all(r["mfu"] is None and r["max_memory_gib"] is None for r in rounds)  # CPU: no MFU, no GPU memory
     initial, final = recs[0]["val_loss"], summary[0]["val_loss"]
     assert recs[0]["step"] == 0 and math.isfinite(initial)
     assert math.isfinite(final) and final < initial - 0.5, (initial, final)
     assert summary[0]["steps"] == 40 and summary[0]["world_size"] == 2
     assert summary[0]["co2_state_bytes"] > 0
+    assert summary[0]["args"]["model"] == "tiny" and summary[0]["args"]["vocab_size"] == 256
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """DDP in one process on the token file: 24 steps of 8 windows (saving at step 8), the same as 2
+    micro-batches of 4, and a run resumed from the step-8 checkpoint (no CO2 state: the script's own file)."""
+    work = tmp_path_factory.mktemp("one_process")
+    data = write_tokens(work / "tokens")
+    flags = [*TINY, *TOKENS, "--data", str(data), "--method", "ddp", "--max_steps", "24", "--log_every", "8",
+             "--eval_every", "1"]  # fmt: skip
+    one = launch(work, [*flags, "--batch_size", "8", "--save_dir", "ckpt", "--save_every", "8"], ranks=1)
+    accumulated = launch(work, [*flags, "--batch_size", "4", "--grad_accum", "2"], ranks=1)
+    again = launch(work, [*flags, "--batch_size", "8", "--resume", "ckpt/step0000008"], ranks=1)
+    return one, accumulated, again
+
+
+def test_grad_accum_matches_one_big_batch(one_process):
+    """--batch_size 4 --grad_accum 2 draws the same 8 windows per step as --batch_size 8 and averages
+    their gradients (DDP's no_sync on the first micro-batch): the same trajectory up to float rounding.
+    (AdamW does not see a constant gradient scale; what this checks is the windows, the direction of
+    the gradient and the logged loss.)"""
+    one, accumulated, _ = one_process
+    one_steps, acc_steps = by_step(one), by_step(accumulated)
+    assert sorted(one_steps) == sorted(acc_steps) == [0, 8, 16, 24]
+    for step in (8, 16, 24):
+        assert acc_steps[step]["loss"] == pytest.approx(one_steps[step]["loss"], rel=1e-5), step
+        assert acc_steps[step]["tokens"] == one_steps[step]["tokens"] == step * 8 * 32
+    assert accumulated[-1]["args"]["grad_accum"] == 2
+    assert one[-1]["val_loss"] < one[0]["val_loss"] - 1.0  # the token file is learned
+
+
+def test_resume_without_co2_continues_exactly(one_process):
+    one, _, again = one_process
+    first, rest = by_step(one), by_step(again)
+    assert sorted(rest) == [8, 16, 24] and rest[8]["val_loss"] == first[8]["val_loss"]
+    assert [rest[s]["loss"] for s in (16, 24)] == [first[s]["loss"] for s in (16, 24)]
+    assert rest[16]["val_loss"] == first[16]["val_loss"] is not None
+    assert again[-1]["val_loss"] == one[-1]["val_loss"]
+
+
+RESUME_CASES = {
+    "plain-co2": ["--engine", "plain", "--method", "co2"],
+    "fairscale-co2": ["--engine", "fairscale", "--method", "co2", "--shards_per_replica", "1"],
+    "deepspeed-co2": ["--engine", "deepspeed", "--method", "co2", "--shards_per_replica", "1"],
+}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Per case: an uninterrupted run of 8 steps saving at 4 and 8, and a run resumed from step 4."""
+    root = tmp_path_factory.mktemp("resume")
+    data = write_tokens(root / "tokens")
+    common = [*TINY, *TOKENS, "--data", str(data), "--batch_size", "4", "--grad_accum", "2", "--tau", "2",
+              "--max_steps", "8", "--eval_every", "1"]  # fmt: skip
+    runs = {}
+    for name, flags in RESUME_CASES.items():
+        work = root / name
+        work.mkdir()
+        straight = launch(work, [*common, *flags, "--save_dir", "ckpt", "--save_every", "4"])
+        again = launch(work, [*common, *flags, "--save_dir", "ckpt2", "--resume", "ckpt/step0000004"])
+        runs[name] = (work, straight, again)
+    return runs
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_continues_exactly(resumed, case):
+    """Every engine's checkpoint, taken mid-run with a CO2 round in flight, continues the same run bit for
+    bit: the data sampler, the LR schedule, the inner optimizer and the CO2 state all come back."""
+    work, straight, again = resumed[case]
+    assert (work / "ckpt" / "latest").read_text() == "step0000008"
+    assert sorted(p.name for p in (work / "ckpt").iterdir()) == ["latest", "step0000004", "step0000008"]
+    assert len(list((work / "ckpt" / "step0000004").iterdir())) >= 2  # a file per rank
+    first, rest = by_step(straight), by_step(again)
+    assert min(rest) == 4 and rest[4]["val_loss"] == first[4]["val_loss"]  # the resumed model
+    assert [s for s in first if s > 4] == [s for s in rest if s > 4] and max(rest) == 8
+    for step in (s for s in rest if s > 4):
+        assert rest[step]["loss"] == first[step]["loss"], (case, step)
+        assert rest[step]["val_loss"] == first[step]["val_loss"], (case, step)
+    assert again[-1]["val_loss"] == straight[-1]["val_loss"]
+    assert again[-1]["steps"] == straight[-1]["steps"] == 8
+    assert straight[-1]["val_loss"] < straight[0]["val_loss"]
+
+
+def test_engines_agree_when_every_rank_is_a_replica(resumed):
+    """S = 1: plain CO2Optimizer, CO2OSS and DeepSpeed ZeRO run the same algorithm on the same data."""
+    finals = {case: resumed[case][1][-1]["val_loss"] for case in RESUME_CASES if case.endswith("co2")}
+    reference = finals["plain-co2"]
+    assert all(v == pytest.approx(reference, rel=1e-5) for v in finals.values()), finals
+
+
+# ---- in process -----------------------------------------------------------------------------------------
+
+
+def test_model_presets_and_overrides():
+    train_lm = load_script()
+    default = train_lm.get_args([])
+    shape = (default.model, default.n_layer, default.n_head, default.n_embd, default.block_size, default.vocab_size)
+    assert shape == ("tiny", 3, 4, 128, 64, 256)
+    assert (default.device, default.dtype, default.grad_accum) == ("cpu", "float32", 1)
+    expected = {"gpt2": (12, 768, 12, 124e6), "gpt2-medium": (24, 1024, 16, 355e6),
+                "gpt2-large": (36, 1280, 20, 774e6), "gpt2-xl": (48, 1600, 25, 1558e6)}  # fmt: skip
+    for name, (layers, width, heads, params) in expected.items():
+        args = train_lm.get_args(["--model", name, "--data", "somewhere"])
+        shape = (args.n_layer, args.n_embd, args.n_head, args.block_size, args.vocab_size)
+        assert shape == (layers, width, heads, 1024, 50304), name
+        with torch.device("meta"):
+            model = train_lm.GPT(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd, 0.0)
+        assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.01), name
+    args = train_lm.get_args(["--model", "gpt2", "--n_layer", "2", "--block_size", "128", "--device", "cuda"])
+    assert (args.n_layer, args.n_embd, args.block_size, args.vocab_size, args.dtype) == (2, 768, 128, 256, "bfloat16")
+    with pytest.raises(SystemExit):
+        train_lm.get_args(["--n_embd", "30", "--n_head", "4"])
+
+
+def test_co2_settings_precedence(tmp_path):
+    """CO2Config's defaults < the deepspeed config's co2 section < the --method preset < the flags."""
+    train_lm = load_script()
+    config = json.loads((ROOT / "configs" / "ds_zero2_co2.json").read_text())
+    config["co2"] = {"tau": 5, "outer_momentum": 0.3, "gap_penalty": {"mode": "constant", "value": 2.0}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    ds = ["--engine", "deepspeed", "--deepspeed_config", str(path)]
+    c = train_lm.co2_config(train_lm.get_args(ds))
+    assert (c.tau, c.outer_momentum, c.gap_penalty.mode, c.gap_penalty.value, c.timeout_s) == (
+        5, 0.3, "constant", 2.0, 600.0
+    )  # fmt: skip
+    c = train_lm.co2_config(train_lm.get_args([*ds, "--method", "slowmo", "--gap_value", "3"]))
+    assert (c.tau, c.outer_momentum, c.overlap, c.gap_penalty.mode, c.gap_penalty.value) == (5, 0.5, False, "none", 3)
+    c = train_lm.co2_config(train_lm.get_args([*ds, "--tau", "7", "--gap_penalty", "adaptive", "--clip", "norm"]))
+    assert (c.tau, c.outer_momentum, c.gap_penalty.mode, c.clip.mode) == (7, 0.3, "adaptive", "norm")
+    c = train_lm.co2_config(train_lm.get_args(["--deepspeed_config", str(path)]))  # engine plain: file unused
+    assert (c.tau, c.outer_momentum) == (12, 0.0)
+
+
+def test_token_files_are_read_as_uint16(tmp_path):
+    train_lm = load_script()
+    data = write_tokens(tmp_path)
+    train, val = train_lm.load_tokens(data)
+    assert train.dtype == torch.uint16 and (len(train), len(val)) == (50_000, 10_000)
+    assert train[:4].tolist() == [300, 307, 314, 321] and val[0].item() == 300 + (7 * 50_000) % 50
+    x, y = train_lm.get_batch(train, 3, 16, torch.Generator().manual_seed(0))
+    assert x.dtype == torch.int64 and x.shape == (3, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal((y - 300) % 50, (x - 300 + 7) % 50)  # the next id of the cycle
+    with pytest.raises(ValueError, match="--vocab_size=256 is too small"):
+        train_lm.check_vocab(x, y, 256)
+    (data / "val.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="no val.bin"):
+        train_lm.load_tokens(data)
