@@ -14,7 +14,8 @@ One file, nanoGPT-style: every knob is an argparse flag below.
 Devices: --device cpu (gloo) or cuda (one GPU per rank from LOCAL_RANK, NCCL, autocast bf16, fused
 AdamW, pinned host batches copied without blocking; --compile). Engines: plain (CO2Optimizer, or DDP
 for --method ddp), fairscale (CO2OSS + ShardedDataParallel inside a replica), deepspeed (ZeRO-1/2
-from --deepspeed_config, whose "co2" section is honoured unless a flag overrides it).
+from --deepspeed_config, whose "co2" section is honoured unless a flag overrides it), fsdp (PyTorch's
+fully_shard over each replica's ranks, CO2Optimizer across replicas).
 
 Model: --model tiny (the default, 0.6 M parameters on bytes) or gpt2 / gpt2-medium / gpt2-large /
 gpt2-xl (124 M to 1.5 B); --n_layer, --n_head, --n_embd, --block_size override the preset.
@@ -36,7 +37,7 @@ then; ddp/none evaluate at the step (none: rank 0's own model). The loss all-red
 (default process group) also carries rank 0's --max_seconds verdict, so all ranks stop together.
 
 Checkpoints: --save_dir DIR --save_every N writes DIR/step<N>/ through the library's checkpoints
-(co2_zero.checkpoint for plain and fairscale, co2_zero.deepspeed's for deepspeed) and names the newest
+(co2_zero.checkpoint for plain, fairscale and fsdp, co2_zero.deepspeed's for deepspeed) and names the newest
 in DIR/latest; --resume continues from it (or from the checkpoint directory given), on the same flags.
 
 CO2 methods train whole rounds: --max_steps (optimizer steps) is rounded up to a multiple of tau. The
@@ -152,7 +153,7 @@ def get_args(argv=None) -> argparse.Namespace:
     a("--gap_value", type=float, default=None, help="constant: divide by this")
     a("--clip", default=None, choices=("none", "value", "norm"), help="outer momentum clip")
     a("--clip_threshold", type=float, default=None)
-    a("--shards_per_replica", type=int, default=None, help="ZeRO/OSS engines (plain: always 1)")
+    a("--shards_per_replica", type=int, default=None, help="ZeRO/OSS/FSDP2 engines (plain: always 1)")
     a("--collective", default=None)
     a("--comm_dtype", default=None)
     a("--timeout_s", type=float, default=None)
@@ -500,7 +501,31 @@ def build_deepspeed(args, model, co2) -> Trainer:
     return Trainer(train_step, opt, lambda: sched.get_last_lr()[0], model, ds_engine=engine)
 
 
-ENGINES = {"plain": build_plain, "fairscale": build_fairscale, "deepspeed": build_deepspeed}
+def build_fsdp(args, model, co2) -> Trainer:
+    """PyTorch's FSDP2 inside each replica (fully_shard per block and the root over the replica's 1-D
+    mesh), CO2Optimizer across replicas on the local shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    from co2_zero import CO2Optimizer
+    from co2_zero.fsdp import replica_mesh
+
+    if co2 is None:
+        raise ValueError("--engine fsdp runs the CO2-family methods; use --engine plain for ddp/none")
+    mesh = replica_mesh(co2)  # this rank's replica: S = --shards_per_replica ranks
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # embeddings, final norm and the tied head in the root group
+    opt = CO2Optimizer(torch.optim.AdamW(model.parameters(), **adamw_kwargs(args)), co2, model=model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
+
+    def clip(max_norm):  # DTensor gradients: the norm is taken over the replica
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    step = accumulating_step(args, maybe_compile(model, args), opt, sched, clip)
+    return Trainer(step, opt, lambda: sched.get_last_lr()[0], model, sched=sched)
+
+
+ENGINES = {"plain": build_plain, "fairscale": build_fairscale, "deepspeed": build_deepspeed, "fsdp": build_fsdp}
 
 
 def lr_lambda(args):
@@ -582,12 +607,14 @@ def resume_directory(args) -> Path:
 
 
 @torch.no_grad()
-def evaluate(model, batches, rank, world, alone, args=None):
+def evaluate(model, batches, rank, world, alone, args=None, shards=1):
     """Mean loss over the fixed held-out batches. Ranks split the batches and all-reduce
-    (all hold the same model); alone=True: this rank evaluates every batch by itself."""
+    (all hold the same model); alone=True: this rank evaluates every batch by itself. `shards` > 1
+    (FSDP2: every forward is a collective over the replica): the ranks of a replica evaluate the same
+    batches, which scales the sum and the count alike."""
     was_training = model.training
     model.eval()
-    mine = batches if alone else batches[rank::world]
+    mine = batches if alone else batches[rank // shards :: world // shards]
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     with autocast(args) if args is not None else contextlib.nullcontext():
@@ -691,7 +718,8 @@ class Run:
         alone = self.args.method == "none"
         v = None
         if self.master or not alone:
-            v = evaluate(self.trainer.model, self.val_batches, self.rank, self.world, alone, self.args)
+            shards = self.config.resolve_shards(self.world) if self.args.engine == "fsdp" else 1
+            v = evaluate(self.trainer.model, self.val_batches, self.rank, self.world, alone, self.args, shards)
         self.paused_s += time.perf_counter() - t
         return v
 

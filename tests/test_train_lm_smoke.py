@@ -124,6 +124,7 @@ RESUME_CASES = {
     "plain-co2": ["--engine", "plain", "--method", "co2"],
     "fairscale-co2": ["--engine", "fairscale", "--method", "co2", "--shards_per_replica", "1"],
     "deepspeed-co2": ["--engine", "deepspeed", "--method", "co2", "--shards_per_replica", "1"],
+    "fsdp-co2": ["--engine", "fsdp", "--method", "co2", "--shards_per_replica", "1"],
 }
 
 
@@ -164,7 +165,7 @@ def test_resume_continues_exactly(resumed, case):
 
 
 def test_engines_agree_when_every_rank_is_a_replica(resumed):
-    """S = 1: plain CO2Optimizer, CO2OSS and DeepSpeed ZeRO run the same algorithm on the same data."""
+    """S = 1: plain CO2Optimizer, CO2OSS, DeepSpeed ZeRO and FSDP2 run the same algorithm on the same data."""
     finals = {case: resumed[case][1][-1]["val_loss"] for case in RESUME_CASES if case.endswith("co2")}
     reference = finals["plain-co2"]
     assert all(v == pytest.approx(reference, rel=1e-5) for v in finals.values()), finals
