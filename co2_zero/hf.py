@@ -102,8 +102,10 @@ class CO2Callback(transformers.TrainerCallback):
         self._rounds.clear()
         if self.optimizer is None:
             raise CO2Error(
-                "co2: Trainer built a plain DeepSpeed engine although its config has a co2 section: "
-                "co2_zero.deepspeed.patch() was undone (unpatch()) before trainer.train(); call patch() again"
+                "co2: Trainer built a plain DeepSpeed engine although its config has a co2 section: its "
+                "deepspeed.initialize call did not go through co2_zero (co2_zero.deepspeed.unpatch() was called, "
+                "or the engine came from another initialize, e.g. MS-AMP's); call co2_zero.deepspeed.patch() "
+                "before trainer.train()"
             )
         tau = self.optimizer.config.tau
         if state.max_steps % tau:

@@ -3,9 +3,10 @@
 One `torchrun --standalone --nproc_per_node 4` launch of this file (as a script) runs every distributed
 scenario on S = 2 shards x R = 2 replicas with a tiny randomly initialised GPT-2, in the order of
 `worker()`: DeepSpeed unpatched (the warning; a plain engine), the Trainer refusals, a Trainer run with
-`patch()` + `CO2Callback` (ZeRO-2, gradient accumulation 2, a save at step 3 while a round's exchange is in
-flight), the same model, data and config through `co2_zero.deepspeed.initialize` directly, a Trainer resume
-from the step-3 checkpoint, and Accelerate's `prepare()` alone. The tests below check the recorded results:
+`CO2Callback` (which patches; ZeRO-2, gradient accumulation 2, a save at step 3 while a round's exchange is
+in flight), the same model, data and config through `co2_zero.deepspeed.initialize` directly, a Trainer
+resume from the step-3 checkpoint, a `deepspeed.initialize` bound before co2_zero was imported, and
+Accelerate's `prepare()` alone. The tests below check the recorded results:
 
 - Trainer's trajectory equals the direct `co2_zero.deepspeed.initialize` one bit for bit after every
   optimizer step (the direct loop replays the micro-batches each rank saw and computes the loss as Trainer
