@@ -21,6 +21,8 @@ setup(
     extras_require={
         "fairscale": ["fairscale==0.4.13"],
         "deepspeed": ["deepspeed==0.19.8"],
+        # Hugging Face Trainer / Accelerate on CO2 reach it through DeepSpeed (co2_zero.hf)
+        "hf": ["transformers>=5.23,<6", "accelerate>=1.15,<2", "deepspeed==0.19.8"],
         "test": ["pytest>=7", "ruff"],
         "bench": ["matplotlib"],
     },

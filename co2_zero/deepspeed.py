@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import inspect
 import os
+import types
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Union
@@ -52,8 +54,10 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_checkpoint",
+    "patch",
     "save_checkpoint",
     "split_config",
+    "unpatch",
     "zero_partition",
 ]
 
@@ -489,7 +493,10 @@ def save_checkpoint(
     """
     zero = _co2_optimizer(engine)
     topology = zero.topology
-    if engine.micro_steps % engine.gradient_accumulation_steps():
+    # Accelerate sets the boundary itself and then calls engine.step() once per window: micro_steps counts
+    # optimizer steps there, and the flag it set says whether the window is complete.
+    boundary = engine._is_gradient_accumulation_boundary
+    if (engine.micro_steps % engine.gradient_accumulation_steps()) if boundary is None else not boundary:
         raise ValueError(
             f"co2: save_checkpoint at micro step {engine.micro_steps} is inside a gradient accumulation "
             f"window of {engine.gradient_accumulation_steps()}; save right after an engine.step() that "
@@ -575,3 +582,211 @@ def load_checkpoint(
     for key, value in state["engine"].items():
         setattr(engine, key, value)
     return directory, state["client_state"]
+
+
+# ---- patching DeepSpeed's entry point --------------------------------------------------------------------
+#
+# Hugging Face Trainer and Accelerate (and Lightning) call `deepspeed.initialize` themselves, and DeepSpeed
+# ignores unknown top-level config keys: without help a "co2" section would be dropped without a word.
+# Importing this module routes DeepSpeed's `initialize` through `_dispatch`, which only warns (once) about a
+# co2 section; `patch()` makes it build CO2 instead. The routing replaces the *code* of DeepSpeed's function
+# object, not the `deepspeed.initialize` attribute: Accelerate reads the attribute at call time, but a
+# script that ran `from deepspeed import initialize` earlier holds the function object itself, and only
+# changing the object reaches it. A copy of the original function is what every call without a co2 section
+# runs, including the one co2_zero's own `initialize` makes (its config no longer has the section): the
+# routing never recurses.
+
+
+class _EntryPoint:
+    """The routing of DeepSpeed's `initialize` in this process."""
+
+    def __init__(self) -> None:
+        self.plain: Optional[types.FunctionType] = None  # DeepSpeed's initialize as shipped
+        self.signature: Optional[inspect.Signature] = None
+        self.patched = False
+        self.warned = False
+        self.undo = contextlib.ExitStack()  # what patch() changed besides the routing
+
+
+_ENTRY = _EntryPoint()
+_PLAIN_ATTRIBUTE = "__co2_zero_plain__"  # on DeepSpeed's function object: its original, once routed
+
+
+def _routed_initialize(*args: Any, **kwargs: Any) -> Any:
+    # This code runs as DeepSpeed's own function object, with the deepspeed package's module globals:
+    # only builtins and absolute imports are visible here.
+    from co2_zero.deepspeed import _dispatch
+
+    return _dispatch(args, kwargs)
+
+
+def _install_entry_point() -> None:
+    """Route DeepSpeed's `initialize` through `_dispatch` (once per process; a re-imported module finds
+    the original on the function object). Leaves alone a replacement that is not a plain function."""
+    function = deepspeed.initialize
+    plain = getattr(function, _PLAIN_ATTRIBUTE, None)
+    if plain is None:
+        if not isinstance(function, types.FunctionType) or function.__closure__:
+            return
+        plain = types.FunctionType(
+            function.__code__, function.__globals__, function.__name__, function.__defaults__, None
+        )
+        plain.__kwdefaults__ = function.__kwdefaults__
+        for name in ("__doc__", "__qualname__", "__module__"):
+            setattr(plain, name, getattr(function, name))
+        function.__code__ = _routed_initialize.__code__
+        function.__defaults__ = function.__kwdefaults__ = None
+        function.__wrapped__ = plain  # type: ignore[attr-defined]  # inspect.signature shows DeepSpeed's
+        setattr(function, _PLAIN_ATTRIBUTE, plain)
+    _ENTRY.plain = plain
+    _ENTRY.signature = inspect.signature(plain)
+
+
+def _dispatch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """DeepSpeed's `initialize(*args, **kwargs)`: CO2 for a config with a co2 section once patched,
+    DeepSpeed as shipped otherwise (with a warning about an unpatched co2 section)."""
+    plain = _ENTRY.plain
+    try:
+        arguments = _ENTRY.signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return plain(*args, **kwargs)  # DeepSpeed's own error for bad arguments
+    if not _has_co2_section(arguments):
+        if arguments.get("mpu") is None:
+            _forget_replica_mpu()
+        return plain(*args, **kwargs)
+    if _ENTRY.patched:
+        return _initialize_for_framework(arguments)
+    _warn_unpatched()
+    return plain(*args, **kwargs)
+
+
+def _has_co2_section(arguments: Mapping[str, Any]) -> bool:
+    """Whether the DeepSpeed config among `initialize`'s arguments has a top-level "co2" key."""
+    config = arguments.get("config")
+    if config is None:
+        config = arguments.get("config_params")
+    for name in ("deepspeed_config", "deepscale_config"):
+        if config is None:
+            config = getattr(arguments.get("args"), name, None)
+    if config is None or isinstance(config, Mapping):
+        return config is not None and "co2" in config
+    try:
+        return "co2" in _load_ds_config(config)
+    except (OSError, ValueError, TypeError):  # unreadable: DeepSpeed reports it in its own words
+        return False
+
+
+def _warn_unpatched() -> None:
+    if _ENTRY.warned:
+        return
+    _ENTRY.warned = True
+    warnings.warn(
+        'co2: deepspeed.initialize received a config with a "co2" section, but co2_zero.deepspeed.patch() was '
+        "not called: DeepSpeed ignores the section, and this run trains plain ZeRO over all ranks, NOT CO2. "
+        "Call co2_zero.deepspeed.patch() before Trainer/Accelerate builds its engine (or call "
+        "co2_zero.deepspeed.initialize where the script calls deepspeed.initialize)",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _initialize_for_framework(arguments: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """`initialize` for a framework that called `deepspeed.initialize`: the engine's checkpoint methods
+    also take DeepSpeed's keyword arguments, which Trainer passes (`load_module_strict`, ...)."""
+    engine, zero, loader, scheduler = initialize(**arguments)
+
+    def save(
+        save_dir: Union[str, os.PathLike],
+        tag: Optional[str] = None,
+        client_state: Optional[Mapping[str, Any]] = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> Path:
+        """`co2_zero.deepspeed.save_checkpoint` with DeepSpeed's signature. Frozen parameters are always
+        kept (a CO2 checkpoint restores the module state it was saved with)."""
+        return save_checkpoint(engine, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+
+    def load(
+        load_dir: Union[str, os.PathLike],
+        tag: Optional[str] = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[Optional[Path], dict[str, Any]]:
+        """`co2_zero.deepspeed.load_checkpoint` with DeepSpeed's signature. Only a full load is possible,
+        and a directory holding a plain DeepSpeed checkpoint (no CO2 state) is refused."""
+        full = {
+            "load_optimizer_states": True,
+            "load_lr_scheduler_states": True,
+            "load_module_only": False,
+            "custom_load_fn": None,
+        }
+        given = dict(zip(full, (load_optimizer_states, load_lr_scheduler_states, load_module_only, custom_load_fn)))
+        for name, value in given.items():
+            if value != full[name]:
+                raise ValueError(
+                    f"co2: load_checkpoint({name}={value!r}) is not supported; accepted: {name}={full[name]!r}. A "
+                    f"CO2 checkpoint restores the model, the inner optimizer, the LR scheduler and the CO2 state "
+                    f"together; a partial load would continue CO2 from state that does not belong to it"
+                )
+        directory, client_state = load_checkpoint(engine, load_dir, tag)
+        if directory is None and not _all_ok(not (Path(load_dir) / "latest").is_file(), zero.topology):
+            raise CO2Error(
+                f"co2: {load_dir} holds a plain DeepSpeed checkpoint ('latest' but no '{LATEST}'): it has no CO2 "
+                f"state, and resuming from it would silently restart CO2; refused"
+            )
+        return directory, client_state
+
+    engine.save_checkpoint, engine.load_checkpoint = save, load
+    return engine, zero, loader, scheduler
+
+
+class _Patch:
+    """What `patch()` returns; as a context manager it restores the state before `patch()` on exit."""
+
+    def __init__(self, was_patched: bool) -> None:
+        self.was_patched = was_patched
+
+    def __enter__(self) -> _Patch:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if not self.was_patched:
+            unpatch()
+
+
+def patch() -> _Patch:
+    """From now on, `deepspeed.initialize` builds CO2 when its config has a "co2" section.
+
+    For frameworks that call `deepspeed.initialize` themselves (Hugging Face Trainer, Accelerate,
+    Lightning): such a call then runs `co2_zero.deepspeed.initialize`, and the engine's
+    `save_checkpoint` / `load_checkpoint` (with DeepSpeed's signature) write and read CO2's per-rank
+    checkpoints. A config without a co2 section gets DeepSpeed as shipped. It reaches callers that
+    looked `deepspeed.initialize` up before or after this call. While patched, DeepSpeed's comm backend
+    is also created without its inference-only shared-memory op (a JIT build of 40-85 s on CPU), whoever
+    creates it: Accelerate calls `deepspeed.init_distributed` itself unless run with `cpu=True`.
+
+    Idempotent. `unpatch()` undoes it; `with co2_zero.deepspeed.patch(): ...` undoes it on exit.
+    """
+    if _ENTRY.plain is None:
+        raise CO2Error(
+            f"co2: deepspeed.initialize is {deepspeed.initialize!r}, not DeepSpeed's function (replaced by another "
+            f"library?); co2_zero cannot route it. Call co2_zero.deepspeed.initialize directly"
+        )
+    was_patched = _ENTRY.patched
+    if not was_patched:
+        _ENTRY.undo.enter_context(_without_shm_comm_build())
+        _ENTRY.patched = True
+    return _Patch(was_patched)
+
+
+def unpatch() -> None:
+    """Undo `patch()`: `deepspeed.initialize` is DeepSpeed's again (warning about a co2 section)."""
+    if _ENTRY.patched:
+        _ENTRY.undo.close()
+        _ENTRY.patched = False
+
+
+_install_entry_point()
