@@ -26,7 +26,7 @@ DEFAULTS: dict[str, Any] = {
     "outer_momentum": 0.0,
     "nesterov": False,
     "overlap": True,
-    "gap_penalty": {"mode": "adaptive", "value": 1.0, "strength": 1.0},
+    "gap_penalty": {"mode": "adaptive", "value": 1.0, "strength": 2.0},
     "clip": {"mode": "none", "threshold": 1.0},
 }
 
