@@ -323,3 +323,61 @@ def test_profiler_sees_a_per_segment_loop():
         return len(prof.events())
 
     assert loop_ops(40) > 5 * loop_ops(4)
+
+
+# ---- CUDA: the same kernels on the device, and no host sync in them ---------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("name,segments,length,num_tensors", CASES, ids=[c[0] for c in CASES])
+def test_cuda_index_matches_the_loop_without_host_syncs(name, segments, length, num_tensors):
+    flat = data(length)
+    factors = torch.rand(num_tensors, generator=torch.Generator().manual_seed(1)) + 0.5
+    index = SegmentIndex(segments, num_tensors, device="cuda")
+    on_device, factors_on_device = flat.cuda(), factors.cuda()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in the kernels below raises
+    try:
+        norms = index.sq_norms(on_device)
+        index.scale_(on_device, factors_on_device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(norms.cpu().double(), loop_sq_norms(flat, segments, num_tensors), rtol=2e-6, atol=1e-6)
+    loop_scale_(flat, segments, factors)
+    assert torch.equal(on_device.cpu(), flat)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("name", list(HYPERS))
+def test_cuda_outer_step_matches_the_loop_with_one_host_sync(name):
+    segments, length, num_tensors = LAYOUTS["split-tensor"]
+    g, momentum, base = data(length, 1) * 0.1, data(length, 2) * 0.1, data(length, 3)
+    previous = torch.rand(num_tensors, generator=torch.Generator().manual_seed(4))
+    expected_x, expected_m, expected_u = loop_outer_step(
+        g, momentum, base, segments, segments, num_tensors, previous, HYPERS[name]
+    )
+    index = SegmentIndex(segments, num_tensors, device="cuda")
+    g, momentum, base, previous = g.cuda(), momentum.cuda(), base.cuda(), previous.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning, match="synchroniz") as syncs:
+            result = outer_step(
+                g,
+                momentum,
+                base,
+                segments=index,
+                counted=index,
+                previous_update_sq_norms=previous,
+                hyper=HYPERS[name],
+                sum_across_ranks=lambda t: t,
+            )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len([w for w in syncs if "synchroniz" in str(w.message)]) == 1  # the finite check
+    torch.testing.assert_close(g.cpu().double(), expected_x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(momentum.cpu().double(), expected_m, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(result.update_sq_norms.cpu().double(), expected_u, rtol=1e-5, atol=1e-7)
