@@ -62,6 +62,11 @@ class Layout(NamedTuple):
         )
 
 
+def _largest(flat: torch.Tensor) -> torch.Tensor:
+    """max |flat| as a 0-d tensor on flat's device (0 when empty), NaN if flat holds one."""
+    return torch.linalg.vector_norm(flat, float("inf")) if flat.numel() else flat.new_zeros(())
+
+
 class PipelineJob(NamedTuple):
     """The inputs of one pipeline (DESIGN.md §3 a–g)."""
 
@@ -170,9 +175,10 @@ class OuterExchange:
         return self.worker.submit(on_stream)
 
     def _pipeline(self, job: PipelineJob) -> OuterResult:
-        live = job.work[: self.layout.length]  # what this rank measured; may be empty
-        # On the device, no sync: only read when the round turns out non-finite.
-        local_max = torch.linalg.vector_norm(live, float("inf")) if live.numel() else None
+        live = job.work[: self.layout.length]  # D, what this rank measured; may be empty
+        # Read only when the round turns out non-finite. all_reduce overwrites D, so its largest |D|
+        # is taken now (on the device, no sync); reduce_scatter leaves D intact until the all-gather.
+        local_max = _largest(live) if self.strategy == "all_reduce" else None
         g = self._average(job.work, job.g_buffer)
         result = outer_step(
             g,
@@ -185,7 +191,7 @@ class OuterExchange:
             sum_across_ranks=self._sum_across_ranks,
         )
         if not result.finite:
-            locally_finite = local_max is None or bool(torch.isfinite(local_max))
+            locally_finite = bool(torch.isfinite(_largest(live) if local_max is None else local_max))
             self._non_finite(locally_finite, job.round_index)  # raises, or skips the round
         if self.strategy == "reduce_scatter":
             _all_gather(job.work, g, group=self.topology.outer_group)

@@ -79,8 +79,8 @@ class SegmentIndex:
     Memory, on the slice's device: int32 ids per row and per listed element, the listed elements'
     int64 positions and the int32 order of the per-tensor reduction: about 4·(2·rows + 4·listed)
     bytes. `block` ≈ √(span / segments) minimises rows + listed ≈ 2·√(span · segments): for
-    GPT-2 small (124 M elements, 148 tensors) 3.4 MB, 0.7% of one fp32 word per element
-    (`nbytes`; counted in `co2_state_bytes()`).
+    GPT-2 small (124 M elements, 148 tensors) 2.6 MiB, 0.56% of one fp32 word per element
+    (`nbytes`; counted in `co2_state_bytes()`). A per-element int32 tensor id would cost 100%.
 
     Reductions are deterministic (no atomics): the row and element sums are gathered in tensor
     order and reduced with one `segment_reduce`.
@@ -93,13 +93,7 @@ class SegmentIndex:
         device: Union[torch.device, str] = "cpu",
         block: Optional[int] = None,
     ) -> None:
-        pieces = sorted((s for s in segments if s.end > s.start), key=lambda s: s.start)
-        for before, after in zip(pieces, pieces[1:]):
-            if after.start < before.end:
-                raise ValueError(f"co2: segments {before} and {after} overlap; each element belongs to one tensor")
-        for s in pieces:
-            if not 0 <= s.tensor_id < num_tensors or s.start < 0:
-                raise ValueError(f"co2: segment {s} is invalid; accepted: 0 <= tensor_id < {num_tensors}, start >= 0")
+        pieces = _checked(segments, num_tensors)
         self.num_tensors = num_tensors
         self.start = pieces[0].start if pieces else 0
         self.stop = pieces[-1].end if pieces else 0
@@ -108,38 +102,37 @@ class SegmentIndex:
             block = 2 ** max(0, round(math.log2(max(1.0, math.sqrt(span / max(1, len(pieces)))))))
         if block < 1:
             raise ValueError(f"co2: block={block} is invalid; accepted: an integer >= 1")
-        self.block = block
-        self.rows = span // block
+        self.block, self.rows = block, span // block
+        row_tensor, listed_pos, listed_tensor = self._cut(pieces)
 
-        dummy = num_tensors  # the id of rows that are not inside one segment
-        row_tensor = torch.full((self.rows,), dummy, dtype=torch.int64)
-        positions, position_tensor = [], []
+        # The per-tensor reduction reads [row sums, listed sums] in tensor order (stable: by position).
+        ids = torch.cat([row_tensor, listed_tensor])
+        keep = torch.nonzero(ids != num_tensors).squeeze(1)
+        order = keep[torch.argsort(ids[keep], stable=True)]
+        self.counts = torch.bincount(ids[keep], minlength=num_tensors).to(device)
+        self.order = order.to(device=device, dtype=torch.int32)
+        self.row_tensor = row_tensor.to(device=device, dtype=torch.int32)
+        self.listed_pos = listed_pos.to(device)
+        self.listed_tensor = listed_tensor.to(device=device, dtype=torch.int32)
+        self.ones = torch.ones(1, dtype=torch.float32, device=device)  # the factor of rows in no segment
+
+    def _cut(self, pieces: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tensor id per row (num_tensors: not inside one segment); positions and tensor ids of the
+        listed elements, in position order."""
+        row_tensor = torch.full((self.rows,), self.num_tensors, dtype=torch.int64)
+        positions, ids = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.int64)]
         for s in pieces:
             lo, hi = s.start - self.start, s.end - self.start
-            first, last = -(-lo // block), min(hi // block, self.rows)  # whole rows inside [lo, hi)
+            first, last = -(-lo // self.block), hi // self.block  # the whole rows inside [lo, hi)
             if first < last:
                 row_tensor[first:last] = s.tensor_id
-                listed = [(lo, first * block), (last * block, hi)]
+                listed = [(lo, first * self.block), (last * self.block, hi)]
             else:
                 listed = [(lo, hi)]
             for a, b in listed:
                 positions.append(torch.arange(a, b, dtype=torch.int64))
-                position_tensor.append(torch.full((max(0, b - a),), s.tensor_id, dtype=torch.int64))
-        listed_pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
-        listed_tensor = torch.cat(position_tensor) if position_tensor else torch.zeros(0, dtype=torch.int64)
-
-        # The per-tensor reduction reads [row sums, listed sums] in tensor order (stable: by position).
-        ids = torch.cat([row_tensor, listed_tensor])
-        keep = torch.nonzero(ids != dummy).squeeze(1)
-        order = keep[torch.argsort(ids[keep], stable=True)]
-        counts = torch.bincount(ids[keep], minlength=num_tensors)
-
-        self.row_tensor = row_tensor.to(device=device, dtype=torch.int32)
-        self.listed_pos = listed_pos.to(device=device)
-        self.listed_tensor = listed_tensor.to(device=device, dtype=torch.int32)
-        self.order = order.to(device=device, dtype=torch.int32)
-        self.counts = counts.to(device=device)
-        self.ones = torch.ones(1, dtype=torch.float32, device=device)  # the factor of rows in no segment
+                ids.append(torch.full((max(0, b - a),), s.tensor_id, dtype=torch.int64))
+        return row_tensor, torch.cat(positions), torch.cat(ids)
 
     @property
     def nbytes(self) -> int:
@@ -173,6 +166,18 @@ class SegmentIndex:
         span.index_copy_(0, self.listed_pos, listed)
 
 
+def _checked(segments: Sequence[Segment], num_tensors: int) -> list[Segment]:
+    """The non-empty segments sorted by start; overlapping or out-of-range ones are refused."""
+    pieces = sorted((s for s in segments if s.end > s.start), key=lambda s: s.start)
+    for before, after in zip(pieces, pieces[1:]):
+        if after.start < before.end:
+            raise ValueError(f"co2: segments {before} and {after} overlap; each element belongs to one tensor")
+    for s in pieces:
+        if not 0 <= s.tensor_id < num_tensors or s.start < 0:
+            raise ValueError(f"co2: segment {s} is invalid; accepted: 0 <= tensor_id < {num_tensors}, start >= 0")
+    return pieces
+
+
 def gap_penalty(hyper: OuterHyper, g_norms: torch.Tensor, gap_norms: torch.Tensor) -> torch.Tensor:
     """Λ per tensor from the global norms of the pseudo-gradient g and of the staleness gap δ."""
     if hyper.penalty == "none":
@@ -196,7 +201,8 @@ def outer_step(
     """One outer step on a slice (docs/design.md §3 b–f), in place.
 
     g: the averaged displacement on the slice; overwritten with the new start point
-       `base - outer_lr * u`. momentum: m on the same slice, updated in place. base: the start point
+       `base - outer_lr * u`. momentum: m on the same slice, updated in place (not written when
+       outer_momentum = 0 without Nesterov: m = g/Λ is then never read again). base: the start point
        the update applies to. segments: the tensor pieces of the slice; counted: the pieces this rank
        counts in global norms. previous_update_sq_norms: this rank's partial ‖u‖² of the previous
        step (the staleness gap is δ = -outer_lr * u), or None when there is no gap (blocking mode,
@@ -220,18 +226,18 @@ def outer_step(
     if hyper.penalty != "none":  # g <- g / Λ
         g_norms, gap_norms = norms_sq[:num_tensors].sqrt(), alpha * norms_sq[num_tensors:].sqrt()
         segments.scale_(g, gap_penalty(hyper, g_norms, gap_norms).reciprocal())
-    if beta:
-        torch.add(g, momentum, alpha=beta, out=momentum)  # m <- β·m + g/Λ
-    else:
-        momentum.copy_(g)
+    if beta or hyper.nesterov:  # m <- β·m + g/Λ
+        m = torch.add(g, momentum, alpha=beta, out=momentum) if beta else momentum.copy_(g)
+    else:  # β = 0, heavy ball: m = g/Λ is read by nothing after this step, so it stays in g
+        m = g
 
     if hyper.clip == "value":
-        momentum.clamp_(-hyper.clip_threshold, hyper.clip_threshold)
+        m.clamp_(-hyper.clip_threshold, hyper.clip_threshold)
     elif hyper.clip == "norm":
-        norm = sum_across_ranks(counted.sq_norms(momentum).sum().reshape(1)).sqrt()
-        momentum.mul_(torch.where(norm > hyper.clip_threshold, hyper.clip_threshold / norm, 1.0))
+        norm = sum_across_ranks(counted.sq_norms(m).sum().reshape(1)).sqrt()
+        m.mul_(torch.where(norm > hyper.clip_threshold, hyper.clip_threshold / norm, 1.0))
 
-    update = g.add_(momentum, alpha=beta) if hyper.nesterov else momentum  # u
+    update = g.add_(m, alpha=beta) if hyper.nesterov else m  # u
     update_sq_norms = counted.sq_norms(update)
     torch.add(base, update, alpha=-alpha, out=g)  # elementwise: writing over u is safe
     return OuterResult(update_sq_norms, True)

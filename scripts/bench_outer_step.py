@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from co2_zero import CO2Config, CO2Optimizer
+from co2_zero.outer import OuterHyper, Segment, SegmentIndex, outer_step
 
 PRESETS = {  # n_layer, n_head, n_embd, block_size, vocab_size, batch_size
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=512, batch_size=8),
@@ -168,6 +169,50 @@ def run(args, tau, device):
     return out
 
 
+OUTER_CONFIGS = {  # the outer step alone, on the model's layout
+    "default (adaptive penalty, no momentum)": CO2Config(),
+    "momentum 0.9 + Nesterov + norm clip": CO2Config(outer_momentum=0.9, nesterov=True, clip={"mode": "norm"}),
+}
+
+
+def outer_step_alone(sizes, device, config, repeats=10):
+    """One `outer_step` over a slice holding tensors of `sizes` (one process, no communication):
+    kernels launched (CUDA kernels, or aten ops on CPU, from the profiler) and ms (median)."""
+    segments, at = [], 0
+    for i, n in enumerate(sizes):
+        segments.append(Segment(i, at, at + n))
+        at += n
+    index = SegmentIndex(segments, len(sizes), device)
+    g0 = 1e-3 * torch.randn(at, device=device)
+    g, momentum, base = g0.clone(), torch.zeros_like(g0), torch.randn_like(g0)
+    kwargs = dict(segments=index, counted=index, hyper=OuterHyper.from_config(config), sum_across_ranks=lambda t: t)
+    previous = torch.rand(len(sizes), device=device)
+    cuda = device.type == "cuda"
+    ms = []
+    for i in range(repeats + 2):
+        g.copy_(g0)
+        if cuda:
+            torch.cuda.synchronize()
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record()
+        t = time.perf_counter()
+        outer_step(g, momentum, base, previous_update_sq_norms=previous, **kwargs)
+        if cuda:
+            ended.record()
+            torch.cuda.synchronize()
+        if i >= 2:  # warm-up
+            ms.append(began.elapsed_time(ended) if cuda else 1e3 * (time.perf_counter() - t))
+    g.copy_(g0)
+    activities = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        outer_step(g, momentum, base, previous_update_sq_norms=previous, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    launched = sum(1 for e in prof.events() if e.device_type == kind)
+    return {"kernels" if cuda else "aten_ops": launched, "ms": statistics.median(ms), "index_bytes": index.nbytes}
+
+
 def formula_bytes(psi, tensors, collective):
     """README / docs/design.md §4 with R = S = N = 1: fp32 words of the CO2 state, + one per tensor."""
     words = 4 * psi if collective == "reduce_scatter" else 3 * psi  # 2Ψ/S + 2Ψ/N, or 3Ψ/S
@@ -245,10 +290,13 @@ def main(argv=None):
     load_before = os.getloadavg()  # other jobs on the machine show here (the CPU numbers are sensitive to them)
 
     model = GPT(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd)
-    params = list(model.parameters())
-    psi, tensors = sum(p.numel() for p in params), len(params)
-    del model, params
+    sizes = [p.numel() for p in model.parameters()]
+    psi, tensors = sum(sizes), len(sizes)
+    del model
     print(f"model: {psi / 1e6:.2f} M parameters in {tensors} tensors; device {device}; taus {args.taus}")
+    alone = {name: outer_step_alone(sizes, device, config) for name, config in OUTER_CONFIGS.items()}
+    for name, measured in alone.items():
+        print(f"outer step alone, {name}: {measured}")
 
     configs = [("plain", None)] + [(f"co2 tau={t}", t) for t in args.taus]
     runs = {name: [] for name, _ in configs}
@@ -285,6 +333,7 @@ def main(argv=None):
         "parameters": psi,
         "tensors": tensors,
         "formula_bytes": formula,
+        "outer_step_alone": alone,
         "rows": rows,
         "runs": runs,
     }
@@ -300,7 +349,10 @@ def main(argv=None):
             f.write(f"Load average before/after: {load_before[0]:.1f} / {result['load_average_after'][0]:.1f} ")
             f.write(f"on {os.cpu_count()} cores.\n\n")
             f.write(text + "\n\n")
-            f.write(f"CO2 state = formula + the segment index ({index_note}).\n")
+            f.write(f"CO2 state = formula + the segment index ({index_note}).\n\n")
+            f.write("One `outer_step` alone on this model's layout (no communication):\n\n")
+            for name, measured in alone.items():
+                f.write(f"- {name}: {json.dumps(measured)}\n")
     dist.destroy_process_group()
 
 
