@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .config import CO2Config
 from .errors import NonFiniteError
-from .outer import OuterResult, Segment, outer_step
+from .outer import OuterHyper, OuterResult, Segment, SegmentIndex, outer_step
 from .topology import Topology, collective_device
 
 # torch 2.13 renamed the tensor collectives `*_single` and warns on the old names.
@@ -60,6 +60,11 @@ class Layout(NamedTuple):
             for s in self.segments
             if (lo := max(s.start, start)) < (hi := min(s.end, end))
         )
+
+
+def _largest(flat: torch.Tensor) -> torch.Tensor:
+    """max |flat| as a 0-d tensor on flat's device (0 when empty), NaN if flat holds one."""
+    return torch.linalg.vector_norm(flat, float("inf")) if flat.numel() else flat.new_zeros(())
 
 
 class PipelineJob(NamedTuple):
@@ -137,6 +142,14 @@ class OuterExchange:
         self.slice_length = self.slice.stop - self.slice.start
         # Placed here, on the main thread: a new thread's current CUDA device is device 0, not this rank's.
         self.flag_device = collective_device(topology.norm_group)
+        # Built once per layout: the outer step's cost then does not grow with the number of tensors.
+        self.hyper = OuterHyper.from_config(config)
+        self.segment_index = SegmentIndex(self.segments, layout.num_tensors, device)
+        self.counted_index = (
+            self.segment_index
+            if self.counted == self.segments
+            else SegmentIndex(self.counted, layout.num_tensors, device)
+        )
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.worker = BackgroundWorker(f"co2-outer-rank{topology.rank}")
 
@@ -147,47 +160,41 @@ class OuterExchange:
         or `job.momentum` until the future is done. The future yields (OuterResult, CUDA event or None).
         """
         if self.stream is None:
-            return self.worker.submit(lambda: (self._pipeline(*job), None))
+            return self.worker.submit(lambda: (self._pipeline(job), None))
         ready = torch.cuda.Event()
         ready.record()
 
         def on_stream() -> tuple[OuterResult, torch.cuda.Event]:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
-                result = self._pipeline(*job)
+                result = self._pipeline(job)
                 done = torch.cuda.Event()
                 done.record(self.stream)
             return result, done
 
         return self.worker.submit(on_stream)
 
-    def _pipeline(
-        self,
-        work: torch.Tensor,
-        base: torch.Tensor,
-        momentum: torch.Tensor,
-        g_buffer: Optional[torch.Tensor],
-        previous_update_sq_norms: Optional[torch.Tensor],
-        round_index: int,
-    ) -> OuterResult:
-        live = work[: self.layout.length]  # what this rank measured; may be empty
-        locally_finite = live.numel() == 0 or bool(torch.isfinite(torch.linalg.vector_norm(live, float("inf"))))
-        g = self._average(work, g_buffer)
+    def _pipeline(self, job: PipelineJob) -> OuterResult:
+        live = job.work[: self.layout.length]  # D, what this rank measured; may be empty
+        # Read only when the round turns out non-finite. all_reduce overwrites D, so its largest |D|
+        # is taken now (on the device, no sync); reduce_scatter leaves D intact until the all-gather.
+        local_max = _largest(live) if self.strategy == "all_reduce" else None
+        g = self._average(job.work, job.g_buffer)
         result = outer_step(
             g,
-            momentum,
-            base[self.slice],
-            segments=self.segments,
-            counted=self.counted,
-            num_tensors=self.layout.num_tensors,
-            previous_update_sq_norms=previous_update_sq_norms,
-            config=self.config,
+            job.momentum,
+            job.base[self.slice],
+            segments=self.segment_index,
+            counted=self.counted_index,
+            previous_update_sq_norms=job.previous_update_sq_norms,
+            hyper=self.hyper,
             sum_across_ranks=self._sum_across_ranks,
         )
         if not result.finite:
-            self._non_finite(locally_finite, round_index)  # raises, or skips the round
+            locally_finite = bool(torch.isfinite(_largest(live) if local_max is None else local_max))
+            self._non_finite(locally_finite, job.round_index)  # raises, or skips the round
         if self.strategy == "reduce_scatter":
-            _all_gather(work, g, group=self.topology.outer_group)
+            _all_gather(job.work, g, group=self.topology.outer_group)
         return result
 
     def _average(self, work: torch.Tensor, g_buffer: Optional[torch.Tensor]) -> torch.Tensor:
@@ -222,6 +229,12 @@ class OuterExchange:
             f"co2: round {round_index}: the displacement of replica(s) {bad} holds NaN or Inf; the outer "
             f"state was not touched. Set nonfinite='skip_round' in the co2 config to skip such rounds."
         )
+
+    @property
+    def index_bytes(self) -> int:
+        """Device bytes of the segment indexes (counted in the CO2 state's footprint)."""
+        indexes = {id(i): i for i in (self.segment_index, self.counted_index)}
+        return sum(i.nbytes for i in indexes.values())
 
     def close(self) -> bool:
         return self.worker.close()

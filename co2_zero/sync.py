@@ -408,9 +408,10 @@ class RoundEngine:
 
     def state_bytes(self) -> int:
         """Bytes of CO2 state this rank holds (DESIGN.md §4: 2Ψ/S + 2Ψ/N fp32 words with
-        reduce_scatter, 3Ψ/S with all_reduce, plus per-tensor norms)."""
+        reduce_scatter, 3Ψ/S with all_reduce, plus per-tensor norms), and the outer step's segment
+        index (`outer.SegmentIndex`, about 2·√(elements · segments) ids)."""
         tensors = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + self.exchange.index_bytes
 
 
 class CO2Steps:

@@ -91,10 +91,11 @@ def misconfigured(rank: int, world: int) -> dict:
         finally:
             out["different_shards_s"] = time.monotonic() - began
 
-    def nonfinite(policy):
+    def nonfinite(policy, collective="auto"):
         def run():
             model = models.make_model("mlp")
-            opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), CO2Config(tau=2, nonfinite=policy))
+            config = CO2Config(tau=2, nonfinite=policy, collective=collective)
+            opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config)
 
             def poison(step):
                 if rank == 1 and step == 1:
@@ -111,7 +112,8 @@ def misconfigured(rank: int, world: int) -> dict:
     attempt("different_model", different_model)
     attempt("shards_do_not_divide", shards_do_not_divide)
     attempt("different_shards", different_shards)
-    attempt("nonfinite_raise", nonfinite("raise"))
+    attempt("nonfinite_raise", nonfinite("raise"))  # gloo: all_reduce
+    attempt("nonfinite_raise_reduce_scatter", nonfinite("raise", "reduce_scatter"))
     attempt("nonfinite_skip", nonfinite("skip_round"))
     return out
 
@@ -170,9 +172,10 @@ def test_rank_that_never_builds_the_optimizer_fails_the_others_in_time():
     assert result["elapsed"] < TIMEOUT_S + 5.0, result
 
 
-def test_nonfinite_displacement_raises_naming_round_and_replica(misconfigured_results):
+@pytest.mark.parametrize("case", ["nonfinite_raise", "nonfinite_raise_reduce_scatter"])
+def test_nonfinite_displacement_raises_naming_round_and_replica(misconfigured_results, case):
     for result in misconfigured_results:
-        error = result["nonfinite_raise"]
+        error = result[case]
         assert isinstance(error, NonFiniteError), error
         assert "round 0" in str(error) and "replica(s) [1]" in str(error), error
 

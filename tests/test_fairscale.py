@@ -196,6 +196,7 @@ def run_scenarios(rank: int, world: int, shards: int, scenarios: dict, resume: d
         train(sc, shards, rank, model, opt, net, range(sc["steps"]), starts)
         info = partition_info(opt)
         info["bytes"] = opt.co2_state_bytes()
+        info["index_bytes"] = opt.engine.exchange.index_bytes
         opt.finalize()
         results[name] = {"starts": starts, "final": snapshot(model, buffers=True), **info}
     results["resume"] = resume_run(rank, shards, resume, workdir)
@@ -474,7 +475,8 @@ def test_partition_is_the_oss_bucket(sharded, one_shard):
 
 def test_state_bytes_match_memory_formula(sharded, one_shard):
     """DESIGN.md §4 for the OSS partition sizes: 2Ψ_s + 2Ψ_s/R words (reduce_scatter) or 3Ψ_s (all_reduce),
-    Ψ_s the rank's bucket padded to a multiple of R (at least R), plus one norm per parameter tensor."""
+    Ψ_s the rank's bucket padded to a multiple of R (at least R), plus one norm per parameter tensor
+    and the segment index."""
     for results, shards, scenarios in ((sharded, 2, SHARDED), (one_shard, 1, ONE_SHARD)):
         replicas = len(results) // shards
         for name, sc in scenarios.items():
@@ -484,7 +486,8 @@ def test_state_bytes_match_memory_formula(sharded, one_shard):
                 padded = max(replicas, math.ceil(psi / replicas) * replicas)
                 assert got["strategy"] == sc["config"]["collective"]
                 words = 2 * padded + 2 * padded // replicas if got["strategy"] == "reduce_scatter" else 3 * padded
-                assert got["bytes"] == 4 * (words + len(got["numels"])), (name, rank)
+                index = got["index_bytes"]  # the outer step's segment index, sized in test_outer_kernels.py
+                assert got["bytes"] == 4 * (words + len(got["numels"])) + index, (name, rank)
 
 
 @pytest.mark.parametrize("which", ["sharded", "one_shard"])
