@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .config import CO2Config
 from .errors import NonFiniteError
-from .outer import OuterResult, Segment, outer_step
+from .outer import Segment, outer_step
 from .topology import Topology
 
 # torch 2.13 renamed the tensor collectives `*_single` and warns on the old names.
@@ -71,6 +71,14 @@ class PipelineJob(NamedTuple):
     g_buffer: Optional[torch.Tensor]  # reduce_scatter: where this rank's sub-shard of g lands
     previous_update_sq_norms: Optional[torch.Tensor]  # the staleness gap's partial norms (None: no gap)
     round_index: int
+
+
+class RoundResult(NamedTuple):
+    """What pipeline t hands back to the round state machine."""
+
+    update_sq_norms: torch.Tensor  # this rank's partial per-tensor ‖u‖², the next pipeline's staleness gap
+    skipped_replicas: Optional[list[int]]  # None: the outer update was applied; else (`nonfinite:
+    # "skip_round"`) the replicas whose displacement held NaN/Inf: the update was skipped on every replica
 
 
 class BackgroundWorker:
@@ -142,14 +150,14 @@ class OuterExchange:
         """Start pipeline `job.round_index` in the background; the new start point lands in `job.work`.
 
         `job.work` must hold D, complete, on the current stream; the caller must not touch `job.base`
-        or `job.momentum` until the future is done. The future yields (OuterResult, CUDA event or None).
+        or `job.momentum` until the future is done. The future yields (RoundResult, CUDA event or None).
         """
         if self.stream is None:
             return self.worker.submit(lambda: (self._pipeline(*job), None))
         ready = torch.cuda.Event()
         ready.record()
 
-        def on_stream() -> tuple[OuterResult, torch.cuda.Event]:
+        def on_stream() -> tuple[RoundResult, torch.cuda.Event]:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
                 result = self._pipeline(*job)
@@ -167,7 +175,7 @@ class OuterExchange:
         g_buffer: Optional[torch.Tensor],
         previous_update_sq_norms: Optional[torch.Tensor],
         round_index: int,
-    ) -> OuterResult:
+    ) -> RoundResult:
         live = work[: self.layout.length]  # what this rank measured; may be empty
         locally_finite = live.numel() == 0 or bool(torch.isfinite(torch.linalg.vector_norm(live, float("inf"))))
         g = self._average(work, g_buffer)
@@ -182,11 +190,12 @@ class OuterExchange:
             config=self.config,
             sum_across_ranks=self._sum_across_ranks,
         )
-        if not result.finite:
-            self._non_finite(locally_finite, round_index, work.device)  # raises, or skips the round
+        skipped = None
+        if not result.finite:  # raises, or skips the round (the new start point is then `base`)
+            skipped = self._non_finite(locally_finite, round_index, work.device)
         if self.strategy == "reduce_scatter":
             _all_gather(work, g, group=self.topology.outer_group)
-        return result
+        return RoundResult(result.update_sq_norms, skipped)
 
     def _average(self, work: torch.Tensor, g_buffer: Optional[torch.Tensor]) -> torch.Tensor:
         """g = mean of D over the outer group, on this rank's slice."""
@@ -210,12 +219,14 @@ class OuterExchange:
         dist.all_reduce(small, group=self.topology.norm_group)
         return small
 
-    def _non_finite(self, locally_finite: bool, round_index: int, device: torch.device) -> None:
-        if self.config.nonfinite == "skip_round":
-            return
+    def _non_finite(self, locally_finite: bool, round_index: int, device: torch.device) -> list[int]:
+        """The replicas whose displacement held NaN/Inf (every rank learns them: one small all-reduce);
+        raises NonFiniteError under `nonfinite: "raise"`, returns them under "skip_round"."""
         flags = torch.zeros(self.topology.replicas, device=device)
         flags[self.topology.replica_index] = 0.0 if locally_finite else 1.0
         bad = [r for r, flag in enumerate(self._sum_across_ranks(flags).tolist()) if flag > 0]
+        if self.config.nonfinite == "skip_round":
+            return bad
         raise NonFiniteError(
             f"co2: round {round_index}: the displacement of replica(s) {bad} holds NaN or Inf; the outer "
             f"state was not touched. Set nonfinite='skip_round' in the co2 config to skip such rounds."

@@ -94,8 +94,8 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
             num_tensors=len(params),
             signature=parameter_signature([p.shape for p in params]),
         )
-        buffers = list(model.buffers()) if model is not None else []
-        self.engine = RoundEngine(partition, config, self.topology, buffers=buffers)
+        inner_params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.engine = RoundEngine(partition, config, self.topology, module=model, params=inner_params)
         self.config = config
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -115,6 +115,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         return {"optimizer": self.optimizer.state_dict(), "co2": self.engine.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.engine.check_state_dict(state_dict["co2"])  # before anything changes: a refused state changes nothing
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.engine.load_state_dict(state_dict["co2"])
 

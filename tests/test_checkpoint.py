@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from co2_zero import CO2Optimizer, checkpoint
-from co2_zero.sync import consolidate
+from co2_zero import CO2Error, CO2Optimizer, checkpoint
+from co2_zero.checkpoint import consolidate
 from tests import models
 from tests.dist_utils import run_ranks
 
@@ -62,7 +62,7 @@ def resumed(rank: int, world: int, root: str) -> dict:
     model, opt = _build({**CONFIGS["all_reduce"], "tau": 4})
     try:
         checkpoint.load(f"{root}/all_reduce", model, opt)
-    except ValueError as error:
+    except CO2Error as error:
         out["wrong-config"] = str(error)
     return out
 
@@ -120,12 +120,19 @@ def _assemble(shares: list) -> dict:
     return full
 
 
+def _saved_files(directory: str) -> list:
+    """Every rank's payload of the newest complete checkpoint in `directory`, in rank order."""
+    (tag, marker), = checkpoint.complete_checkpoints(directory)[-1:]
+    return [checkpoint.load_file(f"{directory}/{tag}/{entry['name']}") for entry in marker["files"]]
+
+
 def test_reshard_two_replicas_to_four(runs):
     root, first, _ = runs
     results = run_ranks(resharded, 4, root)
     for name in CONFIGS:
-        saved = [checkpoint.load_file(checkpoint.rank_file(f"{root}/{name}", r)) for r in range(2)]
-        expected = _assemble([consolidate(s["optimizer"]["co2"]) for s in saved])
+        saved = _saved_files(f"{root}/{name}")
+        assert len(saved) == 2
+        expected = _assemble([consolidate(s["co2"]) for s in saved])
         got = _assemble([r[name]["share"] for r in results])
         assert expected.keys() == got.keys()
         for key, value in expected.items():
