@@ -14,10 +14,21 @@ from tests import models
 from tests.dist_utils import run_ranks
 
 CONFIGS = {
-    "all_reduce": {"tau": 3, "outer_lr": 0.8, "outer_momentum": 0.5, "collective": "all_reduce",
-                   "gap_penalty": {"mode": "adaptive", "strength": 1.5}},
-    "reduce_scatter": {"tau": 3, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
-                       "collective": "reduce_scatter", "clip": {"mode": "norm", "threshold": 0.1}},
+    "all_reduce": {
+        "tau": 3,
+        "outer_lr": 0.8,
+        "outer_momentum": 0.5,
+        "collective": "all_reduce",
+        "gap_penalty": {"mode": "adaptive", "strength": 1.5},
+    },
+    "reduce_scatter": {
+        "tau": 3,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "nesterov": True,
+        "collective": "reduce_scatter",
+        "clip": {"mode": "norm", "threshold": 0.1},
+    },
 }
 SAVE_AT, TOTAL = 7, 14  # 7 = mid-round, with round 1's exchange in flight
 
@@ -125,7 +136,7 @@ def _assemble(shares: list) -> dict:
 
 def _saved_files(directory: str) -> list:
     """Every rank's payload of the newest complete checkpoint in `directory`, in rank order."""
-    (tag, marker), = checkpoint.complete_checkpoints(directory)[-1:]
+    ((tag, marker),) = checkpoint.complete_checkpoints(directory)[-1:]
     return [checkpoint.load_file(f"{directory}/{tag}/{entry['name']}") for entry in marker["files"]]
 
 
@@ -164,15 +175,27 @@ def _geometry(sizes, owned, replicas, replica, strategy="all_reduce", overlap=Tr
     sub = padded // replicas
     sub_shard = [replica * sub, (replica + 1) * sub]
     return {
-        "length": start, "padded": padded, "num_tensors": len(sizes), "segments": segments,
-        "sub_shard": sub_shard, "momentum_range": sub_shard if strategy == "reduce_scatter" else [0, padded],
-        "strategy": strategy, "overlap": overlap, "tau": tau,
+        "length": start,
+        "padded": padded,
+        "num_tensors": len(sizes),
+        "segments": segments,
+        "sub_shard": sub_shard,
+        "momentum_range": sub_shard if strategy == "reduce_scatter" else [0, padded],
+        "strategy": strategy,
+        "overlap": overlap,
+        "tau": tau,
     }
 
 
 def _identity(geometry, rank, replicas, shards):
-    return {"version": 2, "config_hash": "c0ffee", "grid": {"replicas": replicas, "shards": shards}, "rank": rank,
-            "signature": "model-sig", "geometry": geometry}
+    return {
+        "version": 2,
+        "config_hash": "c0ffee",
+        "grid": {"replicas": replicas, "shards": shards},
+        "rank": rank,
+        "signature": "model-sig",
+        "geometry": geometry,
+    }
 
 
 def _state_from_truth(identity, truth, inner_steps=8, tau=3):
@@ -186,9 +209,17 @@ def _state_from_truth(identity, truth, inner_steps=8, tau=3):
         vectors[field] = flat
     lo, hi = geo["momentum_range"]
     norms = truth["norms"][identity["rank"] % len(truth["norms"])]
-    return {**identity, "run_id": "r", "inner_steps": inner_steps, "rounds": inner_steps // tau, "skipped_rounds": 1,
-            "start_point": vectors["start_point"], "next_start": vectors["next_start"] if geo["overlap"] else None,
-            "momentum": vectors["momentum"][lo:hi], "previous_update_sq_norms": norms}
+    return {
+        **identity,
+        "run_id": "r",
+        "inner_steps": inner_steps,
+        "rounds": inner_steps // tau,
+        "skipped_rounds": 1,
+        "start_point": vectors["start_point"],
+        "next_start": vectors["next_start"] if geo["overlap"] else None,
+        "momentum": vectors["momentum"][lo:hi],
+        "previous_update_sq_norms": norms,
+    }
 
 
 SIZES = [32, 8, 24, 3]  # the "mlp" model's tensors
@@ -233,8 +264,10 @@ TARGETS = {
 
 
 def _run(replicas, shards, strategy, owned):
-    return [_identity(_geometry(SIZES, owned(r % shards), replicas, r // shards, strategy), r, replicas, shards)
-            for r in range(replicas * shards)]
+    return [
+        _identity(_geometry(SIZES, owned(r % shards), replicas, r // shards, strategy), r, replicas, shards)
+        for r in range(replicas * shards)
+    ]
 
 
 @pytest.mark.parametrize("saved_name", list(SAVED_RUNS))
@@ -316,8 +349,14 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temp_file(tmp_path):
 
 
 def test_each_rank_cleans_only_its_own_temp_files(tmp_path):
-    names = [".co2_rank00000.ab.pt.1.tmp", ".co2_rank00001.ab.pt.2.tmp", ".co2_rank00007.ab.pt.3.tmp",
-             ".co2_complete.json.4.tmp", ".latest_co2.5.tmp", "co2_rank00001.0123456789abcdef.pt"]
+    names = [
+        ".co2_rank00000.ab.pt.1.tmp",
+        ".co2_rank00001.ab.pt.2.tmp",
+        ".co2_rank00007.ab.pt.3.tmp",
+        ".co2_complete.json.4.tmp",
+        ".latest_co2.5.tmp",
+        "co2_rank00001.0123456789abcdef.pt",
+    ]
     (tmp_path / "t").mkdir()
     for name in names:
         (tmp_path / "t" / name).write_bytes(b"x")
