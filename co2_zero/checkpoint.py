@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import secrets
 import struct
@@ -488,11 +489,13 @@ class _Agreement:
 
 
 def _describe(error: BaseException) -> str:
+    """One line: the error's type and message (for weights_only refusals, torch's reason only)."""
     text = f"{type(error).__name__}: {error}"
-    if "weights_only" in str(error) or "Unsupported global" in str(error):
+    if isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error):
+        reason = re.search(r"WeightsUnpickler error: ([^\n]*)", str(error))
         text = (
-            "refused by torch.load(weights_only=True): the file holds something other than plain data "
-            "and tensors (it could run code when unpickled), so it was not loaded; " + text
+            "refused by torch.load(weights_only=True): the file holds something other than plain data and "
+            f"tensors, which could run code when unpickled ({reason.group(1) if reason else 'unsupported content'})"
         )
     return " ".join(text.split())
 
@@ -518,8 +521,8 @@ def save_checkpoint(
     save_id = _agree_to_save(agreement, root, tag, engine)
     identity = _identity(framework, tag, save_id, engine.inner_steps)
     agreement.consequence = (
-        f"The checkpoint {where} is incomplete (no marker): it will never be loaded, and the previous "
-        f"complete checkpoints are untouched."
+        "This save did not complete: no marker names its files, so it will never be loaded; the previous "
+        "complete checkpoints (an earlier save of the same tag included) are untouched."
     )
     files = _write_rank_files(agreement, where, identity, framework, extra)
     problem = None
