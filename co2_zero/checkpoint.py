@@ -404,16 +404,19 @@ class InnerOptimizerState:
         theirs = [len(g.get("params", ())) for g in inner["param_groups"]]
         if mine != theirs:
             raise ValueError(f"the inner optimizer has parameter groups of sizes {mine} here but {theirs} in the file")
-        by_index = {i: p for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        current = self.optimizer.state_dict()["state"]  # shapes to compare with, where this run has state
         for index, entry in inner.get("state", {}).items():
-            p = by_index.get(index)
-            if p is None:
-                raise ValueError(f"the inner optimizer state names parameter {index}, which does not exist here")
+            if not isinstance(index, int) or not 0 <= index < sum(mine):
+                raise ValueError(f"the inner optimizer state names parameter {index!r}, which does not exist here")
             for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                like = current.get(index, {}).get(key)
+                if not isinstance(like, torch.Tensor):
+                    continue
+                if not isinstance(value, torch.Tensor) or value.shape != like.shape:
+                    shown = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                     raise ValueError(
-                        f"the inner optimizer state {key!r} of parameter {index} has shape {tuple(value.shape)}; "
-                        f"the parameter is {tuple(p.shape)}"
+                        f"the inner optimizer state {key!r} of parameter {index} is {shown} in the file, "
+                        f"{tuple(like.shape)} here"
                     )
 
     def restore(self, saved: dict[str, Any]) -> None:
@@ -422,6 +425,7 @@ class InnerOptimizerState:
 
     def after_reshard(self, saved: Optional[dict[str, Any]]) -> None:
         """The inner optimizer state starts fresh: its partition changed."""
+        self.optimizer.state.clear()
 
 
 def framework_state(model: torch.nn.Module, optimizer: Any) -> FrameworkState:

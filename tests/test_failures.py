@@ -283,6 +283,7 @@ def skip_round_with_adam(rank: int, overlap: bool) -> dict:
             _nan_gradient_on_rank_1(rank, model, step)
             opt.step()
             if opt.round_ended:
+                assert opt.last_round["round"] == len(skipped), opt.last_round  # 0 for the first, both modes
                 skipped.append(opt.last_round["skipped_rounds"])
                 starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
         adam_finite = all(torch.isfinite(t).all() for s in opt.optimizer.state.values() for t in s.values())
