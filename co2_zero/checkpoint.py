@@ -648,21 +648,24 @@ def _module_state(framework: FrameworkState) -> dict[str, Any]:
 
 def _remove_superseded(root: Path, rank: int) -> None:
     """Remove this rank's files no marker names: those of an earlier save of a reused tag and of saves
-    that never completed. A checkpoint directory left empty is removed too."""
+    that never completed. A checkpoint directory this left empty is removed too (by the last rank)."""
     for directory in (d for d in root.iterdir() if d.is_dir() and not d.is_symlink()):
-        try:
-            keep = _read_marker(directory).get("save_id")
-        except Exception:  # no marker (a save that never completed) or an unreadable one: keep nothing
-            keep = None if not (directory / MARKER).exists() else "unreadable"
-        if keep == "unreadable":
-            continue  # never delete what a damaged marker might still name
+        if (directory / MARKER).exists():
+            try:
+                keep = _read_marker(directory).get("save_id")
+            except Exception:
+                continue  # never delete what a damaged marker might still name
+        else:
+            keep = None  # a save that never completed: nothing of it is needed
+        removed = False
         for path in directory.iterdir():
             match = _RANK_FILE.fullmatch(path.name)
             if match and int(match.group(1)) == rank and match.group(2) != keep:
                 path.unlink(missing_ok=True)
-        if rank == 0:
+                removed = True
+        if removed:
             try:
-                directory.rmdir()  # only if empty
+                directory.rmdir()  # only if empty: the last rank to remove its file succeeds
             except OSError:
                 pass
 
@@ -762,10 +765,11 @@ def load_checkpoint(
     where = root / chosen
     agreement.where = where
     try:
-        plan = _prepare(where, framework, reshard)
-        problem = None
+        plan, problem = _prepare(where, framework, reshard), None
     except _Refused as refusal:
         plan, problem = None, str(refusal)
+    except Exception as error:  # a malformed file can fail anywhere; every rank must still hear of it
+        plan, problem = None, f"{where.name}: {_describe(error)}"
     agreement.outcome(problem, "load: every rank validated")
     assert plan is not None
     plan.apply()
@@ -832,6 +836,10 @@ def _prepare(directory: Path, framework: FrameworkState, resharding: bool) -> _P
     """Everything that can fail, with nothing changed yet: read and check what this rank needs."""
     engine = framework.engine
     topology = engine.topology
+    try:
+        engine.state_dict()  # usable (not failed, not finalized), and no round in flight any more
+    except CO2Error as error:
+        raise _Refused(str(error)) from error
     try:
         marker = _read_marker(directory)
     except Exception as error:

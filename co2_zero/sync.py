@@ -168,7 +168,7 @@ class RoundEngine:
 
     def inner_step_done(self) -> bool:
         """Count one applied inner step; end the round on every tau-th. Returns True if it did."""
-        self._check_usable()
+        self.check_usable()
         self.inner_steps += 1
         if self.inner_steps % self.config.tau:
             return False
@@ -221,7 +221,7 @@ class RoundEngine:
         would wait forever for a round its peers never run); otherwise every rank raises CO2Error
         naming the counts.
         """
-        self._check_usable()
+        self.check_usable()
         self._agree_on_steps()
         dropped = self.inner_steps % self.config.tau
         if dropped:
@@ -313,7 +313,8 @@ class RoundEngine:
             )
         return time.perf_counter() - began
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise CO2Error if this engine failed or was finalized."""
         if self.failed is not None:
             raise CO2Error(f"co2: this optimizer already failed and cannot continue: {self.failed}")
         if self.finalized:
@@ -484,7 +485,7 @@ class RoundEngine:
         """This rank's CO2 state. Waits for the round in flight so its result is included. Tensors are
         live references (as in `torch.optim.Optimizer.state_dict()`): save or copy them before the next
         step."""
-        self._check_usable()
+        self.check_usable()
         self._wait_pending()
         return {
             **self.identity(),
@@ -531,7 +532,7 @@ class RoundEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved on this same rank of the same topology and config. Checks
         everything first (`check_state_dict`): a refused state changes nothing."""
-        self._check_usable()
+        self.check_usable()
         self.check_state_dict(state)
         self._wait_pending()
         self.inner_steps, self.rounds = state["inner_steps"], state["rounds"]
@@ -546,7 +547,7 @@ class RoundEngine:
     def restart_from_start_point(self) -> None:
         """Set the live parameters to the current start point (a resharded state resumes at the
         saved run's last round start) and refresh the replica."""
-        self._check_usable()
+        self.check_usable()
         self._set_live(self.start_point)
 
     def state_bytes(self) -> int:
