@@ -237,6 +237,7 @@ class RoundEngine:
         self.close()
 
     def _agree_on_steps(self) -> None:
+        """One fingerprint exchange of inner_steps on the main-thread group, with the usual deadline."""
         group = self.topology.buffer_group
         try:
             table = gather_fingerprints([self.inner_steps], group, self.config.timeout_s, "finalize")
