@@ -160,6 +160,14 @@ def load_scenarios(rank: int, world: int, root: str) -> dict:
     extra = checkpoint.load(f"{root}/reused", model, opt, tag="fixed")
     out["reused"] = {"extra": extra, "steps": opt.engine.inner_steps, "params": _params(model)}
 
+    # Only rank 0 reads latest_co2 and the markers to choose; the others receive its choice.
+    choose = checkpoint._choose
+    if rank == 1:
+        checkpoint._choose = lambda *args: pytest.fail("rank 1 chose a checkpoint itself")
+    model, opt = _build()
+    out["chosen_by_rank_0"] = checkpoint.load(f"{root}/main", model, opt)
+    checkpoint._choose = choose
+
     refused = {
         "empty": {},
         "truncated": {},
@@ -274,6 +282,10 @@ def test_a_save_that_reached_only_rank_0_is_never_loaded(runs):
         assert got["extra"] == {"step": 4} and got["steps"] == 4
         for key, value in runs["saved"][rank]["params4"].items():
             assert torch.equal(got["params"][key], value), key
+
+
+def test_only_rank_0_chooses_the_checkpoint_the_others_receive_it(runs):
+    assert [result["chosen_by_rank_0"] for result in runs["loaded"]] == [{"step": 4}, {"step": 4}]
 
 
 def test_a_reused_tag_whose_save_failed_keeps_its_previous_complete_state(runs):
