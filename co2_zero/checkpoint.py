@@ -1,116 +1,956 @@
-"""Per-rank checkpoint files, written atomically (DESIGN.md §7).
+"""Every checkpoint format co2_zero writes (docs/design.md §7): one layout, one identity record.
 
-A file is written to a temporary name in the same directory, flushed to disk, then renamed over the
-target: a crash leaves either the previous complete file or the new complete one, never a torn one.
+On disk, for every integration (plain PyTorch, FairScale, DeepSpeed)::
+
+    <directory>/
+      latest_co2                          the tag of the newest complete checkpoint (text)
+      <tag>/                              one checkpoint (default tag: step<inner steps>, DeepSpeed: global_step<N>)
+        co2_rank00000.<save id>.pt        rank 0's file: identity, co2 state, module, framework state, extra
+        co2_rank00001.<save id>.pt
+        co2_complete.json                 the marker: written once every rank's file is durable
+
+A save is collective. The ranks agree on the tag, the step and a fresh save id; each rank writes its
+file atomically (temporary file, fsync, rename, fsync of the directory) under a name that carries the
+save id, so a save never overwrites a file a complete checkpoint still needs (a reused tag included);
+the ranks then exchange their file's size and SHA-256 and only when every rank succeeded does rank 0
+write the marker that names them, then `latest_co2`. A checkpoint without a marker is never loaded.
+
+A load is collective too. Rank 0 chooses one complete checkpoint (the given tag, else the one
+`latest_co2` names, else the newest complete one) and tells the others (a fixed-size tensor, no
+pickling); every rank then validates everything it will need: its file's size and digest against the
+marker, `torch.load(weights_only=True)`, the identity (co2 config hash, grid, world size, rank, save
+id), the shapes of the co2 state, the module and the framework's state. Only when every rank reports
+success does any rank write model, optimizer or CO2 state, so a refused load changes nothing. Every
+failure (a full disk, a dead peer, a damaged or crafted file on one rank) ends on every rank with a
+CO2Error naming the rank, the file and what was wrong, within `timeout_s` per agreement.
+
+Resharding (`reshard=True`) re-cuts the CO2 state per parameter tensor (`consolidate`, `reshard`: pure
+functions over the layout) from every rank's file, so a checkpoint of any integration and any R x S
+loads on any other. The directory must be on a file system every rank sees.
+
+An integration contributes only its framework's own state through a `FrameworkState` (see there); this
+module does the files, the agreement, the marker and the validation.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-import tempfile
+import pickle
+import re
+import secrets
+import struct
+import time
+import warnings
+from collections import OrderedDict
 from pathlib import Path
-from typing import IO, Any, Callable, Union
+from typing import IO, Any, Callable, NamedTuple, Optional, Protocol, Sequence, Union
 
 import torch
 
-from .sync import consolidate
+from .errors import CO2Error, CO2TimeoutError
+from .topology import fingerprint, gather_fingerprints
 
 PathLike = Union[str, os.PathLike]
 
+FORMAT = "co2_zero.checkpoint/2"
+MARKER = "co2_complete.json"
+LATEST = "latest_co2"
+MAX_TAG_BYTES = 200
+_RANK_FILE = re.compile(r"co2_rank(\d{5})\.([0-9a-f]{16})\.pt")
+_TEXT_WORDS = 64  # an error message or a path in an agreement: 512 bytes of UTF-8
+_TAG_WORDS = 32
 
-def _write_atomic(path: PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Call write(file) on a temp file beside `path`, fsync it, rename it over `path`, fsync the dir."""
+
+# ---- names that cannot escape the directory -------------------------------------------------------------
+
+
+def check_tag(tag: Any) -> str:
+    """`tag` if it names a directory directly inside a checkpoint directory, else ValueError.
+
+    Refused: empty, absolute, '.', '..', path separators, a leading '.', NUL, over 200 bytes. The same
+    rule applies to the tag read from `latest_co2`, so a crafted file cannot point a load elsewhere.
+    """
+    text = str(tag)
+    separators = {"/", "\\", os.sep, os.altsep or "/"}
+    if (
+        not text
+        or text in (".", "..")
+        or text.startswith(".")
+        or any(s in text for s in separators)
+        or "\0" in text
+        or len(text.encode()) > MAX_TAG_BYTES
+        or os.path.isabs(text)
+    ):
+        raise ValueError(
+            f"co2 checkpoint: tag={text!r} is invalid; accepted: a plain directory name (no path separator, "
+            f"not starting with '.', at most {MAX_TAG_BYTES} bytes) that stays inside the checkpoint directory"
+        )
+    return text
+
+
+def _tag_dir(root: Path, tag: str) -> Path:
+    """root/tag, refusing a tag directory that is a link leading out of root."""
+    directory = root / check_tag(tag)
+    if directory.exists() and directory.resolve().parent != root.resolve():
+        raise ValueError(f"co2 checkpoint: {directory} leads outside {root} (a symbolic link?); refused")
+    return directory
+
+
+def rank_file_name(rank: int, save_id: str) -> str:
+    """The name of rank `rank`'s file of save `save_id` inside a checkpoint's tag directory."""
+    return f"co2_rank{rank:05d}.{save_id}.pt"
+
+
+# ---- atomic, durable files with normal permissions -------------------------------------------------------
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes (SHA-256) and counts what passes through."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.hash, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.hash.update(view)
+        self.size += len(view)
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+
+
+def write_atomic(path: PathLike, write: Callable[[IO[bytes]], None]) -> tuple[int, str]:
+    """Call write(file) on a temporary file beside `path`, fsync it, rename it over `path`, fsync the
+    directory. Returns (bytes, SHA-256 hex) of what was written. The file gets the usual permissions
+    (0666 minus the umask; `tempfile.mkstemp` would make it 0600). A crash leaves the previous `path`
+    whole and at most a `.<name>.*.tmp` file, removed by the next save or load of the directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = _temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the kernel applies the umask
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            writer = _HashingWriter(f)
+            write(writer)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(path.parent)
+    return writer.size, writer.hash.hexdigest()
 
 
-def save_atomic(obj: Any, path: PathLike) -> None:
-    """torch.save `obj` to `path` atomically."""
-    _write_atomic(path, lambda f: torch.save(obj, f))
+def save_atomic(obj: Any, path: PathLike) -> tuple[int, str]:
+    """torch.save plain data (`plain_data_problem` is None) to `path` atomically; (bytes, SHA-256)."""
+    problem = plain_data_problem(obj)
+    if problem is not None:
+        raise ValueError(f"co2 checkpoint: {problem}")
+    return write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def write_text_atomic(path: PathLike, text: str) -> None:
-    """Write a small text file (e.g. a "latest" tag) atomically."""
-    _write_atomic(path, lambda f: f.write(text.encode()))
+    """Write a small text file (the marker, `latest_co2`) atomically."""
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def load_file(path: PathLike, map_location: Any = "cpu") -> Any:
-    """Load a file written by `save_atomic`."""
-    return torch.load(Path(path), map_location=map_location, weights_only=False)
+    """torch.load with weights_only=True: plain containers and tensors only, never code."""
+    return torch.load(Path(path), map_location=map_location, weights_only=True)
 
 
-def rank_file(directory: PathLike, rank: int, tag: str = "co2") -> Path:
-    """The per-rank file name inside a checkpoint directory."""
-    return Path(directory) / f"{tag}_rank{rank:05d}.pt"
+def file_digest(path: PathLike) -> tuple[int, str]:
+    """(bytes, SHA-256 hex) of a file, read in 1 MiB blocks."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
 
 
-def save(directory: PathLike, model: torch.nn.Module, optimizer: Any, extra: Any = None) -> Path:
-    """Write this rank's checkpoint file: model, optimizer (inner and CO2 state) and `extra`.
+_PLAIN_SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size)
 
-    For `CO2Optimizer` and `CO2OSS`. Every rank calls it; taking the optimizer state waits for the
-    round in flight so its result is saved. Returns the file written.
+
+def plain_data_problem(obj: Any, where: str = "state") -> Optional[str]:
+    """None if `obj` is made of what `torch.load(weights_only=True)` reads back (dicts, lists, tuples,
+    sets, numbers, strings, tensors, dtypes, devices), else a phrase naming the first offender."""
+    if isinstance(obj, torch.Tensor) or isinstance(obj, _PLAIN_SCALARS):
+        return None
+    if type(obj) in (dict, OrderedDict):
+        for key, value in obj.items():
+            if not isinstance(key, (str, int, float, bool, type(None), tuple)):
+                return f"{where} has a key of type {type(key).__name__}"
+            problem = plain_data_problem(value, f"{where}[{key!r}]")
+            if problem is not None:
+                return problem
+        return None
+    if type(obj) in (list, tuple, set, frozenset):
+        for i, value in enumerate(obj):
+            problem = plain_data_problem(value, f"{where}[{i}]")
+            if problem is not None:
+                return problem
+        return None
+    return (
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which torch.load(weights_only=True) "
+        f"refuses; checkpoint files hold plain data only (dicts, lists, numbers, strings, tensors): pass "
+        f"e.g. its state_dict()"
+    )
+
+
+def clean_temp_files(root: PathLike, rank: int, world_size: int) -> int:
+    """Remove the temporary files a killed save of this rank left under `root` (rank 0 also those of the
+    marker, `latest_co2` and of ranks >= world_size). Only files this rank itself would write: no race
+    with another rank's save. Returns how many were removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    mine = re.compile(r"\.co2_rank(\d{5})\..*\.tmp|\.(co2_complete\.json|latest_co2)\..*\.tmp")
+    removed = 0
+    for directory in [root, *(d for d in root.iterdir() if d.is_dir() and not d.is_symlink())]:
+        for path in directory.iterdir():
+            match = mine.fullmatch(path.name)
+            if match is None:
+                continue
+            owner = int(match.group(1)) if match.group(1) is not None else 0
+            if owner == rank or (rank == 0 and owner >= world_size):
+                path.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+# ---- the layout-independent CO2 state (pure functions) ---------------------------------------------------
+
+
+def consolidate(state: dict[str, Any]) -> dict[str, Any]:
+    """One rank's layout-independent share of a `RoundEngine.state_dict()`, for resharding.
+
+    Pieces are keyed by parameter tensor and element offset instead of partition position, so a run
+    with another R or S (or another integration) can load them (`reshard`). Each rank contributes its
+    sub-shard; the shares of all ranks of a run cover every parameter element exactly once.
     """
-    import torch.distributed as dist
-
-    topology = optimizer.engine.topology
-    state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "extra": extra,
-        "meta": {"world_size": dist.get_world_size(), "grid": (topology.replicas, topology.shards)},
-    }
-    path = rank_file(directory, dist.get_rank())
-    save_atomic(state, path)
-    return path
-
-
-def load(directory: PathLike, model: torch.nn.Module, optimizer: Any, reshard: bool = False) -> Any:
-    """Load what `save` wrote; returns its `extra`.
-
-    Same topology: restores this rank's own file; the run continues bit for bit. `reshard=True`
-    assembles the CO2 state from every rank's file per parameter tensor, so R and S may differ from
-    the saved run: the model comes from the file of rank `rank % saved_world_size`, the inner
-    optimizer state is not restored (its partition changed), and training resumes at the saved
-    run's last round start.
-    """
-    import torch.distributed as dist
-
-    directory, rank, world = Path(directory), dist.get_rank(), dist.get_world_size()
-    engine = optimizer.engine
-    if not reshard:
-        state = load_file(rank_file(directory, rank))
-        grid = (engine.topology.replicas, engine.topology.shards)
-        if tuple(state["meta"]["grid"]) != grid or state["meta"]["world_size"] != world:
-            raise ValueError(
-                f"co2 checkpoint {directory}: saved with (replicas, shards)={tuple(state['meta']['grid'])} on "
-                f"{state['meta']['world_size']} ranks, this run has {grid} on {world} ranks; "
-                f"pass reshard=True to load it on a different topology"
-            )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        return state["extra"]
-    files = sorted(directory.glob("co2_rank*.pt"))
-    saved = [load_file(f) for f in files]
-    if not saved or len(saved) != saved[0]["meta"]["world_size"]:
-        raise ValueError(
-            f"co2 checkpoint {directory}: found {len(saved)} co2_rank*.pt files; expected one per rank of the saved run"
+    geometry = state["geometry"]
+    start, end = geometry["sub_shard"]
+    momentum_start = geometry["momentum_range"][0]
+    pieces = []
+    for tensor_id, seg_start, seg_end, offset in geometry["segments"]:
+        lo, hi = max(seg_start, start), min(seg_end, end)
+        if lo >= hi:
+            continue
+        pieces.append(
+            {
+                "tensor_id": tensor_id,
+                "offset": offset + lo - seg_start,
+                "start_point": state["start_point"][lo:hi].cpu().clone(),
+                "next_start": None if state["next_start"] is None else state["next_start"][lo:hi].cpu().clone(),
+                "momentum": state["momentum"][lo - momentum_start : hi - momentum_start].cpu().clone(),
+            }
         )
-    mine = saved[rank % len(saved)]
-    model.load_state_dict(mine["model"])
-    engine.load_consolidated([consolidate(s["optimizer"]["co2"]) for s in saved])
-    return mine["extra"]
+    norms = state["previous_update_sq_norms"]
+    return {
+        "config_hash": state["config_hash"],
+        "signature": state["signature"],
+        "num_tensors": geometry["num_tensors"],
+        "tau": geometry["tau"],
+        "inner_steps": state["inner_steps"],
+        "rounds": state["rounds"],
+        "skipped_rounds": state.get("skipped_rounds", 0),
+        "run_id": state.get("run_id"),
+        "pieces": pieces,
+        "update_sq_norms_partial": None if norms is None else norms.cpu().clone(),
+    }
+
+
+def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """A `RoundEngine` state for the engine whose `identity()` is given, assembled from the shares of
+    every rank of a saved run (any R x S, any integration). Returns (state, dropped steps).
+
+    The state resumes at the saved run's last round start: a partial round cannot be carried across
+    partitions, so its steps are dropped (their number is returned). Raises ValueError when the shares
+    do not cover the target's partition or come from another co2 config or model.
+    """
+    geometry = identity["geometry"]
+    for share in shares:
+        for key in ("config_hash", "signature"):
+            if share[key] != identity[key]:
+                raise ValueError(
+                    f"co2 checkpoint: the saved state has {key}={share[key]!r} but this run has {identity[key]!r}; "
+                    f"resharding needs the same co2 config and model"
+                )
+    saved = shares[0]
+    padded, overlap = geometry["padded"], geometry["overlap"]
+    momentum_lo, momentum_hi = geometry["momentum_range"]
+    start_point = torch.zeros(padded, dtype=torch.float32)
+    next_start = torch.zeros(padded, dtype=torch.float32) if overlap else None
+    momentum = torch.zeros(momentum_hi - momentum_lo, dtype=torch.float32)
+    by_tensor: dict[int, list[dict[str, Any]]] = {}
+    for share in shares:
+        for piece in share["pieces"]:
+            by_tensor.setdefault(piece["tensor_id"], []).append(piece)
+    for tensor_id, seg_start, seg_end, offset in geometry["segments"]:
+        here = seg_start - offset  # partition index of this tensor's element 0
+        covered = 0
+        for piece in by_tensor.get(tensor_id, ()):
+            there = piece["offset"]  # tensor element of the piece's element 0
+            lo, hi = max(offset, there), min(offset + seg_end - seg_start, there + piece["start_point"].numel())
+            if lo >= hi:
+                continue
+            covered += hi - lo
+            start_point[here + lo : here + hi] = piece["start_point"][lo - there : hi - there]
+            if overlap:
+                if piece["next_start"] is None:
+                    raise ValueError("co2 checkpoint: saved in blocking mode (overlap false); this run overlaps")
+                next_start[here + lo : here + hi] = piece["next_start"][lo - there : hi - there]
+            m_lo, m_hi = max(here + lo, momentum_lo), min(here + hi, momentum_hi)
+            if m_lo < m_hi:
+                momentum[m_lo - momentum_lo : m_hi - momentum_lo] = piece["momentum"][
+                    m_lo - here - there : m_hi - here - there
+                ]
+        if covered != seg_end - seg_start:
+            raise ValueError(
+                f"co2 checkpoint: the saved shares cover {covered} of the {seg_end - seg_start} elements of "
+                f"parameter tensor {tensor_id} this rank needs; every rank's file of the saved run is needed"
+            )
+    partials = [s["update_sq_norms_partial"] for s in shares if s["update_sq_norms_partial"] is not None]
+    norms = None
+    if partials:  # only the sum over ranks matters: rank 0 carries it, the others zeros
+        norms = torch.stack(partials).sum(0) if identity["rank"] == 0 else torch.zeros_like(partials[0])
+    rounds = saved["rounds"]
+    state = {
+        **identity,
+        "run_id": saved.get("run_id"),
+        "inner_steps": rounds * geometry["tau"],
+        "rounds": rounds,
+        "skipped_rounds": saved.get("skipped_rounds", 0),
+        "start_point": start_point,
+        "next_start": next_start,
+        "momentum": momentum,
+        "previous_update_sq_norms": norms,
+    }
+    return state, saved["inner_steps"] - rounds * saved["tau"]
+
+
+# ---- what an integration contributes ---------------------------------------------------------------------
+
+
+class FrameworkState(Protocol):
+    """An integration's part of a checkpoint: its framework's own state, and how to load it.
+
+    `capture()` returns plain data (weights_only-loadable); `check(saved)` raises ValueError naming
+    what does not fit and changes nothing; `restore(saved)` loads a checked state; `after_reshard(saved)`
+    runs after a resharded load (`saved`: the framework state of the file the module came from when it
+    was written by the same integration, else None; the inner optimizer state is not carried across
+    partitions). `module_excluded()` names module state entries the framework restores itself (e.g.
+    DeepSpeed's trainable parameters, restored from its fp32 partition) and that are not saved.
+    """
+
+    integration: str
+    engine: Any  # the RoundEngine
+    module: torch.nn.Module
+
+    def module_excluded(self) -> set[str]: ...
+
+    def capture(self) -> dict[str, Any]: ...
+
+    def check(self, saved: dict[str, Any]) -> None: ...
+
+    def restore(self, saved: dict[str, Any]) -> None: ...
+
+    def after_reshard(self, saved: Optional[dict[str, Any]]) -> None: ...
+
+
+class InnerOptimizerState:
+    """The framework state of `CO2Optimizer` and `CO2OSS`: the inner torch optimizer's state dict
+    (for CO2OSS: OSS's local optimizer, this rank's shard). `after_load` re-syncs wrapper param groups."""
+
+    def __init__(
+        self,
+        integration: str,
+        engine: Any,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        after_load: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.integration, self.engine, self.module = integration, engine, module
+        self.optimizer, self.after_load = optimizer, after_load
+
+    def module_excluded(self) -> set[str]:
+        return set()
+
+    def capture(self) -> dict[str, Any]:
+        return {"inner_optimizer": self.optimizer.state_dict()}
+
+    def check(self, saved: dict[str, Any]) -> None:
+        inner = saved.get("inner_optimizer") if isinstance(saved, dict) else None
+        if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+            raise ValueError("the inner optimizer state is missing or not a torch optimizer state dict")
+        mine = [len(g["params"]) for g in self.optimizer.param_groups]
+        theirs = [len(g.get("params", ())) for g in inner["param_groups"]]
+        if mine != theirs:
+            raise ValueError(f"the inner optimizer has parameter groups of sizes {mine} here but {theirs} in the file")
+        current = self.optimizer.state_dict()["state"]  # shapes to compare with, where this run has state
+        for index, entry in inner.get("state", {}).items():
+            if not isinstance(index, int) or not 0 <= index < sum(mine):
+                raise ValueError(f"the inner optimizer state names parameter {index!r}, which does not exist here")
+            for key, value in entry.items():
+                like = current.get(index, {}).get(key)
+                if not isinstance(like, torch.Tensor):
+                    continue
+                if not isinstance(value, torch.Tensor) or value.shape != like.shape:
+                    shown = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"the inner optimizer state {key!r} of parameter {index} is {shown} in the file, "
+                        f"{tuple(like.shape)} here"
+                    )
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(saved["inner_optimizer"])
+        self.after_load()
+
+    def after_reshard(self, saved: Optional[dict[str, Any]]) -> None:
+        """The inner optimizer state starts fresh: its partition changed."""
+        self.optimizer.state.clear()
+
+
+def framework_state(model: torch.nn.Module, optimizer: Any) -> FrameworkState:
+    """The `FrameworkState` of a CO2 optimizer: its own (`checkpoint_state(model)`) where it has one
+    (CO2OSS), else its inner torch optimizer's (`CO2Optimizer`)."""
+    engine = getattr(optimizer, "engine", None)
+    if engine is None:
+        raise ValueError(
+            f"co2 checkpoint: {type(optimizer).__name__} is not a CO2 optimizer (CO2Optimizer, CO2OSS); "
+            f"for DeepSpeed use co2_zero.deepspeed.save_checkpoint / load_checkpoint"
+        )
+    own = getattr(optimizer, "checkpoint_state", None)
+    if own is not None:
+        return own(model)
+    return InnerOptimizerState("plain", engine, model, optimizer.inner_optimizer)
+
+
+# ---- agreement: fixed-size int64 vectors, no pickling ----------------------------------------------------
+
+
+def _text_words(text: str, words: int = _TEXT_WORDS) -> list[int]:
+    """UTF-8 text as `words` int64 (truncated on a character boundary, zero-padded)."""
+    data = text.encode()[: 8 * words].decode(errors="ignore").encode()
+    return list(struct.unpack(f"<{words}q", data.ljust(8 * words, b"\0")))
+
+
+def _words_text(values: Sequence[int]) -> str:
+    return struct.pack(f"<{len(values)}q", *values).rstrip(b"\0").decode(errors="replace")
+
+
+def _id_word() -> int:
+    return secrets.randbits(63)
+
+
+def _hex(word: int) -> str:
+    return f"{word:016x}"
+
+
+class _Agreement:
+    """The collectives of one save or load, on the engine's main-thread group of all ranks."""
+
+    def __init__(self, engine: Any, action: str, where: Path) -> None:
+        topology = engine.topology
+        self.rank, self.world = topology.rank, topology.world_size
+        self.group, self.timeout_s = topology.buffer_group, engine.config.timeout_s
+        self.action, self.where = action, where
+        self.consequence = ""  # what a failure of the next exchange means for the user's files and state
+
+    def exchange(self, values: list[int], what: str) -> list[list[int]]:
+        try:
+            return gather_fingerprints(values, self.group, self.timeout_s, what)
+        except CO2TimeoutError as error:
+            raise CO2TimeoutError(
+                f"co2 checkpoint {self.action} {self.where}: not every rank of global ranks "
+                f"{list(range(self.world))} reached '{what}' within timeout_s={self.timeout_s:g} (rank "
+                f"{self.rank} did); a rank died, is stuck, or failed before it (its own error says why). "
+                f"{self.consequence}"
+            ) from error
+
+    def outcome(self, problem: Optional[str], what: str) -> None:
+        """Every rank reports None or a problem; if any rank has one, every rank raises CO2Error
+        listing each failing rank's problem."""
+        table = self.exchange([0 if problem is None else 1, *_text_words(problem or "")], what)
+        _raise_failed(self, [(rank, row[0], row[1:]) for rank, row in enumerate(table)])
+
+
+def _describe(error: BaseException) -> str:
+    """One line: the error's type and message (for weights_only refusals, torch's reason only)."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error):
+        reason = re.search(r"WeightsUnpickler error: ([^\n]*)", str(error))
+        text = (
+            "refused by torch.load(weights_only=True): the file holds something other than plain data and "
+            f"tensors, which could run code when unpickled ({reason.group(1) if reason else 'unsupported content'})"
+        )
+    return " ".join(text.split())
+
+
+# ---- save ------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    directory: PathLike,
+    framework: FrameworkState,
+    extra: Any = None,
+    tag: Optional[str] = None,
+    write_latest: bool = True,
+) -> Path:
+    """Save one complete checkpoint of every rank under `directory/tag` (collective); returns that
+    directory. `tag` defaults to `step<inner steps>`. Raises CO2Error on every rank if any rank failed;
+    the previous complete checkpoints are then untouched. See the module docstring."""
+    engine = framework.engine
+    root = Path(directory)
+    tag = check_tag(tag if tag is not None else f"step{engine.inner_steps:08d}")
+    where = root / tag
+    agreement = _Agreement(engine, "save to", where)
+    save_id = _agree_to_save(agreement, root, tag, engine)
+    identity = _identity(framework, tag, save_id, engine.inner_steps)
+    agreement.consequence = (
+        "This save did not complete: no marker names its files, so it will never be loaded; the previous "
+        "complete checkpoints (an earlier save of the same tag included) are untouched."
+    )
+    files = _write_rank_files(agreement, where, identity, framework, extra)
+    problem = None
+    if agreement.rank == 0:
+        marker = {k: v for k, v in identity.items() if k != "rank"}
+        marker.update(files=files, saved_at=time.time())
+        try:
+            write_text_atomic(where / MARKER, json.dumps(marker, indent=1))
+            if write_latest:
+                write_text_atomic(root / LATEST, tag)
+        except Exception as error:
+            problem = f"{MARKER} or {LATEST}: {_describe(error)}"
+    agreement.consequence = (
+        f"Without its marker {MARKER} the checkpoint is incomplete and will not be loaded; the previous "
+        f"complete checkpoints are untouched."
+    )
+    agreement.outcome(problem, "save: marker written")
+    try:
+        seen = _read_marker(where).get("save_id")
+    except Exception as error:
+        seen = f"unreadable ({_describe(error)})"
+    problem = None
+    if seen != save_id:
+        problem = f"{where / MARKER} names save {seen!r} here, rank 0 wrote {save_id!r}: is {root} shared?"
+    agreement.outcome(problem, "save: marker seen")
+    _remove_superseded(root, agreement.rank)
+    return where
+
+
+def _agree_to_save(agreement: _Agreement, root: Path, tag: str, engine: Any) -> str:
+    """The first exchange of a save: same tag and step everywhere, the directory usable; returns the
+    fresh save id (rank 0's draw) and sets the engine's run id if it has none yet."""
+    agreement.consequence = "Nothing was written; the previous complete checkpoints are untouched."
+    problem = None
+    try:
+        _tag_dir(root, tag)
+        clean_temp_files(root, agreement.rank, agreement.world)
+    except (OSError, ValueError) as error:
+        problem = f"{root}: {_describe(error)}"
+    mine = [int(problem is not None), fingerprint(tag), engine.inner_steps, _id_word(), _id_word()]
+    table = agreement.exchange([*mine, *_text_words(problem or "")], "save: agree on tag and step")
+    if any(row[1:3] != table[0][1:3] for row in table):
+        counts = ", ".join(f"rank {r}: step {row[2]}" for r, row in enumerate(table))
+        raise CO2Error(
+            f"co2 checkpoint save to {root / tag}: the ranks are at different steps or use different tags "
+            f"({counts}); every rank must save after the same number of optimizer steps, with the same tag. "
+            f"{agreement.consequence}"
+        )
+    _raise_failed(agreement, [(r, row[0], row[5:]) for r, row in enumerate(table)])
+    if engine.run_id is None:
+        engine.run_id = _hex(table[0][4])
+    return _hex(table[0][3])
+
+
+def _write_rank_files(
+    agreement: _Agreement, where: Path, identity: dict[str, Any], framework: FrameworkState, extra: Any
+) -> list[dict[str, Any]]:
+    """Every rank writes its file durably; returns the marker's list of files (name, bytes, SHA-256)."""
+    name = rank_file_name(agreement.rank, identity["save_id"])
+    size, digest, problem = 0, "0" * 64, None
+    try:
+        payload = {
+            "identity": identity,
+            "co2": framework.engine.state_dict(),
+            "module": _module_state(framework),
+            "framework": framework.capture(),
+            "extra": extra,
+        }
+        size, digest = save_atomic(payload, where / name)
+    except Exception as error:  # a full disk (OSError, or RuntimeError from torch.save), a bad extra, ...
+        problem = f"{name}: {_describe(error)}"
+    digest_words = list(struct.unpack("<4q", bytes.fromhex(digest)))
+    table = agreement.exchange(
+        [int(problem is not None), size, *digest_words, *_text_words(problem or "")], "save: every file durable"
+    )
+    _raise_failed(agreement, [(r, row[0], row[6:]) for r, row in enumerate(table)])
+    return [
+        {"rank": r, "name": rank_file_name(r, identity["save_id"]), "bytes": row[1], "sha256": _words_hex(row[2:6])}
+        for r, row in enumerate(table)
+    ]
+
+
+def _raise_failed(agreement: _Agreement, reports: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+    """reports: (rank, failed flag, message words); raise CO2Error listing the failed ranks, if any."""
+    failed = [(rank, _words_text(words)) for rank, flag, words in reports if flag]
+    if failed:
+        lines = "\n".join(f"  rank {rank}: {text}" for rank, text in failed)
+        raise CO2Error(
+            f"co2 checkpoint {agreement.action} {agreement.where} failed on rank(s) {[r for r, _ in failed]}:\n"
+            f"{lines}\n{agreement.consequence}"
+        )
+
+
+def _words_hex(words: Sequence[int]) -> str:
+    return struct.pack("<4q", *words).hex()
+
+
+def _identity(framework: FrameworkState, tag: str, save_id: str, steps: int) -> dict[str, Any]:
+    engine = framework.engine
+    topology = engine.topology
+    return {
+        "format": FORMAT,
+        "integration": framework.integration,
+        "config_hash": engine.config.math_hash(),
+        "grid": {"replicas": topology.replicas, "shards": topology.shards},
+        "world_size": topology.world_size,
+        "rank": topology.rank,
+        "step": steps,
+        "run_id": engine.run_id,
+        "tag": tag,
+        "save_id": save_id,
+    }
+
+
+def _module_state(framework: FrameworkState) -> dict[str, Any]:
+    excluded = framework.module_excluded()
+    return {k: v for k, v in framework.module.state_dict().items() if k not in excluded}
+
+
+def _remove_superseded(root: Path, rank: int) -> None:
+    """Remove this rank's files no marker names: those of an earlier save of a reused tag and of saves
+    that never completed. A checkpoint directory this left empty is removed too (by the last rank)."""
+    for directory in (d for d in root.iterdir() if d.is_dir() and not d.is_symlink()):
+        if (directory / MARKER).exists():
+            try:
+                keep = _read_marker(directory).get("save_id")
+            except Exception:
+                continue  # never delete what a damaged marker might still name
+        else:
+            keep = None  # a save that never completed: nothing of it is needed
+        removed = False
+        for path in directory.iterdir():
+            match = _RANK_FILE.fullmatch(path.name)
+            if match and int(match.group(1)) == rank and match.group(2) != keep:
+                path.unlink(missing_ok=True)
+                removed = True
+        if removed:
+            try:
+                directory.rmdir()  # only if empty: the last rank to remove its file succeeds
+            except OSError:
+                pass
+
+
+# ---- load ------------------------------------------------------------------------------------------------
+
+
+def _read_marker(directory: Path) -> dict[str, Any]:
+    marker = json.loads((directory / MARKER).read_text())
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        raise ValueError(f"{MARKER} has format {marker.get('format') if isinstance(marker, dict) else None!r}")
+    return marker
+
+
+def complete_checkpoints(directory: PathLike) -> list[tuple[str, dict[str, Any]]]:
+    """(tag, marker) of every complete checkpoint under `directory`, oldest first (by step, then time)."""
+    root, found = Path(directory), []
+    if not root.is_dir():
+        return []
+    for sub in root.iterdir():
+        try:
+            if sub.is_dir() and not sub.is_symlink() and (sub / MARKER).is_file():
+                found.append((check_tag(sub.name), _read_marker(sub)))
+        except (OSError, ValueError):
+            continue
+    return sorted(found, key=lambda item: (item[1].get("step", -1), item[1].get("saved_at", 0.0)))
+
+
+class _Choice(NamedTuple):
+    tag: Optional[str]  # None: nothing to load
+    problem: Optional[str]  # a reason to refuse, for every rank
+
+
+def _choose(root: Path, tag: Optional[str]) -> _Choice:
+    """Rank 0's choice of the checkpoint to load."""
+    complete = dict(complete_checkpoints(root))
+    if tag is not None:
+        tag = check_tag(tag)
+        if tag in complete:
+            return _Choice(tag, None)
+        state = "does not exist" if not (root / tag).exists() else f"is incomplete (no valid {MARKER})"
+        return _Choice(None, f"{root / tag} {state}; complete checkpoints in {root}: {sorted(complete)}")
+    latest = root / LATEST
+    if latest.is_file():
+        named = latest.read_text().strip()
+        try:
+            check_tag(named)
+        except ValueError:
+            return _Choice(None, f"{latest} names {named[:80]!r}, which is not a tag inside {root}; refused")
+        if named in complete:
+            return _Choice(named, None)
+        warnings.warn(
+            f"co2 checkpoint: {latest} names {named!r}, which is not a complete checkpoint; loading the newest "
+            f"complete one instead",
+            stacklevel=4,
+        )
+    if not complete:
+        return _Choice(None, None)
+    return _Choice(list(complete)[-1], None)
+
+
+def load_checkpoint(
+    directory: PathLike,
+    framework: FrameworkState,
+    tag: Optional[str] = None,
+    reshard: bool = False,
+) -> Optional[tuple[Path, Any]]:
+    """Load one complete checkpoint on every rank (collective): returns (its directory, its extra), or
+    None when `directory` holds no complete checkpoint at all. Raises CO2Error on every rank when any
+    rank cannot load it; nothing was changed then. See the module docstring."""
+    engine = framework.engine
+    root = Path(directory)
+    agreement = _Agreement(engine, "load from", root)
+    rank, world = agreement.rank, agreement.world
+    agreement.consequence = "Nothing was loaded: the model, the optimizers and the CO2 state are unchanged."
+    try:
+        clean_temp_files(root, rank, world)
+    except OSError:
+        pass  # cleaning is a courtesy; the load does not depend on it
+    kind, chosen, problem = 0, "", ""
+    if rank == 0:
+        try:
+            choice = _choose(root, tag)
+            kind = 2 if choice.problem else (1 if choice.tag is None else 0)
+            chosen, problem = choice.tag or "", choice.problem or ""
+        except Exception as error:
+            kind, problem = 2, f"{root}: {_describe(error)}"
+    table = agreement.exchange([kind, *_text_words(chosen, _TAG_WORDS), *_text_words(problem)], "load: choose")
+    kind, chosen = table[0][0], _words_text(table[0][1 : 1 + _TAG_WORDS])
+    if kind == 2:
+        raise CO2Error(
+            f"co2 checkpoint load from {root} refused: {_words_text(table[0][1 + _TAG_WORDS :])}. "
+            f"{agreement.consequence}"
+        )
+    if kind == 1:
+        return None
+    where = root / chosen
+    agreement.where = where
+    try:
+        plan, problem = _prepare(where, framework, reshard), None
+    except _Refused as refusal:
+        plan, problem = None, str(refusal)
+    except Exception as error:  # a malformed file can fail anywhere; every rank must still hear of it
+        plan, problem = None, f"{where.name}: {_describe(error)}"
+    agreement.outcome(problem, "load: every rank validated")
+    assert plan is not None
+    plan.apply()
+    return where, plan.extra
+
+
+class _Refused(Exception):
+    """Why this rank cannot load the chosen checkpoint (file and reason)."""
+
+
+class _Plan(NamedTuple):
+    """What a rank will write once every rank validated."""
+
+    apply: Callable[[], None]
+    extra: Any
+
+
+def _open(directory: Path, marker: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Rank `rank`'s payload, after checking it against the marker; raises _Refused naming the file."""
+    files = marker.get("files", [])
+    entry = files[rank] if 0 <= rank < len(files) else None
+    if not isinstance(entry, dict) or not _RANK_FILE.fullmatch(str(entry.get("name"))):
+        raise _Refused(f"{directory / MARKER}: no valid entry for rank {rank}")
+    path = directory / entry["name"]
+    try:
+        size, digest = file_digest(path)
+    except OSError as error:
+        raise _Refused(f"{entry['name']}: missing or unreadable ({_describe(error)})") from error
+    if size != entry.get("bytes") or digest != entry.get("sha256"):
+        raise _Refused(
+            f"{entry['name']}: {size} bytes with SHA-256 {digest[:12]}..., the marker says {entry.get('bytes')} "
+            f"bytes with {str(entry.get('sha256'))[:12]}... (empty, truncated or damaged)"
+        )
+    try:
+        payload = load_file(path)
+    except Exception as error:
+        raise _Refused(f"{entry['name']}: {_describe(error)}") from error
+    if not isinstance(payload, dict) or not isinstance(payload.get("identity"), dict):
+        raise _Refused(f"{entry['name']}: not a co2_zero checkpoint file (no identity record)")
+    identity = payload["identity"]
+    for key in ("format", "save_id", "run_id", "tag", "integration", "config_hash", "grid", "world_size"):
+        if identity.get(key) != marker.get(key):
+            raise _Refused(f"{entry['name']}: {key}={identity.get(key)!r} but the marker says {marker.get(key)!r}")
+    if identity.get("rank") != rank:
+        raise _Refused(f"{entry['name']}: written by rank {identity.get('rank')!r}, listed for rank {rank}")
+    return payload
+
+
+def _check_module(module: torch.nn.Module, saved: Any, needed: set[str], name: str) -> None:
+    if not isinstance(saved, dict):
+        raise _Refused(f"{name}: the module state is missing")
+    current = module.state_dict()
+    missing = sorted(needed - set(saved))
+    if missing:
+        raise _Refused(f"{name}: the module state lacks {missing[:5]} (a different model?)")
+    for key in needed:
+        want, got = current[key], saved[key]
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+            shown = f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise _Refused(f"{name}: module entry {key!r} is {shown}; this model has {want.dtype} {tuple(want.shape)}")
+
+
+def _prepare(directory: Path, framework: FrameworkState, resharding: bool) -> _Plan:
+    """Everything that can fail, with nothing changed yet: read and check what this rank needs."""
+    engine = framework.engine
+    topology = engine.topology
+    try:
+        engine.state_dict()  # usable (not failed, not finalized), and no round in flight any more
+    except CO2Error as error:
+        raise _Refused(str(error)) from error
+    try:
+        marker = _read_marker(directory)
+    except Exception as error:
+        raise _Refused(f"{directory / MARKER}: {_describe(error)}") from error
+    if not resharding:
+        return _prepare_same(directory, marker, framework)
+    saved_world = marker.get("world_size")
+    if not isinstance(saved_world, int) or saved_world < 1:
+        raise _Refused(f"{directory / MARKER}: world_size={saved_world!r}")
+    shares, source = [], None
+    for saved_rank in range(saved_world):
+        payload = _open(directory, marker, saved_rank)
+        name = marker["files"][saved_rank]["name"]
+        try:
+            shares.append(consolidate(payload["co2"]))
+        except Exception as error:
+            raise _Refused(f"{name}: the co2 state cannot be consolidated ({_describe(error)})") from error
+        if saved_rank == topology.rank % saved_world:
+            source = (name, payload)
+        del payload
+    name, payload = source
+    try:
+        state, dropped = reshard(shares, engine.identity())
+        engine.check_state_dict(state)
+    except ValueError as error:
+        raise _Refused(f"{directory.name}: {error}") from error
+    trainable = {n for n, p in framework.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    needed = set(framework.module.state_dict()) - trainable
+    _check_module(framework.module, payload["module"], needed, name)
+    same_framework = payload["identity"].get("integration") == framework.integration
+    saved_framework = payload["framework"] if same_framework else None
+    module_state = {k: payload["module"][k] for k in needed}
+
+    def apply() -> None:
+        if dropped:
+            warnings.warn(
+                f"co2 resharding: {dropped} step(s) after the saved run's last round end are dropped; training "
+                f"resumes at its last round start (step {state['inner_steps']})",
+                stacklevel=4,
+            )
+        framework.module.load_state_dict(module_state, strict=False)
+        engine.load_state_dict(state)
+        engine.restart_from_start_point()
+        framework.after_reshard(saved_framework)
+
+    return _Plan(apply, payload["extra"])
+
+
+def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkState) -> _Plan:
+    engine = framework.engine
+    topology = engine.topology
+    here = {
+        "integration": framework.integration,
+        "config_hash": engine.config.math_hash(),
+        "grid": {"replicas": topology.replicas, "shards": topology.shards},
+        "world_size": topology.world_size,
+    }
+    for key, value in here.items():
+        if marker.get(key) != value:
+            hint = "resume with the same co2 config" if key == "config_hash" else "or pass reshard=True"
+            raise _Refused(f"{directory.name}: {key}={marker.get(key)!r} in the checkpoint, {value!r} here; {hint}")
+    payload = _open(directory, marker, topology.rank)
+    name = marker["files"][topology.rank]["name"]
+    try:
+        engine.check_state_dict(payload.get("co2"))
+    except ValueError as error:
+        raise _Refused(f"{name}: {error}") from error
+    needed = set(framework.module.state_dict()) - framework.module_excluded()
+    _check_module(framework.module, payload.get("module"), needed, name)
+    unknown = sorted(set(payload["module"]) - needed)
+    if unknown:
+        raise _Refused(f"{name}: the module state has entries this model lacks: {unknown[:5]}")
+    try:
+        framework.check(payload.get("framework"))
+    except ValueError as error:
+        raise _Refused(f"{name}: {error}") from error
+
+    def apply() -> None:
+        framework.module.load_state_dict(payload["module"], strict=not framework.module_excluded())
+        framework.restore(payload["framework"])
+        engine.load_state_dict(payload["co2"])
+
+    return _Plan(apply, payload.get("extra"))
+
+
+# ---- the public entry points for CO2Optimizer and CO2OSS -------------------------------------------------
+
+
+def save(
+    directory: PathLike, model: torch.nn.Module, optimizer: Any, extra: Any = None, tag: Optional[str] = None
+) -> Path:
+    """Save model, optimizer (inner and CO2 state) and `extra` (plain data) of every rank as one complete
+    checkpoint `directory/tag` (collective: every rank calls it). Waits for the round in flight, so it
+    can be called at any inner step. `tag` defaults to `step<inner steps>`. Returns the checkpoint's
+    directory; raises CO2Error on every rank if any rank failed (nothing of the previous checkpoints is
+    lost then)."""
+    return save_checkpoint(directory, framework_state(model, optimizer), extra=extra, tag=tag)
+
+
+def load(
+    directory: PathLike, model: torch.nn.Module, optimizer: Any, reshard: bool = False, tag: Optional[str] = None
+) -> Any:
+    """Load a complete checkpoint written by `save` (collective); returns its `extra`.
+
+    Without `tag`: the one `latest_co2` names, else the newest complete one; never a partial one. Same
+    topology: every rank restores its own file and the run continues bit for bit. `reshard=True`
+    assembles the CO2 state per parameter tensor from every rank's file, so R, S and the integration may
+    differ from the saved run's: training resumes at its last round start, the inner optimizer state
+    starts fresh. A refused load (CO2Error on every rank) changes nothing.
+    """
+    loaded = load_checkpoint(directory, framework_state(model, optimizer), tag=tag, reshard=reshard)
+    if loaded is None:
+        raise CO2Error(f"co2 checkpoint: no complete checkpoint in {directory}; nothing was loaded")
+    return loaded[1]

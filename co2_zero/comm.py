@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .config import CO2Config
 from .errors import NonFiniteError
-from .outer import OuterHyper, OuterResult, Segment, SegmentIndex, outer_step
+from .outer import OuterHyper, Segment, SegmentIndex, outer_step
 from .topology import Topology, collective_device
 
 # torch 2.13 renamed the tensor collectives `*_single` and warns on the old names.
@@ -76,6 +76,14 @@ class PipelineJob(NamedTuple):
     g_buffer: Optional[torch.Tensor]  # reduce_scatter: where this rank's sub-shard of g lands
     previous_update_sq_norms: Optional[torch.Tensor]  # the staleness gap's partial norms (None: no gap)
     round_index: int
+
+
+class RoundResult(NamedTuple):
+    """What pipeline t hands back to the round state machine."""
+
+    update_sq_norms: torch.Tensor  # this rank's partial per-tensor ‖u‖², the next pipeline's staleness gap
+    skipped_replicas: Optional[list[int]]  # None: the outer update was applied; else (`nonfinite:
+    # "skip_round"`) the replicas whose displacement held NaN/Inf: the update was skipped on every replica
 
 
 class BackgroundWorker:
@@ -157,14 +165,14 @@ class OuterExchange:
         """Start pipeline `job.round_index` in the background; the new start point lands in `job.work`.
 
         `job.work` must hold D, complete, on the current stream; the caller must not touch `job.base`
-        or `job.momentum` until the future is done. The future yields (OuterResult, CUDA event or None).
+        or `job.momentum` until the future is done. The future yields (RoundResult, CUDA event or None).
         """
         if self.stream is None:
             return self.worker.submit(lambda: (self._pipeline(job), None))
         ready = torch.cuda.Event()
         ready.record()
 
-        def on_stream() -> tuple[OuterResult, torch.cuda.Event]:
+        def on_stream() -> tuple[RoundResult, torch.cuda.Event]:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
                 result = self._pipeline(job)
@@ -174,7 +182,7 @@ class OuterExchange:
 
         return self.worker.submit(on_stream)
 
-    def _pipeline(self, job: PipelineJob) -> OuterResult:
+    def _pipeline(self, job: PipelineJob) -> RoundResult:
         live = job.work[: self.layout.length]  # D, what this rank measured; may be empty
         # Read only when the round turns out non-finite. all_reduce overwrites D, so its largest |D|
         # is taken now (on the device, no sync); reduce_scatter leaves D intact until the all-gather.
@@ -190,12 +198,13 @@ class OuterExchange:
             hyper=self.hyper,
             sum_across_ranks=self._sum_across_ranks,
         )
-        if not result.finite:
+        skipped = None
+        if not result.finite:  # raises, or skips the round (the new start point is then `base`)
             locally_finite = bool(torch.isfinite(_largest(live) if local_max is None else local_max))
-            self._non_finite(locally_finite, job.round_index)  # raises, or skips the round
+            skipped = self._non_finite(locally_finite, job.round_index)
         if self.strategy == "reduce_scatter":
             _all_gather(job.work, g, group=self.topology.outer_group)
-        return result
+        return RoundResult(result.update_sq_norms, skipped)
 
     def _average(self, work: torch.Tensor, g_buffer: Optional[torch.Tensor]) -> torch.Tensor:
         """g = mean of D over the outer group, on this rank's slice."""
@@ -219,12 +228,14 @@ class OuterExchange:
         dist.all_reduce(small, group=self.topology.norm_group)
         return small
 
-    def _non_finite(self, locally_finite: bool, round_index: int) -> None:
-        if self.config.nonfinite == "skip_round":
-            return
+    def _non_finite(self, locally_finite: bool, round_index: int) -> list[int]:
+        """The replicas whose displacement held NaN/Inf (every rank learns them: one small all-reduce);
+        raises NonFiniteError under `nonfinite: "raise"`, returns them under "skip_round"."""
         flags = torch.zeros(self.topology.replicas, device=self.flag_device)
         flags[self.topology.replica_index] = 0.0 if locally_finite else 1.0
         bad = [r for r, flag in enumerate(self._sum_across_ranks(flags).tolist()) if flag > 0]
+        if self.config.nonfinite == "skip_round":
+            return bad
         raise NonFiniteError(
             f"co2: round {round_index}: the displacement of replica(s) {bad} holds NaN or Inf; the outer "
             f"state was not touched. Set nonfinite='skip_round' in the co2 config to skip such rounds."

@@ -46,7 +46,7 @@ from . import checkpoint
 from .config import CO2Config
 from .outer import Segment
 from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
-from .topology import Topology, collective_device
+from .topology import Topology, gather_fingerprints
 
 __all__ = [
     "CO2ZeroOptimizer",
@@ -255,8 +255,7 @@ class CO2ZeroOptimizer(CO2Steps, DeepSpeedZeroOptimizer):
         partition = zero_partition(self)
         self.config = config
         self.topology = topology
-        buffers = list(module.buffers())
-        self.engine = RoundEngine(partition, config, topology, refresh=self.update_lp_params, buffers=buffers)
+        self.engine = RoundEngine(partition, config, topology, refresh=self.update_lp_params, module=module)
 
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's step; then, if it was applied (not skipped on fp16 overflow), count it for CO2."""
@@ -442,6 +441,9 @@ def _bound(function: Any, engine: Any) -> Any:
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
+# The files, the agreement, the marker and the validation are co2_zero.checkpoint's; DeepSpeed contributes
+# only its own state (`ZeroCheckpointState`). DeepSpeed's own save_checkpoint names files after the rank
+# inside the data-parallel group, so with one ZeRO group per replica every replica would write the same names.
 
 
 def _co2_optimizer(engine: Any) -> CO2ZeroOptimizer:
@@ -451,29 +453,84 @@ def _co2_optimizer(engine: Any) -> CO2ZeroOptimizer:
     return zero
 
 
-def _all_ok(ok: bool, topology: Topology) -> bool:
-    """True when every rank reports ok (one small all-reduce on a main-thread CO2 group)."""
-    flag = torch.tensor([0.0 if ok else 1.0], device=collective_device(topology.buffer_group))
-    dist.all_reduce(flag, group=topology.buffer_group)
-    return float(flag) == 0.0
+class ZeroCheckpointState:
+    """DeepSpeed's part of a `co2_zero.checkpoint` file: the ZeRO state dict in its rigid form (this rank's
+    fp32 partition and inner optimizer state, as plain data), the LR scheduler and the engine's step
+    counters; the module's trainable parameters are restored from the fp32 partition, not saved."""
 
+    integration = "deepspeed"
 
-def _frozen_state(engine: Any, zero: CO2ZeroOptimizer) -> dict[str, torch.Tensor]:
-    """The module state that is not a trainable ZeRO parameter: buffers and frozen parameters (this rank's
-    own values). Trainable parameters are restored from the fp32 master partition instead."""
-    trainable = {id(p) for group in zero.bit16_groups for p in group}
-    names = {name for name, p in engine.module.named_parameters() if id(p) in trainable}
-    return {k: v for k, v in engine.module.state_dict().items() if k not in names}
+    def __init__(self, engine: Any) -> None:
+        self.ds_engine, self.zero = engine, _co2_optimizer(engine)
+        self.engine, self.module = self.zero.engine, engine.module
 
+    def module_excluded(self) -> set[str]:
+        trainable = {id(p) for group in self.zero.bit16_groups for p in group}
+        return {name for name, p in self.module.named_parameters(remove_duplicate=False) if id(p) in trainable}
 
-def _rigid_state_dict(zero: CO2ZeroOptimizer) -> dict[str, Any]:
-    """DeepSpeed's ZeRO state dict in its rigid form (this rank's own optimizer state), even with
-    `elastic_checkpoint`: the elastic form needs every rank's file to load; the rigid one loads alone."""
-    elastic, zero.elastic_checkpoint = zero.elastic_checkpoint, False
-    try:
-        return zero.state_dict()
-    finally:
-        zero.elastic_checkpoint = elastic
+    def capture(self) -> dict[str, Any]:
+        engine = self.ds_engine
+        return {
+            "zero": self._plain_zero_state(),
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "counters": {
+                k: getattr(engine, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+            },
+        }
+
+    def _plain_zero_state(self) -> dict[str, Any]:
+        """DeepSpeed's rigid ZeRO state dict (loads alone, even with `elastic_checkpoint`), as plain data:
+        the loss scaler as its attributes, the stage as an int, no universal-checkpoint mappings."""
+        zero = self.zero
+        elastic, zero.elastic_checkpoint = zero.elastic_checkpoint, False
+        try:
+            state = dict(zero.state_dict())
+        finally:
+            zero.elastic_checkpoint = elastic
+        scaler = vars(zero.loss_scaler)
+        state["loss_scaler"] = {k: v for k, v in scaler.items() if checkpoint.plain_data_problem(v) is None}
+        state["zero_stage"] = int(state["zero_stage"])
+        state.pop("param_slice_mappings", None)
+        state.pop("universal_checkpoint_info", None)
+        return state
+
+    def check(self, saved: dict[str, Any]) -> None:
+        zero_state = saved.get("zero") if isinstance(saved, dict) else None
+        if not isinstance(zero_state, dict) or not isinstance(zero_state.get("single_partition_of_fp32_groups"), list):
+            raise ValueError("the ZeRO state is missing")
+        mine = [t.numel() for t in self.zero._get_groups_without_padding(self.zero.single_partition_of_fp32_groups)]
+        theirs = [
+            t.numel() if isinstance(t, torch.Tensor) else None for t in zero_state["single_partition_of_fp32_groups"]
+        ]
+        if mine != theirs:
+            raise ValueError(f"the ZeRO fp32 partitions hold {theirs} elements in the file, {mine} here")
+        if (saved.get("lr_scheduler") is None) != (self.ds_engine.lr_scheduler is None):
+            raise ValueError("an LR scheduler is saved but none is configured here, or the reverse")
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        zero = self.zero
+        state = dict(saved["zero"])
+        for key, value in state["loss_scaler"].items():
+            setattr(zero.loss_scaler, key, value)
+        state["loss_scaler"] = zero.loss_scaler
+        states: list[Any] = [None] * zero.topology.shards
+        states[zero.topology.shard_index] = state
+        zero.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+        zero.update_lp_params()  # the module's parameters from the restored fp32 masters
+        self._restore_engine(saved)
+
+    def after_reshard(self, saved: Optional[dict[str, Any]]) -> None:
+        """The ZeRO inner state starts fresh (the partition changed); the schedule and counters carry on
+        when the file came from DeepSpeed."""
+        if saved is not None:
+            self._restore_engine(saved)
+
+    def _restore_engine(self, saved: dict[str, Any]) -> None:
+        engine = self.ds_engine
+        if engine.lr_scheduler is not None and saved.get("lr_scheduler") is not None:
+            engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+        for key, value in saved["counters"].items():
+            setattr(engine, key, value)
 
 
 def save_checkpoint(
@@ -483,16 +540,10 @@ def save_checkpoint(
     client_state: Optional[Mapping[str, Any]] = None,
     save_latest: bool = True,
 ) -> Path:
-    """Save this rank's state to `save_dir/tag/co2_ds_rankNNNNN.pt`, atomically (collective).
-
-    Each file holds the rank's fp32 master partition and inner optimizer state (DeepSpeed's own ZeRO
-    state dict), its CO2 state (waiting for the round in flight), the module's buffers and frozen
-    parameters, the LR scheduler, the engine's step counters and `client_state`. `tag` defaults to
-    `global_step<N>`; with `save_latest`, `save_dir/latest_co2` names it once every rank has written.
-    Call it after `engine.step()` at a gradient accumulation boundary. Returns the directory.
-    """
-    zero = _co2_optimizer(engine)
-    topology = zero.topology
+    """Save every rank's state as one complete checkpoint `save_dir/tag` (collective; see
+    `co2_zero.checkpoint`). `tag` defaults to `global_step<N>`; `client_state` must be plain data. With
+    `save_latest`, `save_dir/latest_co2` names it once it is complete. Call it after an `engine.step()`
+    at a gradient accumulation boundary. Returns the checkpoint's directory."""
     # Accelerate sets the boundary itself and then calls engine.step() once per window: micro_steps counts
     # optimizer steps there, and the flag it set says whether the window is complete.
     boundary = engine._is_gradient_accumulation_boundary
@@ -503,85 +554,27 @@ def save_checkpoint(
             f"stepped the optimizer"
         )
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    directory = Path(save_dir) / tag
-    state = {
-        "format": CHECKPOINT_FORMAT,
-        "world_size": topology.world_size,
-        "rank": topology.rank,
-        "grid": {"replicas": topology.replicas, "shards": topology.shards},
-        "zero": _rigid_state_dict(zero),
-        "co2": zero.engine.state_dict(),
-        "module_frozen": _frozen_state(engine, zero),
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "engine": {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps,
-            "micro_steps": engine.micro_steps,
-        },
-        "client_state": dict(client_state or {}),
-    }
-    error: Optional[BaseException] = None
-    try:
-        checkpoint.save_atomic(state, checkpoint.rank_file(directory, topology.rank, CHECKPOINT_TAG))
-    except OSError as e:
-        error = e
-    if not _all_ok(error is None, topology):
-        raise CO2Error(f"co2: save_checkpoint to {directory} failed on some rank; here: {error!r}") from error
-    if save_latest and topology.rank == 0:
-        checkpoint.write_text_atomic(Path(save_dir) / LATEST, tag)
-    return directory
+    state = ZeroCheckpointState(engine)
+    return checkpoint.save_checkpoint(
+        save_dir, state, extra=dict(client_state or {}), tag=tag, write_latest=save_latest
+    )
 
 
 def load_checkpoint(
-    engine: Any, load_dir: Union[str, os.PathLike], tag: Optional[str] = None
+    engine: Any, load_dir: Union[str, os.PathLike], tag: Optional[str] = None, reshard: bool = False
 ) -> tuple[Optional[Path], dict[str, Any]]:
-    """Restore what `save_checkpoint` wrote, on the same world size, grid, co2 config and model
-    (collective). `tag` defaults to the one named in `load_dir/latest_co2`. Returns (directory,
-    client_state), like DeepSpeed's `load_checkpoint`; (None, {}) when there is no checkpoint at all.
-    Training then continues exactly as if it had not stopped."""
-    zero = _co2_optimizer(engine)
-    topology = zero.topology
-    if tag is None:
-        latest = Path(load_dir) / LATEST
-        if not _all_ok(latest.is_file(), topology):
-            warnings.warn(f"co2: no {LATEST} file in {load_dir} on some rank; nothing loaded", stacklevel=2)
-            return None, {}
-        tag = latest.read_text().strip()
-    directory = Path(load_dir) / str(tag)
-    path = checkpoint.rank_file(directory, topology.rank, CHECKPOINT_TAG)
-    state: dict[str, Any] = {}
-    error: Optional[str] = None
-    try:  # everything that can fail on one rank alone, before anything collective changes state
-        state = checkpoint.load_file(path)
-        here = {
-            "format": CHECKPOINT_FORMAT,
-            "world_size": topology.world_size,
-            "rank": topology.rank,
-            "grid": {"replicas": topology.replicas, "shards": topology.shards},
-        }
-        for key, value in here.items():
-            if state.get(key) != value:
-                raise ValueError(f"{key}={state.get(key)!r} in the file, {value!r} in this run")
-        expected = set(_frozen_state(engine, zero))
-        if set(state["module_frozen"]) != expected:
-            raise ValueError(f"the module's buffers/frozen parameters differ: {sorted(expected)} here")
-        zero.engine.load_state_dict(state["co2"])  # validates the co2 config and layout before loading
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        error = f"{path}: {e}"
-    if not _all_ok(error is None, topology):
-        raise CO2Error(f"co2: load_checkpoint from {directory} failed on some rank; here: {error or 'ok'}")
-
-    engine.module.load_state_dict(state["module_frozen"], strict=False)  # trainable ones: from the masters
-    zero_states: list[Any] = [None] * topology.shards
-    zero_states[topology.shard_index] = state["zero"]
-    zero.load_state_dict(zero_states, load_optimizer_states=True, load_from_fp32_weights=True)
-    zero.update_lp_params()  # the module's parameters from the restored fp32 masters
-    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    for key, value in state["engine"].items():
-        setattr(engine, key, value)
-    return directory, state["client_state"]
+    """Load a complete checkpoint written by `save_checkpoint` (collective; see `co2_zero.checkpoint`).
+    `tag` defaults to the one `load_dir/latest_co2` names, else the newest complete one. Returns
+    (directory, client_state), like DeepSpeed's `load_checkpoint`; (None, {}) when there is none.
+    `reshard=True` loads a checkpoint of another R x S or integration (training resumes at its last
+    round start, the ZeRO inner state starts fresh). Training then continues exactly as if it had not
+    stopped; a refused load raises CO2Error on every rank and changes nothing."""
+    loaded = checkpoint.load_checkpoint(load_dir, ZeroCheckpointState(engine), tag=tag, reshard=reshard)
+    if loaded is None:
+        warnings.warn(f"co2: no complete checkpoint in {load_dir}; nothing loaded", stacklevel=2)
+        return None, {}
+    directory, client_state = loaded
+    return directory, dict(client_state or {})
 
 
 # ---- patching DeepSpeed's entry point --------------------------------------------------------------------
@@ -732,7 +725,7 @@ def _initialize_for_framework(arguments: Mapping[str, Any]) -> tuple[Any, Any, A
                     f"together; a partial load would continue CO2 from state that does not belong to it"
                 )
         directory, client_state = load_checkpoint(engine, load_dir, tag)
-        if directory is None and not _all_ok(not (Path(load_dir) / "latest").is_file(), zero.topology):
+        if directory is None and _seen_on_any_rank((Path(load_dir) / "latest").is_file(), zero):
             raise CO2Error(
                 f"co2: {load_dir} holds a plain DeepSpeed checkpoint ('latest' but no '{LATEST}'): it has no CO2 "
                 f"state, and resuming from it would silently restart CO2; refused"
@@ -741,6 +734,12 @@ def _initialize_for_framework(arguments: Mapping[str, Any]) -> tuple[Any, Any, A
 
     engine.save_checkpoint, engine.load_checkpoint = save, load
     return engine, zero, loader, scheduler
+
+
+def _seen_on_any_rank(seen: bool, zero: CO2ZeroOptimizer) -> bool:
+    """Whether any rank saw it (one fingerprint all-gather on the main-thread CO2 group, with a deadline)."""
+    group, timeout_s = zero.topology.buffer_group, zero.config.timeout_s
+    return any(row[0] for row in gather_fingerprints([int(seen)], group, timeout_s, "checkpoint directory check"))
 
 
 class _Patch:

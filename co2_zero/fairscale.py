@@ -33,6 +33,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise missing_extra("FairScale", "fairscale", error) from error
 
+from .checkpoint import InnerOptimizerState
 from .config import CO2Config
 from .outer import Segment
 from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
@@ -92,7 +93,7 @@ class CO2OSS(CO2Steps, OSS):
         self.config = config
         self.topology = topology
         self._partition = self._find_partition()
-        self._buffers = list(model.buffers()) if model is not None else []
+        self._model = model
         self.engine = self._new_engine()
         self._co2_states: list[Optional[dict[str, Any]]] = []
 
@@ -174,7 +175,10 @@ class CO2OSS(CO2Steps, OSS):
 
     def _new_engine(self) -> RoundEngine:
         """Collective over every rank (the engine checks that all ranks agree on the layout)."""
-        return RoundEngine(self._partition, self.config, self.topology, refresh=self._refresh, buffers=self._buffers)
+        params = [p for g in self.param_groups for p in g["params"]]
+        return RoundEngine(
+            self._partition, self.config, self.topology, refresh=self._refresh, module=self._model, params=params
+        )
 
     # ---- training -----------------------------------------------------------------------------------
 
@@ -185,6 +189,7 @@ class CO2OSS(CO2Steps, OSS):
         start the round from the new start point too (one extra inner broadcast every tau steps).
         """
         loss = super().step(closure, **kwargs)
+        self._all_states, self._co2_states = [], []  # a consolidated state is stale once the optimizer stepped
         self._follow_bucket()  # broadcast_fp16 replaced the bucket
         self._count_step()
         return loss
@@ -229,6 +234,20 @@ class CO2OSS(CO2Steps, OSS):
         return norm
 
     # ---- state -------------------------------------------------------------------------------------
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """OSS's local optimizer: the inner state of this rank's shard."""
+        return self.optim
+
+    def checkpoint_state(self, model: torch.nn.Module) -> InnerOptimizerState:
+        """This optimizer's part of a `co2_zero.checkpoint` file: OSS's local optimizer state (this
+        rank's shard; the model comes from `model`)."""
+
+        def sync_param_groups() -> None:
+            OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
+
+        return InnerOptimizerState("fairscale", self.engine, model, self.optim, after_load=sync_param_groups)
 
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
         """OSS's consolidation of the inner optimizer state, plus the CO2 state of every rank of the
@@ -298,13 +317,15 @@ class CO2OSS(CO2Steps, OSS):
                 f"{shard['world_size']}; this is rank {self.rank} of {self.world_size}: load each rank's own file"
             )
         if mine is not None:
-            self.engine.load_state_dict(mine)  # validates before it changes anything
+            self.engine.check_state_dict(mine)  # before anything changes: a refused state changes nothing
         if shard is not None:
             self.optim.load_state_dict(shard["state"])
             OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
         else:
             super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("co2", "co2_replica")})
-        if mine is None:
+        if mine is not None:
+            self.engine.load_state_dict(mine)
+        else:
             warnings.warn(
                 "co2: the optimizer state carries no CO2 state (a plain OSS checkpoint, or one saved after "
                 "finalize()); CO2 restarts from the current parameters",

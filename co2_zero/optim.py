@@ -93,8 +93,8 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         else:
             partition, refresh = self._flat_partition(params, config), _nothing_to_spread
             self.topology = Topology.build(config, shards=1)
-        buffers = list(model.buffers()) if model is not None else []
-        self.engine = RoundEngine(partition, config, self.topology, refresh=refresh, buffers=buffers)
+        inner_params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.engine = RoundEngine(partition, config, self.topology, refresh=refresh, module=model, params=inner_params)
         self.config = config
 
     def _flat_partition(self, params: list[torch.nn.Parameter], config: CO2Config) -> Partition:
@@ -135,6 +135,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         return {"optimizer": self.optimizer.state_dict(), "co2": self.engine.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.engine.check_state_dict(state_dict["co2"])  # before anything changes: a refused state changes nothing
         self.optimizer.load_state_dict(state_dict["optimizer"])
         # torch's load_state_dict replaces the inner optimizer's group list and state: share the new ones,
         # or an LR scheduler built on this optimizer would no longer reach the inner one

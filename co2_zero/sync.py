@@ -1,4 +1,4 @@
-"""The round state machine shared by every integration (DESIGN.md §3).
+"""The round state machine shared by every integration (docs/design.md §3).
 
 An integration hands the engine its `Partition` (views of the live fp32 master parameters it owns)
 and a `refresh` callback that spreads a rewritten partition to the rest of its replica. It then calls
@@ -8,7 +8,8 @@ and a `refresh` callback that spreads a rewritten partition to the rest of its r
 2. D = start point - live parameters, computed in the retiring buffer; launch the pipeline on it,
 3. live parameters <- next start point; refresh; the two partition buffers trade roles.
 
-Only step 3 ever writes the live parameters.
+Only step 3 ever writes the live parameters. The engine's state (`state_dict()`) is plain containers
+and tensors; files, agreement and resharding are `co2_zero.checkpoint`'s business.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -32,7 +34,7 @@ from .errors import CO2Error, CO2TimeoutError
 from .outer import Segment
 from .topology import Topology, collective_device, fingerprint, gather_fingerprints
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 @dataclass
@@ -75,8 +77,54 @@ def _state_device(partition: Partition, topology: Topology) -> torch.device:
     return device
 
 
+class ParameterWatch:
+    """The model's parameters as they were when the CO2 optimizer was built.
+
+    Frozen parameters (requires_grad=False) are outside every partition, so CO2 never averages them:
+    the engine broadcasts them from rank 0 at start-up and they stay identical as long as nobody
+    writes them. Freezing or unfreezing a parameter later would change the partition (or train a
+    tensor no replica averages), so a change of requires_grad is refused at the next round end.
+    """
+
+    def __init__(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.named = list(named)
+        self.flags = [p.requires_grad for _, p in self.named]
+
+    @classmethod
+    def collect(cls, params: Sequence[torch.Tensor], module: Optional[torch.nn.Module]) -> ParameterWatch:
+        """The module's named parameters, then those of `params` the module does not hold (deduplicated)."""
+        named: list[tuple[str, torch.Tensor]] = []
+        seen: set[int] = set()
+        for name, p in module.named_parameters() if module is not None else ():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+        for i, p in enumerate(params):
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((f"inner optimizer parameter {i}", p))
+        return cls(named)
+
+    @property
+    def frozen(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p) for (name, p), trainable in zip(self.named, self.flags) if not trainable]
+
+    def changes(self) -> list[str]:
+        """One phrase per parameter whose requires_grad differs from construction time."""
+        return [
+            f"{name} (shape {tuple(p.shape)}) was {'trainable' if was else 'frozen'} and is now "
+            f"{'trainable' if p.requires_grad else 'frozen'}"
+            for (name, p), was in zip(self.named, self.flags)
+            if p.requires_grad != was
+        ]
+
+
 class RoundEngine:
-    """CO2's per-rank state and round ends. See the module docstring."""
+    """CO2's per-rank state and round ends. See the module docstring.
+
+    `module` (optional): its float buffers are averaged over all ranks at every round end, and its
+    parameters are watched (see `ParameterWatch`) together with `params` (the inner optimizer's).
+    """
 
     def __init__(
         self,
@@ -85,6 +133,8 @@ class RoundEngine:
         topology: Topology,
         refresh: Callable[[], None] = lambda: None,
         buffers: Sequence[torch.Tensor] = (),
+        module: Optional[torch.nn.Module] = None,
+        params: Sequence[torch.Tensor] = (),
     ) -> None:
         for i, chunk in enumerate(partition.chunks):
             if chunk.dtype != torch.float32 or chunk.dim() != 1:
@@ -96,7 +146,10 @@ class RoundEngine:
         self.topology = topology
         self.partition = partition
         self.refresh = refresh
-        self.buffers = [b for b in buffers if b.is_floating_point()]
+        module_buffers = list(module.buffers()) if module is not None else []
+        unique = {id(b): b for b in [*buffers, *module_buffers]}
+        self.buffers = [b for b in unique.values() if b.is_floating_point()]
+        self.watch = ParameterWatch.collect(params, module)
         device = _state_device(partition, topology)
 
         replicas = topology.replicas
@@ -124,7 +177,10 @@ class RoundEngine:
 
         self.inner_steps = 0
         self.rounds = 0
+        self.skipped_rounds = 0  # rounds whose outer update was skipped (nonfinite: "skip_round")
+        self.run_id: Optional[str] = None  # set by the first checkpoint saved or loaded
         self.pending_round: Optional[Future] = None
+        self.pending_index = -1  # the round whose pipeline `pending_round` runs
         self.finalized = False
         self.failed: Optional[BaseException] = None
         self.last_round: dict[str, Any] = {}
@@ -133,7 +189,7 @@ class RoundEngine:
 
     def inner_step_done(self) -> bool:
         """Count one applied inner step; end the round on every tau-th. Returns True if it did."""
-        self._check_usable()
+        self.check_usable()
         self.inner_steps += 1
         if self.inner_steps % self.config.tau:
             return False
@@ -142,6 +198,7 @@ class RoundEngine:
 
     def _round_end(self) -> None:
         began = time.perf_counter()
+        self._check_parameters_unchanged()
         wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
         overlap = self.config.overlap
         if overlap:  # D overwrites the retiring start point; the update applies to x_{t+1}
@@ -149,10 +206,12 @@ class RoundEngine:
         else:  # blocking: D goes to the spare buffer; the update applies to x_t, right now
             base, work = self.start_point, self.next_start
         self._subtract_live(self.start_point, out=work)  # step 2: D = B - x
+        reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(work[: self.layout.length])
         gap = self.previous_update_sq_norms if overlap else None
         self.pending_round = self.exchange.launch(
             PipelineJob(work, base, self.momentum, self.g_buffer, gap, self.rounds)
         )
+        self.pending_index = self.rounds
         if not overlap:
             wait_s += self._wait_pending()
         new_start, spare = (base, work) if overlap else (work, base)
@@ -160,16 +219,31 @@ class RoundEngine:
         self.start_point, self.next_start = new_start, spare
         self.rounds += 1
         self._average_buffers()
+        if reset_inner:
+            warnings.warn(
+                f"co2: round {self.rounds - 1}: this rank's displacement (global rank {self.topology.rank}, "
+                f"replica {self.topology.replica_index}) holds NaN or Inf; its inner optimizer state is reset "
+                f"and it restarts from the agreed start point (nonfinite='skip_round')",
+                stacklevel=4,
+            )
         self.last_round = {
             "round": self.rounds - 1,
             "inner_step": self.inner_steps,
             "wait_s": wait_s,
             "round_end_s": time.perf_counter() - began,
+            "skipped_rounds": self.skipped_rounds,
+            "inner_state_reset": reset_inner,
         }
 
     def finalize(self) -> None:
-        """End training with one model on every rank (DESIGN.md §3): the last start point produced."""
-        self._check_usable()
+        """End training with one model on every rank (docs/design.md §3): the last start point produced.
+
+        The ranks first agree that they took the same number of inner steps (a rank that took more
+        would wait forever for a round its peers never run); otherwise every rank raises CO2Error
+        naming the counts.
+        """
+        self.check_usable()
+        self._agree_on_steps()
         dropped = self.inner_steps % self.config.tau
         if dropped:
             warnings.warn(
@@ -182,6 +256,37 @@ class RoundEngine:
         self._average_buffers()
         self.finalized = True
         self.close()
+
+    def _agree_on_steps(self) -> None:
+        """One fingerprint exchange of inner_steps on the main-thread group, with the usual deadline."""
+        group = self.topology.buffer_group
+        try:
+            table = gather_fingerprints([self.inner_steps], group, self.config.timeout_s, "finalize")
+        except CO2TimeoutError as error:
+            self._fail(
+                CO2TimeoutError(
+                    f"co2 finalize: not every rank of global ranks {list(range(self.topology.world_size))} "
+                    f"called finalize() within timeout_s={self.config.timeout_s:g} (rank {self.topology.rank} "
+                    f"at inner step {self.inner_steps}); a rank died, is stuck, or skipped finalize()"
+                ),
+                error,
+            )
+        steps = [row[0] for row in table]
+        if len(set(steps)) > 1:
+            counts = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+            self._fail(
+                CO2Error(
+                    f"co2 finalize: the ranks took different numbers of inner steps ({counts}); every rank "
+                    f"must call finalize() after the same number of optimizer steps (this is rank "
+                    f"{self.topology.rank})"
+                )
+            )
+
+    def _fail(self, error: CO2Error, cause: Optional[BaseException] = None) -> None:
+        """Mark the engine failed, release its worker and groups, raise `error`."""
+        self.failed = error
+        self.close()
+        raise error from cause
 
     def close(self) -> None:
         """Stop the background worker and release the CO2 process groups (not the inner group,
@@ -196,7 +301,7 @@ class RoundEngine:
             return 0.0
         began = time.perf_counter()
         future, self.pending_round = self.pending_round, None
-        round_index = self.rounds - 1
+        round_index = self.pending_index
         where = self.topology.describe_outer()
         try:
             result, done = future.result(timeout=self.config.timeout_s)
@@ -219,9 +324,19 @@ class RoundEngine:
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
         self.previous_update_sq_norms = result.update_sq_norms
+        if result.skipped_replicas is not None:
+            self.skipped_rounds += 1
+            warnings.warn(
+                f"co2: round {round_index}: the displacement of replica(s) {result.skipped_replicas} held NaN "
+                f"or Inf; the round's outer update was skipped on every replica (skipped_rounds="
+                f"{self.skipped_rounds}). Every replica restarts from the agreed start point; a rank whose own "
+                f"displacement was non-finite reset its inner optimizer state",
+                stacklevel=5,
+            )
         return time.perf_counter() - began
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise CO2Error if this engine failed or was finalized."""
         if self.failed is not None:
             raise CO2Error(f"co2: this optimizer already failed and cannot continue: {self.failed}")
         if self.finalized:
@@ -250,12 +365,62 @@ class RoundEngine:
     @torch.no_grad()
     def _common_start(self) -> None:
         """Every replica starts from replica 0's parameters (a framework broadcasts its model only
-        within its data-parallel group, here a replica). Before the worker exists: the outer group
-        is free, and `_check_agreement` made sure the partitions have the same layout."""
+        within its data-parallel group, here a replica), and every rank holds rank 0's frozen
+        parameters (CO2 never averages them). Before the worker exists: the outer group is free, and
+        `_check_agreement` made sure the partitions have the same layout."""
         if self.topology.replicas > 1:
             for chunk in self.partition.chunks:
                 dist.broadcast(chunk, src=self.topology.outer_ranks[0], group=self.topology.outer_group)
             self.refresh()
+        self._broadcast_frozen()
+
+    @torch.no_grad()
+    def _broadcast_frozen(self) -> None:
+        """Frozen parameters from replica 0 to every replica (over the outer group, like the partition:
+        inside a replica the framework already made them equal; an FSDP2-sharded one is its local
+        shard), one flat tensor per dtype. The ranks first agree on the frozen set."""
+        topo, timeout = self.topology, self.config.timeout_s
+        frozen = [(name, _local(p)) for name, p in self.watch.frozen]
+        shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.watch.frozen]
+        mine = [len(frozen), fingerprint(shapes)]
+        table = gather_fingerprints(mine, topo.buffer_group, timeout, "start-up check of the frozen parameters")
+        for rank, theirs in enumerate(table):
+            if theirs != mine:
+                raise CO2Error(
+                    f"co2: rank {topo.rank} and rank {rank} disagree on the frozen parameters (requires_grad="
+                    f"False): {len(frozen)} here {[name for name, _ in frozen][:8]}, {theirs[0]} there; every "
+                    f"rank must freeze the same parameters before building the CO2 optimizer"
+                )
+        if topo.replicas == 1:
+            return
+        device = collective_device(topo.outer_group)
+        for dtype in sorted({p.dtype for _, p in frozen}, key=str):
+            params = [p for _, p in frozen if p.dtype == dtype]
+            flat = torch.cat([p.reshape(-1).to(device) for p in params])
+            try:
+                work = dist.broadcast(flat, src=topo.outer_ranks[0], group=topo.outer_group, async_op=True)
+                work.wait(timeout=timedelta(seconds=timeout))
+            except Exception as error:
+                raise CO2Error(
+                    f"co2: start-up broadcast of the frozen parameters on the {topo.describe_outer()} failed: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _check_parameters_unchanged(self) -> None:
+        """A change of requires_grad since construction is refused (see `ParameterWatch`)."""
+        changes = self.watch.changes()
+        if changes:
+            self._fail(
+                CO2Error(
+                    f"co2: round {self.rounds}: {'; '.join(changes)} since the CO2 optimizer was built. The CO2 "
+                    f"partition and the set of frozen parameters cannot change during training: save a "
+                    f"checkpoint, change requires_grad, build a new optimizer and load it with reshard=True"
+                )
+            )
 
     def _set_live(self, flat: torch.Tensor) -> None:
         """live partition <- flat, then let the integration spread it over its replica."""
@@ -281,7 +446,7 @@ class RoundEngine:
             b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
             offset += b.numel()
 
-    # ---- agreement, state, footprint ---------------------------------------------------------------
+    # ---- agreement ---------------------------------------------------------------------------------
 
     def _check_agreement(self) -> None:
         """Fail fast, naming the difference, when ranks hold different models or partition layouts
@@ -309,46 +474,92 @@ class RoundEngine:
                     f"into tensors); every replica must partition the model the same way"
                 )
 
-    def _identity(self) -> dict[str, Any]:
-        """What a checkpoint must agree on to be loaded here."""
-        topo, layout = self.topology, self.layout
+    # ---- state (plain containers and tensors: loadable with torch.load(weights_only=True)) ----------
+
+    def geometry(self) -> dict[str, Any]:
+        """Where this rank's state lives in the model: enough to re-cut it per parameter tensor
+        (`co2_zero.checkpoint.consolidate`) and to check that a state fits this engine."""
+        layout, piece = self.layout, self.exchange.slice
+        return {
+            "length": layout.length,
+            "padded": layout.padded,
+            "num_tensors": layout.num_tensors,
+            "segments": [list(seg) for seg in layout.segments],
+            "sub_shard": list(layout.sub_shard_range(self.topology.replica_index)),
+            "momentum_range": [piece.start, piece.stop],
+            "strategy": self.exchange.strategy,
+            "overlap": self.config.overlap,
+            "tau": self.config.tau,
+        }
+
+    def identity(self) -> dict[str, Any]:
+        """What a state must agree on to be loaded here."""
+        topo = self.topology
         return {
             "version": STATE_VERSION,
             "config_hash": self.config.math_hash(),
-            "grid": {"replicas": topo.replicas, "shards": topo.shards, "rank": topo.rank},
-            "layout": {"length": layout.length, "padded": layout.padded, "num_tensors": layout.num_tensors},
-            "strategy": self.exchange.strategy,
+            "grid": {"replicas": topo.replicas, "shards": topo.shards},
+            "rank": topo.rank,
+            "signature": self.partition.signature,
+            "geometry": self.geometry(),
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's CO2 state. Waits for the round in flight so its result is included."""
-        self._check_usable()
+        """This rank's CO2 state. Waits for the round in flight so its result is included. Tensors are
+        live references (as in `torch.optim.Optimizer.state_dict()`): save or copy them before the next
+        step."""
+        self.check_usable()
         self._wait_pending()
         return {
-            **self._identity(),
+            **self.identity(),
+            "run_id": self.run_id,
             "inner_steps": self.inner_steps,
             "rounds": self.rounds,
+            "skipped_rounds": self.skipped_rounds,
             "start_point": self.start_point,
             "next_start": self.next_start if self.config.overlap else None,
             "momentum": self.momentum,
             "previous_update_sq_norms": self.previous_update_sq_norms,
-            # enough geometry to re-cut the state per parameter tensor (`consolidate`)
-            "segments": [tuple(seg) for seg in self.layout.segments],
-            "sub_shard": self.layout.sub_shard_range(self.topology.replica_index),
-            "momentum_start": self.exchange.slice.start,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` saved on this same rank of the same topology and config."""
-        self._check_usable()
-        self._wait_pending()
-        for key, value in self._identity().items():
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ValueError naming the first field of `state` that does not fit this engine (same
+        config, topology, model and partition); changes nothing."""
+        if not isinstance(state, dict):
+            raise ValueError(f"co2 checkpoint: the co2 state is a {type(state).__name__}, expected a dict")
+        for key, value in self.identity().items():
             if state.get(key) != value:
                 raise ValueError(
                     f"co2 checkpoint: {key}={state.get(key)!r} does not match this run's {value!r}; "
-                    f"resume with the same co2 config, topology and model"
+                    f"resume with the same co2 config, topology and model (or reshard)"
                 )
-        self.inner_steps, self.rounds = int(state["inner_steps"]), int(state["rounds"])
+        expected = {
+            "start_point": self.start_point,
+            "next_start": self.next_start if self.config.overlap else None,
+            "momentum": self.momentum,
+        }
+        for key, like in expected.items():
+            _check_tensor(key, state.get(key), like)
+        norms = state.get("previous_update_sq_norms")
+        if norms is not None:
+            _check_tensor("previous_update_sq_norms", norms, torch.zeros(self.layout.num_tensors))
+        for key in ("inner_steps", "rounds", "skipped_rounds"):
+            if not isinstance(state.get(key), int) or state[key] < 0:
+                raise ValueError(f"co2 checkpoint: {key}={state.get(key)!r}; expected an integer >= 0")
+        if state["rounds"] != state["inner_steps"] // self.config.tau:
+            raise ValueError(
+                f"co2 checkpoint: rounds={state['rounds']} does not fit inner_steps={state['inner_steps']} "
+                f"at tau={self.config.tau}"
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved on this same rank of the same topology and config. Checks
+        everything first (`check_state_dict`): a refused state changes nothing."""
+        self.check_usable()
+        self.check_state_dict(state)
+        self._wait_pending()
+        self.inner_steps, self.rounds = state["inner_steps"], state["rounds"]
+        self.skipped_rounds, self.run_id = state["skipped_rounds"], state.get("run_id")
         self.start_point.copy_(state["start_point"])
         if state["next_start"] is not None:
             self.next_start.copy_(state["next_start"])
@@ -356,62 +567,38 @@ class RoundEngine:
         norms = state["previous_update_sq_norms"]
         self.previous_update_sq_norms = None if norms is None else norms.to(self.momentum.device).clone()
 
-    def load_consolidated(self, shares: Sequence[dict[str, Any]]) -> None:
-        """Load `consolidate(state)` of every rank's saved `state_dict()`, from a run with any R x S.
-
-        Training resumes at the saved run's last round start: the live parameters are set to the
-        start point (a partial round cannot be carried across topologies; it is dropped with a
-        warning).
-        """
-        self._check_usable()
-        self._wait_pending()
-        for share in shares:
-            if share["config_hash"] != self.config.math_hash() or share["num_tensors"] != self.layout.num_tensors:
-                raise ValueError(
-                    "co2 checkpoint: the consolidated state was saved with another co2 config or model "
-                    f"(config hash {share['config_hash']}, {share['num_tensors']} tensors; here "
-                    f"{self.config.math_hash()}, {self.layout.num_tensors})"
-                )
-        saved = shares[0]
-        dropped = saved["inner_steps"] - saved["rounds"] * self.config.tau
-        if dropped:
-            warnings.warn(f"co2 resharding: {dropped} step(s) after the last round end are dropped", stacklevel=2)
-        by_tensor: dict[int, list[dict[str, Any]]] = {}
-        for share in shares:
-            for piece in share["pieces"]:
-                by_tensor.setdefault(piece["tensor_id"], []).append(piece)
-        computed = self.exchange.slice  # the momentum covers these partition elements
-        for seg in self.layout.segments:
-            here = seg.start - seg.offset  # partition index of this tensor's element 0
-            for piece in by_tensor.get(seg.tensor_id, ()):
-                there = piece["offset"]  # tensor element of the piece's element 0
-                lo = max(seg.offset, there)
-                hi = min(seg.offset + seg.end - seg.start, there + piece["start_point"].numel())
-                if lo >= hi:
-                    continue
-                self.start_point[here + lo : here + hi].copy_(piece["start_point"][lo - there : hi - there])
-                if self.config.overlap:
-                    self.next_start[here + lo : here + hi].copy_(piece["next_start"][lo - there : hi - there])
-                m_lo, m_hi = max(here + lo, computed.start), min(here + hi, computed.stop)
-                if m_lo < m_hi:
-                    self.momentum[m_lo - computed.start : m_hi - computed.start].copy_(
-                        piece["momentum"][m_lo - here - there : m_hi - here - there]
-                    )
-        partials = [s["update_sq_norms_partial"] for s in shares if s["update_sq_norms_partial"] is not None]
-        if partials and self.topology.rank == 0:  # only the sum over ranks matters
-            self.previous_update_sq_norms = torch.stack(partials).sum(0).to(self.momentum.device)
-        elif partials:
-            self.previous_update_sq_norms = torch.zeros_like(partials[0]).to(self.momentum.device)
-        self.rounds = int(saved["rounds"])
-        self.inner_steps = self.rounds * self.config.tau
+    def restart_from_start_point(self) -> None:
+        """Set the live parameters to the current start point (a resharded state resumes at the
+        saved run's last round start) and refresh the replica."""
+        self.check_usable()
         self._set_live(self.start_point)
 
     def state_bytes(self) -> int:
-        """Bytes of CO2 state this rank holds (DESIGN.md §4: 2Ψ/S + 2Ψ/N fp32 words with
+        """Bytes of CO2 state this rank holds (docs/design.md §4: 2Ψ/S + 2Ψ/N fp32 words with
         reduce_scatter, 3Ψ/S with all_reduce, plus per-tensor norms), and the outer step's segment
         index (`outer.SegmentIndex`, about 2·√(elements · segments) ids)."""
         tensors = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None) + self.exchange.index_bytes
+
+
+def _check_tensor(key: str, value: Any, like: Optional[torch.Tensor]) -> None:
+    if like is None:
+        if value is not None:
+            raise ValueError(f"co2 checkpoint: {key} is present but this run has none (overlap differs?)")
+        return
+    if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype:
+        got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"co2 checkpoint: {key} is {got}; expected {like.dtype} {tuple(like.shape)}")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's local values: its shard for an FSDP2 DTensor, else itself (detached)."""
+    to_local = getattr(p, "to_local", None)
+    return (to_local() if to_local is not None else p).detach()
+
+
+def _all_finite(flat: torch.Tensor) -> bool:
+    return flat.numel() == 0 or bool(torch.isfinite(torch.linalg.vector_norm(flat, float("inf"))))
 
 
 class CO2Steps:
@@ -420,62 +607,35 @@ class CO2Steps:
     engine: RoundEngine
     round_ended: bool = False  # did the last step() end a round
 
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer holding this rank's inner state (its moments)."""
+        return self.optimizer  # type: ignore[attr-defined]
+
     def _count_step(self, applied: bool = True) -> None:
         """After the framework's step: count it for CO2 if it was applied (not skipped on overflow)."""
         self.round_ended = applied and self.engine.inner_step_done()
+        if self.round_ended and self.engine.last_round["inner_state_reset"]:
+            self.inner_optimizer.state.clear()  # nonfinite="skip_round": this partition's moments were NaN/Inf
 
     @property
     def last_round(self) -> dict[str, Any]:
-        """Timing of the last round end: round, inner_step, wait_s, round_end_s."""
+        """The last round end: round, inner_step, wait_s, round_end_s, skipped_rounds (rounds whose
+        outer update was skipped so far), inner_state_reset (this rank reset its inner state)."""
         return self.engine.last_round
 
     def finalize(self) -> None:
-        """Wait for the round in flight and give every rank the same model (DESIGN.md §3)."""
+        """Wait for the round in flight and give every rank the same model (docs/design.md §3)."""
         self.engine.finalize()
 
     def co2_state_bytes(self) -> int:
-        """Bytes of CO2 state on this rank (DESIGN.md §4)."""
+        """Bytes of CO2 state on this rank (docs/design.md §4)."""
         return self.engine.state_bytes()
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "engine"):
             raise RuntimeError("co2: parameters cannot be added after the CO2 partition was built")
         super().add_param_group(param_group)  # type: ignore[misc]
-
-
-def consolidate(state: dict[str, Any]) -> dict[str, Any]:
-    """One rank's layout-independent share of a `RoundEngine.state_dict()`, for resharding.
-
-    Pieces are keyed by parameter tensor and element offset instead of partition position, so a run
-    with another R or S can load them (`RoundEngine.load_consolidated`). Each rank contributes its
-    sub-shard; the shares of all ranks cover every parameter element exactly once.
-    """
-    start, end = state["sub_shard"]
-    layout_segments = [Segment(*seg) for seg in state["segments"]]
-    pieces = []
-    for seg in layout_segments:
-        lo, hi = max(seg.start, start), min(seg.end, end)
-        if lo >= hi:
-            continue
-        momentum = slice(lo - state["momentum_start"], hi - state["momentum_start"])
-        pieces.append(
-            {
-                "tensor_id": seg.tensor_id,
-                "offset": seg.offset + lo - seg.start,
-                "start_point": state["start_point"][lo:hi].cpu().clone(),
-                "next_start": None if state["next_start"] is None else state["next_start"][lo:hi].cpu().clone(),
-                "momentum": state["momentum"][momentum].cpu().clone(),
-            }
-        )
-    norms = state["previous_update_sq_norms"]
-    return {
-        "config_hash": state["config_hash"],
-        "num_tensors": state["layout"]["num_tensors"],
-        "inner_steps": state["inner_steps"],
-        "rounds": state["rounds"],
-        "pieces": pieces,
-        "update_sq_norms_partial": None if norms is None else norms.cpu().clone(),
-    }
 
 
 def parameter_signature(shapes: Sequence[Sequence[int]]) -> str:

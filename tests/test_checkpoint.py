@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 import torch
 
-from co2_zero import CO2Optimizer, checkpoint
-from co2_zero.sync import consolidate
+from co2_zero import CO2Error, CO2Optimizer, checkpoint
+from co2_zero.checkpoint import consolidate
 from tests import models
 from tests.dist_utils import run_ranks
 
 CONFIGS = {
-    "all_reduce": {"tau": 3, "outer_lr": 0.8, "outer_momentum": 0.5, "collective": "all_reduce",
-                   "gap_penalty": {"mode": "adaptive", "strength": 1.5}},
-    "reduce_scatter": {"tau": 3, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
-                       "collective": "reduce_scatter", "clip": {"mode": "norm", "threshold": 0.1}},
+    "all_reduce": {
+        "tau": 3,
+        "outer_lr": 0.8,
+        "outer_momentum": 0.5,
+        "collective": "all_reduce",
+        "gap_penalty": {"mode": "adaptive", "strength": 1.5},
+    },
+    "reduce_scatter": {
+        "tau": 3,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "nesterov": True,
+        "collective": "reduce_scatter",
+        "clip": {"mode": "norm", "threshold": 0.1},
+    },
 }
 SAVE_AT, TOTAL = 7, 14  # 7 = mid-round, with round 1's exchange in flight
 
@@ -62,7 +76,7 @@ def resumed(rank: int, world: int, root: str) -> dict:
     model, opt = _build({**CONFIGS["all_reduce"], "tau": 4})
     try:
         checkpoint.load(f"{root}/all_reduce", model, opt)
-    except ValueError as error:
+    except CO2Error as error:
         out["wrong-config"] = str(error)
     return out
 
@@ -120,12 +134,19 @@ def _assemble(shares: list) -> dict:
     return full
 
 
+def _saved_files(directory: str) -> list:
+    """Every rank's payload of the newest complete checkpoint in `directory`, in rank order."""
+    ((tag, marker),) = checkpoint.complete_checkpoints(directory)[-1:]
+    return [checkpoint.load_file(f"{directory}/{tag}/{entry['name']}") for entry in marker["files"]]
+
+
 def test_reshard_two_replicas_to_four(runs):
     root, first, _ = runs
     results = run_ranks(resharded, 4, root)
     for name in CONFIGS:
-        saved = [checkpoint.load_file(checkpoint.rank_file(f"{root}/{name}", r)) for r in range(2)]
-        expected = _assemble([consolidate(s["optimizer"]["co2"]) for s in saved])
+        saved = _saved_files(f"{root}/{name}")
+        assert len(saved) == 2
+        expected = _assemble([consolidate(s["co2"]) for s in saved])
         got = _assemble([r[name]["share"] for r in results])
         assert expected.keys() == got.keys()
         for key, value in expected.items():
@@ -138,3 +159,209 @@ def test_reshard_two_replicas_to_four(runs):
         for rank in range(1, 4):
             for key, value in results[0][f"{name}-final"].items():
                 assert torch.equal(results[rank][f"{name}-final"][key], value)
+
+
+# ---- pure functions and file helpers, without processes -------------------------------------------------
+
+
+def _geometry(sizes, owned, replicas, replica, strategy="all_reduce", overlap=True, tau=3):
+    """A RoundEngine geometry for a partition made of `owned` (tensor id, first element, numel) pieces,
+    written down independently of the engine: the partition padded to a multiple of R, sub-shard r."""
+    segments, start = [], 0
+    for tensor_id, first, numel in owned:
+        segments.append([tensor_id, start, start + numel, first])
+        start += numel
+    padded = max(replicas, -(-start // replicas) * replicas)
+    sub = padded // replicas
+    sub_shard = [replica * sub, (replica + 1) * sub]
+    return {
+        "length": start,
+        "padded": padded,
+        "num_tensors": len(sizes),
+        "segments": segments,
+        "sub_shard": sub_shard,
+        "momentum_range": sub_shard if strategy == "reduce_scatter" else [0, padded],
+        "strategy": strategy,
+        "overlap": overlap,
+        "tau": tau,
+    }
+
+
+def _identity(geometry, rank, replicas, shards):
+    return {
+        "version": 2,
+        "config_hash": "c0ffee",
+        "grid": {"replicas": replicas, "shards": shards},
+        "rank": rank,
+        "signature": "model-sig",
+        "geometry": geometry,
+    }
+
+
+def _state_from_truth(identity, truth, inner_steps=8, tau=3):
+    """A rank's saved state holding the global truth (per tensor: start point, next start, momentum, norms)."""
+    geo = identity["geometry"]
+    vectors = {}
+    for field in ("start_point", "next_start", "momentum"):
+        flat = torch.zeros(geo["padded"])
+        for tensor_id, start, end, first in geo["segments"]:
+            flat[start:end] = truth[field][tensor_id][first : first + end - start]
+        vectors[field] = flat
+    lo, hi = geo["momentum_range"]
+    norms = truth["norms"][identity["rank"] % len(truth["norms"])]
+    return {
+        **identity,
+        "run_id": "r",
+        "inner_steps": inner_steps,
+        "rounds": inner_steps // tau,
+        "skipped_rounds": 1,
+        "start_point": vectors["start_point"],
+        "next_start": vectors["next_start"] if geo["overlap"] else None,
+        "momentum": vectors["momentum"][lo:hi],
+        "previous_update_sq_norms": norms,
+    }
+
+
+SIZES = [32, 8, 24, 3]  # the "mlp" model's tensors
+
+
+def _truth(world):
+    g = torch.Generator().manual_seed(7)
+    truth = {f: [torch.randn(n, generator=g) for n in SIZES] for f in ("start_point", "next_start", "momentum")}
+    truth["norms"] = [torch.rand(len(SIZES), generator=g) for _ in range(world)]
+    return truth
+
+
+def _whole():
+    return [(i, 0, n) for i, n in enumerate(SIZES)]
+
+
+def _zero_cut(shards):
+    """ZeRO-style partitions: the model's tensors back to back, cut into S equal pieces (tensors split)."""
+    total = sum(SIZES)
+    size = -(-total // shards)
+    parts = [[] for _ in range(shards)]
+    offset = 0
+    for i, n in enumerate(SIZES):
+        for s in range(shards):
+            lo, hi = max(offset, s * size), min(offset + n, (s + 1) * size)
+            if lo < hi:
+                parts[s].append((i, lo - offset, hi - lo))
+        offset += n
+    return parts
+
+
+SAVED_RUNS = {
+    "R2xS1-all_reduce": (2, 1, "all_reduce", lambda s: _whole()),
+    "R2xS1-reduce_scatter": (2, 1, "reduce_scatter", lambda s: _whole()),
+    "R2xS2-zero-split-tensors": (2, 2, "reduce_scatter", lambda s: _zero_cut(2)[s]),
+}
+TARGETS = {
+    "R4xS1": (4, 1, "reduce_scatter", lambda s: _whole()),
+    "R1xS2-oss-whole-tensors": (1, 2, "all_reduce", lambda s: [_whole()[i] for i in ((0, 3), (1, 2))[s]]),
+    "R3xS1": (3, 1, "all_reduce", lambda s: _whole()),
+}
+
+
+def _run(replicas, shards, strategy, owned):
+    return [
+        _identity(_geometry(SIZES, owned(r % shards), replicas, r // shards, strategy), r, replicas, shards)
+        for r in range(replicas * shards)
+    ]
+
+
+@pytest.mark.parametrize("saved_name", list(SAVED_RUNS))
+@pytest.mark.parametrize("target_name", list(TARGETS))
+def test_reshard_recuts_every_tensor_exactly(saved_name, target_name):
+    """consolidate + reshard from any saved R x S to any target: each target rank's start points, next
+    start points and momentum slice are the global truth at its partition's places; the staleness-gap
+    partial norms keep their sum; the step falls back to the last round start."""
+    saved_identities = _run(*SAVED_RUNS[saved_name])
+    truth = _truth(len(saved_identities))
+    shares = [consolidate(_state_from_truth(identity, truth)) for identity in saved_identities]
+    norm_sums = []
+    for identity in _run(*TARGETS[target_name]):
+        state, dropped = checkpoint.reshard(shares, identity)
+        assert dropped == 8 - 2 * 3 and state["inner_steps"] == 6 and state["rounds"] == 2
+        assert state["skipped_rounds"] == 1 and state["run_id"] == "r"
+        expected = _state_from_truth(identity, truth)
+        for field in ("start_point", "next_start", "momentum"):
+            assert torch.equal(state[field], expected[field]), (identity["rank"], field)
+        norm_sums.append(state["previous_update_sq_norms"])
+    assert torch.allclose(torch.stack(norm_sums).sum(0), torch.stack(truth["norms"]).sum(0))
+
+
+def test_reshard_refuses_missing_shares_and_another_config():
+    saved = _run(*SAVED_RUNS["R2xS1-reduce_scatter"])
+    truth = _truth(2)
+    shares = [consolidate(_state_from_truth(identity, truth)) for identity in saved]
+    target = _run(*TARGETS["R4xS1"])[0]
+    with pytest.raises(ValueError, match="cover"):
+        checkpoint.reshard(shares[1:], target)  # rank 0's file missing
+    with pytest.raises(ValueError, match="config_hash"):
+        checkpoint.reshard(shares, {**target, "config_hash": "other"})
+    with pytest.raises(ValueError, match="signature"):
+        checkpoint.reshard(shares, {**target, "signature": "another model"})
+
+
+@pytest.mark.parametrize("tag", ["", ".", "..", "../x", "a/b", "/abs", "a\\b", ".hidden", "x\0y", "t" * 201])
+def test_tags_that_could_escape_the_directory_are_refused(tag):
+    with pytest.raises(ValueError, match="tag="):
+        checkpoint.check_tag(tag)
+
+
+def test_plain_tags_are_accepted():
+    for tag in ("step00000012", "global_step7", "best-ckpt_1", "t" * 200):
+        assert checkpoint.check_tag(tag) == tag
+
+
+def test_only_plain_data_is_saved(tmp_path):
+    assert checkpoint.plain_data_problem({"a": [1, 2.0, "x", None, (torch.zeros(2), torch.float32)]}) is None
+    problem = checkpoint.plain_data_problem({"extra": {"sched": {"fn": lambda s: s}}})
+    assert "state['extra']['sched']['fn']" in problem and "function" in problem
+    with pytest.raises(ValueError, match="weights_only"):
+        checkpoint.save_atomic({"opt": torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1)}, tmp_path / "f.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_files_get_the_umask_permissions(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        size, digest = checkpoint.save_atomic({"x": torch.arange(3)}, tmp_path / "f.pt")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "f.pt").stat().st_mode) == 0o666 & ~umask
+    assert (size, digest) == checkpoint.file_digest(tmp_path / "f.pt")
+
+
+def test_a_failed_write_leaves_the_previous_file_and_no_temp_file(tmp_path):
+    target = tmp_path / "f.pt"
+    checkpoint.save_atomic({"x": 1}, target)
+
+    def fail(f):
+        f.write(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.write_atomic(target, fail)
+    assert [p.name for p in tmp_path.iterdir()] == ["f.pt"] and checkpoint.load_file(target) == {"x": 1}
+
+
+def test_each_rank_cleans_only_its_own_temp_files(tmp_path):
+    names = [
+        ".co2_rank00000.ab.pt.1.tmp",
+        ".co2_rank00001.ab.pt.2.tmp",
+        ".co2_rank00007.ab.pt.3.tmp",
+        ".co2_complete.json.4.tmp",
+        ".latest_co2.5.tmp",
+        "co2_rank00001.0123456789abcdef.pt",
+    ]
+    (tmp_path / "t").mkdir()
+    for name in names:
+        (tmp_path / "t" / name).write_bytes(b"x")
+    (tmp_path / ".latest_co2.6.tmp").write_bytes(b"x")
+    assert checkpoint.clean_temp_files(tmp_path, rank=1, world_size=2) == 1
+    assert not (tmp_path / "t" / names[1]).exists()
+    assert checkpoint.clean_temp_files(tmp_path, rank=0, world_size=2) == 5  # its own, marker/latest, rank 7
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["co2_rank00001.0123456789abcdef.pt"]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,11 @@ def _train(rank: int, opt: CO2Optimizer, model: torch.nn.Module, steps: int, bef
 def peer_lost(rank: int, world: int, how: str) -> dict:
     """Rank 1 dies (or hangs) before the first round end; rank 0 must fail within the deadline."""
     model = models.make_model("mlp")
-    config = CO2Config(tau=2, timeout_s=TIMEOUT_S, outer_momentum=0.5)
+    config = CO2Config(tau=2, timeout_s=TIMEOUT_S, outer_momentum=0.5, overlap=how != "exit-blocking")
     opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config)
     if rank == 1:
         _train(rank, opt, model, 1)
-        if how == "exit":
+        if how.startswith("exit"):
             os._exit(0)
         time.sleep(3 * TIMEOUT_S)  # alive but never reaching the round end
         os._exit(0)
@@ -50,8 +51,9 @@ def peer_lost(rank: int, world: int, how: str) -> dict:
     return {"error": None, "elapsed": time.monotonic() - began}
 
 
-@pytest.mark.parametrize("how", ["exit", "hang"])
+@pytest.mark.parametrize("how", ["exit", "hang", "exit-blocking"])
 def test_lost_peer_fails_within_timeout_naming_round_and_group(how):
+    """Blocking mode names the round like overlap mode does (round 0 for the first round, not -1)."""
     result = run_ranks(peer_lost, 2, how, allow_exit=(1,), timeout=60)[0]
     error = result["error"]
     assert isinstance(error, CO2Error), f"rank 0 finished 40 steps without noticing its peer: {result}"
@@ -224,7 +226,10 @@ def test_sigkill_mid_round_fails_the_others_and_keeps_the_checkpoint(tmp_path):
     error = survivor.error
     assert "CO2Error" in error and "round 2" in error and "outer group" in error, error
     assert survivor.ended_at - killed.ended_at < TIMEOUT_S + 10.0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["co2_rank00000.pt", "co2_rank00001.pt"]  # no temp files
+    (tag, marker), = checkpoint.complete_checkpoints(tmp_path)
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    assert files == sorted([checkpoint.LATEST, tag, *(f"{tag}/{name}" for name in
+                            [checkpoint.MARKER, *(f["name"] for f in marker["files"])])]), files  # no temp files
     first, second = run_ranks(resume_after_kill, 2, str(tmp_path), timeout=120)
     for name, value in first.items():
         assert torch.isfinite(value).all() and torch.equal(value, second[name]), name
@@ -255,3 +260,136 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert launch.returncode != 0
     leftovers = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"workers left running: {leftovers}"
+
+
+# ---- skip_round with Adam, frozen parameters, finalize after different step counts ----------------------
+
+
+def _nan_gradient_on_rank_1(rank: int, model: torch.nn.Module, step: int) -> None:
+    if rank == 1 and step == 3:
+        next(model.parameters()).grad[0, 0] = float("nan")
+
+
+def skip_round_with_adam(rank: int, overlap: bool) -> dict:
+    """Adam, skip_round, a NaN gradient on rank 1 at step 3 (round 1): that round is skipped, rank 1's
+    Adam state is reset, and every later round trains normally."""
+    model = models.make_model("mlp")
+    config = CO2Config(tau=2, nonfinite="skip_round", overlap=overlap, timeout_s=TIMEOUT_S)
+    opt = CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), config, model=model)
+    skipped, starts = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(12):
+            x, y = models.batch(rank, step)
+            opt.zero_grad()
+            models.loss_fn(model(x), y).backward()
+            _nan_gradient_on_rank_1(rank, model, step)
+            opt.step()
+            if opt.round_ended:
+                assert opt.last_round["round"] == len(skipped), opt.last_round  # 0 for the first, both modes
+                skipped.append(opt.last_round["skipped_rounds"])
+                starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        adam_finite = all(torch.isfinite(t).all() for s in opt.optimizer.state.values() for t in s.values())
+        opt.finalize()
+    return {
+        "skipped": skipped,
+        "starts": starts,
+        "adam_finite": adam_finite,
+        "warnings": [str(w.message) for w in caught],
+        "final": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
+
+
+def frozen_parameters(rank: int) -> dict:
+    """The first layer's weight is frozen; rank 1's differs at construction (another init)."""
+    out = {}
+    model = models.make_model("mlp")
+    frozen = model[0].weight
+    frozen.requires_grad_(False)
+    if rank == 1:
+        with torch.no_grad():
+            frozen.add_(1.0)
+    opt = CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), CO2Config(tau=2, timeout_s=TIMEOUT_S), model)
+    out["frozen_after_build"] = frozen.detach().clone()
+    _train(rank, opt, model, 6)
+    opt.finalize()
+    out["final"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    for change in ("unfreeze", "freeze"):
+        model = models.make_model("mlp")
+        model[0].weight.requires_grad_(False)
+        opt = CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), CO2Config(tau=2, timeout_s=TIMEOUT_S), model)
+        _train(rank, opt, model, 3)
+        (model[0].weight if change == "unfreeze" else model[2].bias).requires_grad_(change == "unfreeze")
+        try:
+            _train(rank, opt, model, 2)  # the round end at step 4
+            out[change] = None
+        except CO2Error as error:
+            out[change] = str(error)
+    return out
+
+
+def finalize_after_different_steps(rank: int) -> dict:
+    model = models.make_model("mlp")
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), CO2Config(tau=2, timeout_s=TIMEOUT_S))
+    _train(rank, opt, model, 6 if rank == 0 else 4)
+    began = time.monotonic()
+    try:
+        opt.finalize()
+        return {"error": None, "elapsed": time.monotonic() - began}
+    except CO2Error as error:
+        return {"error": str(error), "elapsed": time.monotonic() - began}
+
+
+def round_failures(rank: int, world: int) -> dict:
+    return {
+        "skip_overlap": skip_round_with_adam(rank, overlap=True),
+        "skip_blocking": skip_round_with_adam(rank, overlap=False),
+        "frozen": frozen_parameters(rank),
+        "finalize": finalize_after_different_steps(rank),  # last: rank 0's extra round stays in flight
+    }
+
+
+@pytest.fixture(scope="module")
+def round_results():
+    return run_ranks(round_failures, 2, timeout=180)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "blocking"])
+def test_skip_round_with_adam_resets_the_nonfinite_rank_and_keeps_training(round_results, mode):
+    first, second = (r[f"skip_{mode}"] for r in round_results)
+    for rank, got in enumerate((first, second)):
+        # round 1 is skipped (counted when its result arrives: one round later with overlap); no round after it
+        assert got["skipped"] == ([0, 0, 1, 1, 1, 1] if mode == "overlap" else [0, 1, 1, 1, 1, 1]), got["skipped"]
+        assert got["adam_finite"], f"rank {rank}: the inner optimizer state is still non-finite"
+        assert any("replica(s) [1] held NaN or Inf" in w and "skipped on every replica" in w for w in got["warnings"])
+        reset = [w for w in got["warnings"] if "inner optimizer state is reset" in w]
+        assert bool(reset) == (rank == 1), got["warnings"]
+    for t, (a, b) in enumerate(zip(first["starts"], second["starts"])):
+        assert all(torch.isfinite(v).all() and torch.equal(v, b[k]) for k, v in a.items()), f"round {t} start"
+    assert not torch.equal(first["starts"][-1]["0.weight"], first["starts"][-2]["0.weight"])  # still training
+    assert all(torch.isfinite(v).all() and torch.equal(v, second["final"][k]) for k, v in first["final"].items())
+
+
+def test_frozen_parameters_are_broadcast_and_stay_identical(round_results):
+    first, second = (r["frozen"] for r in round_results)
+    assert torch.equal(first["frozen_after_build"], second["frozen_after_build"])
+    assert torch.equal(first["final"]["0.weight"], first["frozen_after_build"])  # frozen: never changed
+    for name, value in first["final"].items():
+        assert torch.equal(value, second["final"][name]), name
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_changing_requires_grad_after_construction_is_refused_at_the_next_round_end(round_results, change):
+    phrase = "0.weight (shape (8, 4)) was frozen and is now trainable" if change == "unfreeze" else (
+        "2.bias (shape (3,)) was trainable and is now frozen")
+    for result in round_results:
+        error = result["frozen"][change]
+        assert error is not None and "round 1" in error and phrase in error and "reshard=True" in error, error
+
+
+def test_finalize_after_different_step_counts_fails_on_every_rank_naming_them(round_results):
+    for result in round_results:
+        got = result["finalize"]
+        assert got["error"] is not None and "rank 0: 6, rank 1: 4" in got["error"], got
+        assert got["elapsed"] < TIMEOUT_S + 3.0, got
