@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import Layout, OuterExchange, PipelineJob
+from .comm import Layout, OuterExchange, PipelineJob, wire_bytes
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError
 from .outer import Segment
@@ -107,6 +107,7 @@ class RoundEngine:
         self.finalized = False
         self.failed: Optional[BaseException] = None
         self.last_round: dict[str, Any] = {}
+        self._bytes_reported = 0  # of exchange.bytes_sent, already in some last_round
 
     # ---- the round --------------------------------------------------------------------------------
 
@@ -122,6 +123,7 @@ class RoundEngine:
     def _round_end(self) -> None:
         began = time.perf_counter()
         wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
+        sent = self._exchange_bytes_since_last_report()
         overlap = self.config.overlap
         if overlap:  # D overwrites the retiring start point; the update applies to x_{t+1}
             base, work = self.next_start, self.start_point
@@ -134,17 +136,24 @@ class RoundEngine:
         )
         if not overlap:
             wait_s += self._wait_pending()
+            sent += self._exchange_bytes_since_last_report()
         new_start, spare = (base, work) if overlap else (work, base)
         self._set_live(new_start)  # step 3: x <- Nx; refresh
         self.start_point, self.next_start = new_start, spare
         self.rounds += 1
-        self._average_buffers()
+        sent += self._average_buffers()
         self.last_round = {
             "round": self.rounds - 1,
             "inner_step": self.inner_steps,
             "wait_s": wait_s,
             "round_end_s": time.perf_counter() - began,
+            "bytes_sent": sent,
         }
+
+    def _exchange_bytes_since_last_report(self) -> int:
+        """Bytes this rank's finished pipelines sent since the last call (read with none in flight)."""
+        sent, self._bytes_reported = self.exchange.bytes_sent - self._bytes_reported, self.exchange.bytes_sent
+        return sent
 
     def finalize(self) -> None:
         """End training with one model on every rank (DESIGN.md §3): the last start point produced."""
@@ -243,10 +252,11 @@ class RoundEngine:
                 chunk.copy_(flat[where])
         self.refresh()
 
-    def _average_buffers(self) -> None:
-        """Average float module buffers over every rank (main thread, its own group)."""
+    def _average_buffers(self) -> int:
+        """Average float module buffers over every rank (main thread, its own group). Returns the
+        bytes this rank sent (`comm.wire_bytes`)."""
         if not self.buffers:
-            return
+            return 0
         flat = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
         try:
             dist.all_reduce(flat, group=self.topology.buffer_group)
@@ -258,6 +268,7 @@ class RoundEngine:
         for b in self.buffers:
             b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
             offset += b.numel()
+        return wire_bytes("all_reduce", flat.numel() * flat.element_size(), self.topology.world_size)
 
     # ---- agreement, state, footprint ---------------------------------------------------------------
 
@@ -310,6 +321,8 @@ class RoundEngine:
             "next_start": self.next_start if self.config.overlap else None,
             "momentum": self.momentum,
             "previous_update_sq_norms": self.previous_update_sq_norms,
+            # comm_dtype int8/fp8: the error-feedback residuals (comm.Residuals), else None
+            "residuals": None if self.exchange.residuals is None else self.exchange.residuals._asdict(),
             # enough geometry to re-cut the state per parameter tensor (`consolidate`)
             "segments": [tuple(seg) for seg in self.layout.segments],
             "sub_shard": self.layout.sub_shard_range(self.topology.replica_index),
@@ -333,6 +346,14 @@ class RoundEngine:
         self.momentum.copy_(state["momentum"])
         norms = state["previous_update_sq_norms"]
         self.previous_update_sq_norms = None if norms is None else norms.to(self.momentum.device).clone()
+        if self.exchange.residuals is not None:
+            if state.get("residuals") is None:
+                raise ValueError(
+                    f"co2 checkpoint: residuals=None, but comm_dtype={self.config.comm_dtype!r} needs the "
+                    f"saved error-feedback residuals; resume from a state saved with the same co2 config"
+                )
+            for name, residual in self.exchange.residuals._asdict().items():
+                residual.copy_(state["residuals"][name])
 
     def load_consolidated(self, shares: Sequence[dict[str, Any]]) -> None:
         """Load `consolidate(state)` of every rank's saved `state_dict()`, from a run with any R x S.
@@ -386,8 +407,10 @@ class RoundEngine:
 
     def state_bytes(self) -> int:
         """Bytes of CO2 state this rank holds (DESIGN.md §4: 2Ψ/S + 2Ψ/N fp32 words with
-        reduce_scatter, 3Ψ/S with all_reduce, plus per-tensor norms)."""
+        reduce_scatter, 3Ψ/S with all_reduce, plus per-tensor norms; int8/fp8 add the residuals,
+        Ψ/S + Ψ/N)."""
         tensors = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]
+        tensors += list(self.exchange.residuals or ())
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -403,7 +426,7 @@ class CO2Steps:
 
     @property
     def last_round(self) -> dict[str, Any]:
-        """Timing of the last round end: round, inner_step, wait_s, round_end_s."""
+        """The last round end: round, inner_step, wait_s, round_end_s, bytes_sent."""
         return self.engine.last_round
 
     def finalize(self) -> None:
