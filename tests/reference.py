@@ -154,6 +154,7 @@ def simulate(
     *,
     record: list[Params] | None = None,
     trace: list[dict[str, Any]] | None = None,
+    exchange: Any = None,
 ) -> list[Params]:
     """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
 
@@ -162,7 +163,9 @@ def simulate(
     x_0 first, then one entry per round end. ``trace`` (if given) receives one
     dict per outer step: ``round`` (int), ``g``, ``gap`` (α‖u_prev‖, 0-dim),
     ``penalty`` (Λ, 0-dim), ``m`` (after clipping), ``u``, ``base``, ``result``
-    (each {name: tensor}).
+    (each {name: tensor}). ``exchange`` (if given) replaces the exact exchange:
+    ``exchange.average(start, xs)`` gives g, ``exchange.publish(base, result)``
+    the next start point (tests/reference_compress.py: int8/fp8 with error feedback).
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
@@ -199,13 +202,18 @@ def simulate(
         if (k + 1) % tau:
             continue
         xs = [_params(model) for model in models]
-        g = {n: torch.stack([start[n] - x[n] for x in xs]).mean(0) for n in start}
+        if exchange is None:
+            g = {n: torch.stack([start[n] - x[n] for x in xs]).mean(0) for n in start}
+        else:
+            g = exchange.average(start, xs)
         if overlap and u_prev is not None:
             gap = {n: alpha * torch.linalg.vector_norm(u_prev[n]) for n in start}
         else:
             gap = {n: torch.tensor(0.0) for n in start}
         base = pending if overlap else start
         result, u, lam = outer_step(base, g, gap, m, cfg)
+        if exchange is not None:
+            result = exchange.publish(base, result)
         if trace is not None:
             trace.append(
                 {
