@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from .compress import FORMATS, RecordLayout, dequantize_into, quantize_with_feedback_
 from .config import CO2Config
 from .errors import NonFiniteError
 from .outer import OuterHyper, Segment, SegmentIndex, outer_step
@@ -24,7 +25,31 @@ from .topology import Topology, collective_device
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # int8/fp8: `compress.FORMATS`
+
+
+def wire_bytes(collective: str, nbytes: int, ranks: int) -> int:
+    """Bytes one rank sends in `collective` over `ranks` ranks, `nbytes` being the whole buffer (the
+    all-reduced tensor, the reduce-scatter input, the all-gather output, the all-to-all send buffer).
+
+    The volume of the bandwidth-optimal algorithms: ring all-reduce 2(G-1)/G of the buffer; ring
+    reduce-scatter, ring all-gather and pairwise all-to-all (G-1)/G (a rank keeps its own share).
+    Backends may move more for small messages; this is what the exchange needs, whatever the dtype.
+    """
+    factor = 2 if collective == "all_reduce" else 1
+    return factor * (ranks - 1) * nbytes // ranks
+
+
+class Residuals(NamedTuple):
+    """Error-feedback state of a quantized exchange (`comm_dtype` int8/fp8), this rank's own.
+
+    displacement: what this rank's displacements could not send yet (partition-sized: every
+    sub-shard it sends). gathered: what it could not all-gather yet as the owner of its sub-shard:
+    the update of the start point (`reduce_scatter`) or the averaged displacement (`all_reduce`).
+    """
+
+    displacement: torch.Tensor
+    gathered: torch.Tensor
 
 
 def choose_collective(config: CO2Config, backend: str) -> str:
@@ -131,7 +156,17 @@ class OuterExchange:
         self.topology = topology
         self.layout = layout
         self.strategy = choose_collective(config, dist.get_backend(topology.outer_group))
-        self.comm_dtype = _COMM_DTYPES[config.comm_dtype]
+        self.comm_dtype = _COMM_DTYPES.get(config.comm_dtype)
+        self.wire_format = FORMATS.get(config.comm_dtype)  # None: fp32/bf16 travel as plain tensors
+        self.residuals = (
+            None
+            if self.wire_format is None
+            else Residuals(
+                torch.zeros(layout.padded, dtype=torch.float32, device=device),
+                torch.zeros(layout.sub_shard, dtype=torch.float32, device=device),
+            )
+        )
+        self.bytes_sent = 0  # by this rank's pipelines so far (`wire_bytes`); written by the worker only
         r = topology.replica_index
         start, end = layout.sub_shard_range(r)
         self.sub_shard = slice(start, end)
@@ -202,29 +237,104 @@ class OuterExchange:
         if not result.finite:  # raises, or skips the round (the new start point is then `base`)
             locally_finite = bool(torch.isfinite(_largest(live) if local_max is None else local_max))
             skipped = self._non_finite(locally_finite, job.round_index)
-        if self.strategy == "reduce_scatter":
-            _all_gather(job.work, g, group=self.topology.outer_group)
+        self._share_new_start(job.work, job.base, g, result.finite)
         return RoundResult(result.update_sq_norms, skipped)
 
     def _average(self, work: torch.Tensor, g_buffer: Optional[torch.Tensor]) -> torch.Tensor:
         """g = mean of D over the outer group, on this rank's slice."""
+        if self.wire_format is not None:
+            return self._average_quantized(work, g_buffer)
         group, replicas = self.topology.outer_group, self.topology.replicas
         reduce_scatter = self.strategy == "reduce_scatter"
         if self.comm_dtype == torch.float32:
             if reduce_scatter:
+                self._count("reduce_scatter", work, replicas)
                 _reduce_scatter(g_buffer, work, group=group)
                 return g_buffer.div_(replicas)
+            self._count("all_reduce", work, replicas)
             dist.all_reduce(work, group=group)
             return work.div_(replicas)
         wire = work.div(replicas).to(self.comm_dtype)  # divide first: the narrow sum cannot overflow
         if reduce_scatter:
             out = torch.empty(self.slice_length, dtype=self.comm_dtype, device=work.device)
+            self._count("reduce_scatter", wire, replicas)
             _reduce_scatter(out, wire, group=group)
             return g_buffer.copy_(out)
+        self._count("all_reduce", wire, replicas)
         dist.all_reduce(wire, group=group)
         return work.copy_(wire)
 
+    def _average_quantized(self, work: torch.Tensor, g_buffer: Optional[torch.Tensor]) -> torch.Tensor:
+        """The quantized reduce-scatter (docs/design.md §5): D + residual is quantized per block, each
+        sub-shard goes to its owner in one all-to-all, and the owner averages the replicas' dequantized
+        pieces in fp32, in replica order. `reduce_scatter`: g lands in `g_buffer`. `all_reduce`: a sum
+        of bytes is no byte, so there is no quantized all-reduce; instead each owner all-gathers its
+        average quantized (with its own residual) and every rank dequantizes the whole partition, the
+        same bytes everywhere, then runs the outer step on all of it as the fp32 `all_reduce` does."""
+        replicas, length = self.topology.replicas, self.layout.sub_shard
+        record = RecordLayout.for_length(length)
+        rows = work.view(replicas, length)  # row j: sub-shard j, for its owner j
+        sent = torch.empty(replicas, record.nbytes, dtype=torch.uint8, device=work.device)
+        quantize_with_feedback_(rows, self.residuals.displacement.view(replicas, length), self.wire_format, sent)
+        received = torch.empty_like(sent)  # row i: this rank's sub-shard as replica i quantized it
+        self._count("all_to_all", sent, replicas)
+        dist.all_to_all_single(received, sent, group=self.topology.outer_group)
+        g = g_buffer if self.strategy == "reduce_scatter" else work[self.sub_shard]
+        dequantize_into(received[:1], self.wire_format, out=g.view(1, length))
+        piece = torch.empty(1, length, dtype=torch.float32, device=work.device)
+        for i in range(1, replicas):
+            g.add_(dequantize_into(received[i : i + 1], self.wire_format, out=piece).view(-1))
+        g.div_(replicas)
+        if self.strategy == "reduce_scatter":
+            return g
+        del sent, received, piece  # free the records before the all-gather allocates its own
+        self._all_gather_quantized(g, out=rows)
+        return work
+
+    def _share_new_start(self, work: torch.Tensor, base: torch.Tensor, g: torch.Tensor, finite: bool) -> None:
+        """Step g: give every rank of the outer group the new start point in `work`.
+
+        `all_reduce` computed it everywhere already. `reduce_scatter`: all-gather each owner's
+        sub-shard; quantized, what travels is the owner's update (new start - base, plus its residual)
+        and every rank, the owner included, sets `work = base + dequantized update`: the start points
+        stay bit-identical across replicas. A skipped non-finite round (every rank knows: the norms are
+        global) sends nothing: the start point stays `base`, and the displacement residuals, which may
+        hold the NaN, restart from zero (with `all_reduce` the averages' residuals too).
+        """
+        if self.wire_format is None:
+            if self.strategy == "reduce_scatter":
+                self._count("all_gather", work, self.topology.replicas)
+                _all_gather(work, g, group=self.topology.outer_group)
+            return
+        if not finite:
+            work.copy_(base)
+            self.residuals.displacement.zero_()
+            if self.strategy == "all_reduce":
+                self.residuals.gathered.zero_()
+            return
+        if self.strategy == "all_reduce":
+            return
+        g.sub_(base[self.sub_shard])
+        self._all_gather_quantized(g, out=work.view(self.topology.replicas, self.layout.sub_shard))
+        work.add_(base)
+
+    def _all_gather_quantized(self, value: torch.Tensor, out: torch.Tensor) -> None:
+        """out (R, sub-shard) <- every owner's `value` (its sub-shard; consumed) quantized with the
+        `gathered` residual's feedback and dequantized, in the outer group's order."""
+        replicas, length = out.shape
+        record = RecordLayout.for_length(length)
+        mine = torch.empty(1, record.nbytes, dtype=torch.uint8, device=value.device)
+        quantize_with_feedback_(value.view(1, length), self.residuals.gathered.view(1, length), self.wire_format, mine)
+        everyone = torch.empty(replicas, record.nbytes, dtype=torch.uint8, device=value.device)
+        self._count("all_gather", everyone, replicas)
+        _all_gather(everyone.view(-1), mine.view(-1), group=self.topology.outer_group)
+        dequantize_into(everyone, self.wire_format, out=out)
+
+    def _count(self, collective: str, buffer: torch.Tensor, ranks: int) -> None:
+        self.bytes_sent += wire_bytes(collective, buffer.numel() * buffer.element_size(), ranks)
+
     def _sum_across_ranks(self, small: torch.Tensor) -> torch.Tensor:
+        self._count("all_reduce", small, self.topology.world_size)
         dist.all_reduce(small, group=self.topology.norm_group)
         return small
 

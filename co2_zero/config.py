@@ -18,7 +18,7 @@ from typing import Any, Mapping, Union
 PENALTY_MODES = ("none", "constant", "adaptive")
 CLIP_MODES = ("none", "value", "norm")
 COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
-COMM_DTYPES = ("fp32", "bf16")
+COMM_DTYPES = ("fp32", "bf16", "int8", "fp8")  # int8/fp8: block-quantized with error feedback (compress.py)
 NONFINITE_POLICIES = ("raise", "skip_round")
 # The accepted values of every choice field, by dotted name (for messages that name another rank's value).
 CHOICES = {

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import Layout, OuterExchange, PipelineJob
+from .comm import Layout, OuterExchange, PipelineJob, wire_bytes
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError
 from .outer import Segment
@@ -184,6 +184,7 @@ class RoundEngine:
         self.finalized = False
         self.failed: Optional[BaseException] = None
         self.last_round: dict[str, Any] = {}
+        self._bytes_reported = 0  # of exchange.bytes_sent, already in some last_round
 
     # ---- the round --------------------------------------------------------------------------------
 
@@ -200,6 +201,7 @@ class RoundEngine:
         began = time.perf_counter()
         self._check_parameters_unchanged()
         wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
+        sent = self._exchange_bytes_since_last_report()
         overlap = self.config.overlap
         if overlap:  # D overwrites the retiring start point; the update applies to x_{t+1}
             base, work = self.next_start, self.start_point
@@ -214,11 +216,12 @@ class RoundEngine:
         self.pending_index = self.rounds
         if not overlap:
             wait_s += self._wait_pending()
+            sent += self._exchange_bytes_since_last_report()
         new_start, spare = (base, work) if overlap else (work, base)
         self._set_live(new_start)  # step 3: x <- Nx; refresh
         self.start_point, self.next_start = new_start, spare
         self.rounds += 1
-        self._average_buffers()
+        sent += self._average_buffers()
         if reset_inner:
             warnings.warn(
                 f"co2: round {self.rounds - 1}: this rank's displacement (global rank {self.topology.rank}, "
@@ -233,7 +236,13 @@ class RoundEngine:
             "round_end_s": time.perf_counter() - began,
             "skipped_rounds": self.skipped_rounds,
             "inner_state_reset": reset_inner,
+            "bytes_sent": sent,
         }
+
+    def _exchange_bytes_since_last_report(self) -> int:
+        """Bytes this rank's finished pipelines sent since the last call (read with none in flight)."""
+        sent, self._bytes_reported = self.exchange.bytes_sent - self._bytes_reported, self.exchange.bytes_sent
+        return sent
 
     def finalize(self) -> None:
         """End training with one model on every rank (docs/design.md §3): the last start point produced.
@@ -429,10 +438,11 @@ class RoundEngine:
                 chunk.copy_(flat[where])
         self.refresh()
 
-    def _average_buffers(self) -> None:
-        """Average float module buffers over every rank (main thread, its own group)."""
+    def _average_buffers(self) -> int:
+        """Average float module buffers over every rank (main thread, its own group). Returns the
+        bytes this rank sent (`comm.wire_bytes`)."""
         if not self.buffers:
-            return
+            return 0
         device = collective_device(self.topology.buffer_group)
         flat = torch.cat([b.detach().reshape(-1).float().to(device) for b in self.buffers])
         try:
@@ -445,6 +455,7 @@ class RoundEngine:
         for b in self.buffers:
             b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
             offset += b.numel()
+        return wire_bytes("all_reduce", flat.numel() * flat.element_size(), self.topology.world_size)
 
     # ---- agreement ---------------------------------------------------------------------------------
 
@@ -520,6 +531,8 @@ class RoundEngine:
             "next_start": self.next_start if self.config.overlap else None,
             "momentum": self.momentum,
             "previous_update_sq_norms": self.previous_update_sq_norms,
+            # comm_dtype int8/fp8: the error-feedback residuals (comm.Residuals), else None
+            "residuals": None if self.exchange.residuals is None else self.exchange.residuals._asdict(),
         }
 
     def check_state_dict(self, state: Any) -> None:
@@ -543,6 +556,14 @@ class RoundEngine:
         norms = state.get("previous_update_sq_norms")
         if norms is not None:
             _check_tensor("previous_update_sq_norms", norms, torch.zeros(self.layout.num_tensors))
+        residuals = state.get("residuals")
+        if residuals is not None:
+            if self.exchange.residuals is None or not isinstance(residuals, dict):
+                raise ValueError(
+                    f"co2 checkpoint: it holds error-feedback residuals; comm_dtype here is {self.config.comm_dtype!r}"
+                )
+            for name, like in self.exchange.residuals._asdict().items():
+                _check_tensor(f"residuals.{name}", residuals.get(name), like)
         for key in ("inner_steps", "rounds", "skipped_rounds"):
             if not isinstance(state.get(key), int) or state[key] < 0:
                 raise ValueError(f"co2 checkpoint: {key}={state.get(key)!r}; expected an integer >= 0")
@@ -566,6 +587,10 @@ class RoundEngine:
         self.momentum.copy_(state["momentum"])
         norms = state["previous_update_sq_norms"]
         self.previous_update_sq_norms = None if norms is None else norms.to(self.momentum.device).clone()
+        if self.exchange.residuals is not None:  # a resharded state has none: the pending error restarts at 0
+            saved = state.get("residuals")
+            for name, residual in self.exchange.residuals._asdict().items():
+                residual.copy_(saved[name]) if saved is not None else residual.zero_()
 
     def restart_from_start_point(self) -> None:
         """Set the live parameters to the current start point (a resharded state resumes at the
@@ -576,8 +601,10 @@ class RoundEngine:
     def state_bytes(self) -> int:
         """Bytes of CO2 state this rank holds (docs/design.md §4: 2Ψ/S + 2Ψ/N fp32 words with
         reduce_scatter, 3Ψ/S with all_reduce, plus per-tensor norms), and the outer step's segment
-        index (`outer.SegmentIndex`, about 2·√(elements · segments) ids)."""
+        index (`outer.SegmentIndex`, about 2·√(elements · segments) ids); int8/fp8 add the error-feedback
+        residuals, Ψ/S + Ψ/N."""
         tensors = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]
+        tensors += list(self.exchange.residuals or ())
         return sum(t.numel() * t.element_size() for t in tensors if t is not None) + self.exchange.index_bytes
 
 
@@ -620,8 +647,9 @@ class CO2Steps:
 
     @property
     def last_round(self) -> dict[str, Any]:
-        """The last round end: round, inner_step, wait_s, round_end_s, skipped_rounds (rounds whose
-        outer update was skipped so far), inner_state_reset (this rank reset its inner state)."""
+        """The last round end: round, inner_step, wait_s, round_end_s, bytes_sent (what this rank sent
+        since the previous report), skipped_rounds (rounds whose outer update was skipped so far),
+        inner_state_reset (this rank reset its inner state)."""
         return self.engine.last_round
 
     def finalize(self) -> None:

@@ -145,6 +145,7 @@ def simulate(
     record: list[Params] | None = None,
     trace: list[dict[str, Any]] | None = None,
     step_record: list[list[Params]] | None = None,
+    exchange: Any = None,
 ) -> list[Params]:
     """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
 
@@ -156,6 +157,9 @@ def simulate(
     (each {name: tensor}). ``step_record`` (if given) receives one entry per
     inner step: the list of every replica's fp32 parameters as the next step
     starts from them (after the round end when the step ends a round).
+    ``exchange`` (if given) replaces the exact exchange:
+    ``exchange.average(start, xs)`` gives g, ``exchange.publish(base, result)``
+    the next start point (tests/reference_compress.py: int8/fp8 with error feedback).
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
@@ -191,13 +195,18 @@ def simulate(
             _inner_step(model, opt, loss_fn, micro, bufs[r])
         if (k + 1) % tau == 0:
             xs = [_params(model) for model in models]
-            g = {n: torch.stack([start[n] - x[n] for x in xs]).mean(0) for n in start}
+            if exchange is None:
+                g = {n: torch.stack([start[n] - x[n] for x in xs]).mean(0) for n in start}
+            else:
+                g = exchange.average(start, xs)
             if overlap and u_prev is not None:
                 gap = {n: alpha * torch.linalg.vector_norm(u_prev[n]) for n in start}
             else:
                 gap = {n: torch.tensor(0.0) for n in start}
             base = pending if overlap else start
             result, u, lam = outer_step(base, g, gap, m, cfg)
+            if exchange is not None:
+                result = exchange.publish(base, result)
             if trace is not None:
                 trace.append(
                     {

@@ -1,0 +1,125 @@
+"""Independent reference of the compressed exchange (comm_dtype int8/fp8), for `reference.simulate`.
+
+Plain per-replica, per-block code, written from the specification in docs/design.md §5 and the README,
+not from the library (nothing here imports co2_zero):
+
+- every rank's partition (a list of parameter pieces, in order) is flattened, padded with zeros to a
+  multiple of R and cut into R sub-shards; a sub-shard is quantized in blocks of 256 elements, each
+  with scale absmax / qmax (int8: qmax 127, round half to even; fp8 e4m3: qmax 448), dequantized as
+  value * scale;
+- averaging: replica r sends D_r + e_r quantized and keeps e_r <- (D_r + e_r) - dequantized; the owner
+  of a sub-shard adds the replicas' dequantized pieces in replica order and divides by R;
+- `reduce_scatter`: the owner's update (new start - base) + e_u travels quantized (e_u keeps the rest)
+  and the new start is base + dequantized update, for every replica;
+- `all_reduce`: the owner's average + e_g travels quantized (e_g keeps the rest); the outer step then
+  runs on the dequantized average.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+Params = dict[str, Tensor]
+Piece = tuple[str, int, int]  # parameter name, first and last+1 element of its flattened tensor
+
+BLOCK = 256
+QMAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def roundtrip(x: Tensor, fmt: str) -> Tensor:
+    """What arrives when the 1-D fp32 vector `x` (one sub-shard) is sent: quantized, dequantized."""
+    out = torch.empty_like(x)
+    for lo in range(0, x.numel(), BLOCK):
+        block = x[lo : lo + BLOCK]
+        scale = block.abs().max() / QMAX[fmt]
+        if scale == 0:
+            out[lo : lo + BLOCK] = 0.0
+            continue
+        scaled = block / scale
+        if fmt == "int8":
+            values = scaled.round().clamp(-127.0, 127.0)
+        else:
+            values = scaled.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+        out[lo : lo + BLOCK] = values * scale
+    return out
+
+
+class CompressedExchange:
+    """The exchange of `reference.simulate(..., exchange=...)` for one run: error-feedback residuals
+    of every replica and owner, kept across rounds.
+
+    partitions: one list of pieces per shard index s (what ranks (r, s) own, identical for every r);
+    None: one partition holding every parameter whole, in order (S = 1).
+    """
+
+    def __init__(self, fmt: str, strategy: str, replicas: int, partitions: list[list[Piece]] | None = None):
+        assert fmt in QMAX and strategy in ("reduce_scatter", "all_reduce")
+        self.fmt, self.strategy, self.replicas = fmt, strategy, replicas
+        self.partitions = partitions
+        self.sent: dict[tuple[int, int], Tensor] = {}  # (replica, shard) -> displacement residual
+        self.owned: dict[int, Tensor] = {}  # shard -> residual of what the owners gather (all R of them)
+
+    # ---- layout ----------------------------------------------------------------------------------
+
+    def _pieces(self, params: Params) -> list[list[Piece]]:
+        if self.partitions is None:
+            return [[(name, 0, value.numel()) for name, value in params.items()]]
+        return self.partitions
+
+    def _flatten(self, params: Params, pieces: list[Piece]) -> Tensor:
+        flat = [params[name].reshape(-1)[lo:hi] for name, lo, hi in pieces]
+        length = sum(hi - lo for _, lo, hi in pieces)
+        padded = max(self.replicas, math.ceil(length / self.replicas) * self.replicas)
+        return torch.cat(flat + [torch.zeros(padded - length)])
+
+    def _unflatten(self, flats: list[Tensor], like: Params) -> Params:
+        out = {name: value.clone().reshape(-1) for name, value in like.items()}
+        for pieces, flat in zip(self._pieces(like), flats):
+            offset = 0
+            for name, lo, hi in pieces:
+                out[name][lo:hi] = flat[offset : offset + hi - lo]
+                offset += hi - lo
+        return {name: out[name].reshape(like[name].shape) for name in like}
+
+    def _send(self, vector: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(what arrives, the new residual) for sending `vector` + `residual`, sub-shard by sub-shard."""
+        total = vector + residual
+        arrived = torch.cat([roundtrip(part, self.fmt) for part in total.chunk(self.replicas)])
+        return arrived, total - arrived
+
+    # ---- the two hooks of reference.simulate -------------------------------------------------------
+
+    def average(self, start: Params, xs: list[Params]) -> Params:
+        """The replicas' mean displacement as the owners compute it from the quantized pieces."""
+        means = []
+        for s, pieces in enumerate(self._pieces(start)):
+            base = self._flatten(start, pieces)
+            arrived = []
+            for r, x in enumerate(xs):
+                displacement = base - self._flatten(x, pieces)
+                residual = self.sent.get((r, s), torch.zeros_like(displacement))
+                piece, self.sent[(r, s)] = self._send(displacement, residual)
+                arrived.append(piece)
+            total = arrived[0].clone()
+            for piece in arrived[1:]:
+                total = total + piece
+            mean = total / self.replicas
+            if self.strategy == "all_reduce":
+                mean, self.owned[s] = self._send(mean, self.owned.get(s, torch.zeros_like(mean)))
+            means.append(mean)
+        return self._unflatten(means, start)
+
+    def publish(self, base: Params, result: Params) -> Params:
+        """The next start point every replica ends up with, given the owners' exact `result`."""
+        if self.strategy == "all_reduce":
+            return result
+        starts = []
+        for s, pieces in enumerate(self._pieces(base)):
+            flat_base = self._flatten(base, pieces)
+            update = self._flatten(result, pieces) - flat_base
+            arrived, self.owned[s] = self._send(update, self.owned.get(s, torch.zeros_like(update)))
+            starts.append(flat_base + arrived)
+        return self._unflatten(starts, base)
