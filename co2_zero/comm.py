@@ -1,4 +1,4 @@
-"""The background pipeline (DESIGN.md §3 a–g) and the collective strategies (§5).
+"""The background pipeline (docs/design.md §3 a–g) and the collective strategies (§5).
 
 One daemon thread per CO2 instance runs pipelines in launch order with blocking collectives on the
 CO2 groups; the main thread only launches and waits. On CUDA the pipeline runs on its own stream,
@@ -93,7 +93,7 @@ def _largest(flat: torch.Tensor) -> torch.Tensor:
 
 
 class PipelineJob(NamedTuple):
-    """The inputs of one pipeline (DESIGN.md §3 a–g)."""
+    """The inputs of one pipeline (docs/design.md §3 a–g)."""
 
     work: torch.Tensor  # D on entry, the new start point on exit (partition-sized)
     base: torch.Tensor  # the start point the update applies to

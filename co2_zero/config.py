@@ -79,7 +79,7 @@ def _build(cls, name: str, value: Any):
 
 @dataclass(frozen=True)
 class GapPenalty:
-    """How much a stale pseudo-gradient is trusted (DESIGN.md §3c).
+    """How much a stale pseudo-gradient is trusted (docs/design.md §3c).
 
     `none`: Λ = 1. `constant`: Λ = `value` (the authors' code). `adaptive`: per parameter tensor,
     Λ = 1 + `strength` · ‖δ‖ / (‖g‖ + ε), with δ the distance the model moved since g was measured.

@@ -1,4 +1,4 @@
-"""CO2 on DeepSpeed ZeRO stages 1 and 2 (DESIGN.md §6.3).
+"""CO2 on DeepSpeed ZeRO stages 1 and 2 (docs/design.md §6.3).
 
 A DeepSpeed user adds a `"co2": {...}` section to the JSON config and calls
 `co2_zero.deepspeed.initialize(...)` where they called `deepspeed.initialize(...)`. This module:

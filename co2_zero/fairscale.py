@@ -1,8 +1,8 @@
-"""`CO2OSS`: FairScale's OSS inside each replica, CO2 across replicas (DESIGN.md §6.2).
+"""`CO2OSS`: FairScale's OSS inside each replica, CO2 across replicas (docs/design.md §6.2).
 
 OSS shards the inner optimizer over the **inner group** (the S ranks of one replica) and turns the
 trainable parameters each rank owns into views of one flat bucket: that bucket is the rank's CO2
-partition. The outer state is split over the outer group like in every integration (DESIGN.md §2),
+partition. The outer state is split over the outer group like in every integration (docs/design.md §2),
 and after a round end the owners' rewritten buckets reach the rest of their replica through OSS's own
 parameter broadcast. In a FairScale script, `OSS(...)` becomes `CO2OSS(..., co2=...)` and the
 ShardedDataParallel import comes from here (FairScale's drops gradients on a replica group, see there)::

@@ -1,4 +1,4 @@
-"""`CO2Optimizer`: CO2 around any `torch.optim.Optimizer` (DESIGN.md §6.1, §6.4).
+"""`CO2Optimizer`: CO2 around any `torch.optim.Optimizer` (docs/design.md §6.1, §6.4).
 
 Plain parameters: every rank is its own replica (S = 1), so the partition is the whole model: the
 parameters are re-pointed into one flat fp32 buffer and that buffer is the live partition. The model
@@ -127,7 +127,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def finalize(self) -> None:
-        """Wait for the round in flight and give every rank the same model (DESIGN.md §3)."""
+        """Wait for the round in flight and give every rank the same model (docs/design.md §3)."""
         self.engine.finalize()
         self.topology.destroy(inner=True)  # the single-rank replica groups; never a given (FSDP2) group
 

@@ -1,7 +1,7 @@
 """An emulated cluster on one Linux machine: P nodes as network namespaces behind a shaped bridge.
 
 Why: CO2 only pays off when the link between nodes is slow compared with compute. This harness gives
-real ranks, real gloo traffic and a real bandwidth limit on one box (DESIGN.md §9), so throughput
+real ranks, real gloo traffic and a real bandwidth limit on one box (docs/design.md §9), so throughput
 and convergence can be measured against DDP and the blocking baselines without a cluster.
 
 Topology (names carry the owner's pid, so concurrent runs never collide and leftovers of a crashed

@@ -474,7 +474,7 @@ def test_partition_is_the_oss_bucket(sharded, one_shard):
 
 
 def test_state_bytes_match_memory_formula(sharded, one_shard):
-    """DESIGN.md §4 for the OSS partition sizes: 2Ψ_s + 2Ψ_s/R words (reduce_scatter) or 3Ψ_s (all_reduce),
+    """docs/design.md §4 for the OSS partition sizes: 2Ψ_s + 2Ψ_s/R words (reduce_scatter) or 3Ψ_s (all_reduce),
     Ψ_s the rank's bucket padded to a multiple of R (at least R), plus one norm per parameter tensor
     and the segment index."""
     for results, shards, scenarios in ((sharded, 2, SHARDED), (one_shard, 1, ONE_SHARD)):
