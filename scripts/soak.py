@@ -36,14 +36,20 @@ def process_groups() -> int:
 
 
 def sample(label: str, rounds: int) -> dict:
-    return {"at": label, "rounds": rounds, "rss_mib": round(rss_mib(), 1), "threads": threading.active_count(),
-            "process_groups": process_groups()}
+    return {
+        "at": label,
+        "rounds": rounds,
+        "rss_mib": round(rss_mib(), 1),
+        "threads": threading.active_count(),
+        "process_groups": process_groups(),
+    }
 
 
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     config = CO2Config(tau=1, outer_momentum=0.5, timeout_s=60)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -92,27 +98,34 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         result = f"{tmp}/result.json"
-        mp.start_processes(worker, args=(args.ranks, f"{tmp}/store", args, result), nprocs=args.ranks,
-                           start_method="spawn")
+        mp.start_processes(
+            worker, args=(args.ranks, f"{tmp}/store", args, result), nprocs=args.ranks, start_method="spawn"
+        )
         with open(result) as f:
             report = json.load(f)
     first, last_round = report["samples"][0], report["samples"][2]
-    report.update({
-        "command": f"python scripts/soak.py --ranks {args.ranks} --rounds {args.rounds} --lifetimes {args.lifetimes}",
-        "ranks": args.ranks,
-        "rounds": args.rounds,
-        "lifetimes": args.lifetimes,
-        "rss_growth_mib": round(last_round["rss_mib"] - first["rss_mib"], 1),
-        "thread_growth": report["samples"][-1]["threads"] - first["threads"],
-        "process_group_growth": report["samples"][-1]["process_groups"] - first["process_groups"],
-        "load_average": os.getloadavg()[0],
-    })
+    report.update(
+        {
+            "command": (
+                f"python scripts/soak.py --ranks {args.ranks} --rounds {args.rounds} --lifetimes {args.lifetimes}"
+            ),
+            "ranks": args.ranks,
+            "rounds": args.rounds,
+            "lifetimes": args.lifetimes,
+            "rss_growth_mib": round(last_round["rss_mib"] - first["rss_mib"], 1),
+            "thread_growth": report["samples"][-1]["threads"] - first["threads"],
+            "process_group_growth": report["samples"][-1]["process_groups"] - first["process_groups"],
+            "load_average": os.getloadavg()[0],
+        }
+    )
     print(f"{'at':<22}{'rounds':>8}{'RSS MiB':>10}{'threads':>9}{'groups':>8}")
     for s in report["samples"]:
         print(f"{s['at']:<22}{s['rounds']:>8}{s['rss_mib']:>10}{s['threads']:>9}{s['process_groups']:>8}")
-    print(f"{args.rounds} rounds in {report['seconds_part1']:.1f} s; RSS growth {report['rss_growth_mib']} MiB "
-          f"(round 10 to {args.rounds}), threads {report['thread_growth']:+d}, "
-          f"process groups {report['process_group_growth']:+d}")
+    print(
+        f"{args.rounds} rounds in {report['seconds_part1']:.1f} s; RSS growth {report['rss_growth_mib']} MiB "
+        f"(round 10 to {args.rounds}), threads {report['thread_growth']:+d}, "
+        f"process groups {report['process_group_growth']:+d}"
+    )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -226,10 +226,15 @@ def test_sigkill_mid_round_fails_the_others_and_keeps_the_checkpoint(tmp_path):
     error = survivor.error
     assert "CO2Error" in error and "round 2" in error and "outer group" in error, error
     assert survivor.ended_at - killed.ended_at < TIMEOUT_S + 10.0
-    (tag, marker), = checkpoint.complete_checkpoints(tmp_path)
+    ((tag, marker),) = checkpoint.complete_checkpoints(tmp_path)
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
-    assert files == sorted([checkpoint.LATEST, tag, *(f"{tag}/{name}" for name in
-                            [checkpoint.MARKER, *(f["name"] for f in marker["files"])])]), files  # no temp files
+    assert files == sorted(
+        [
+            checkpoint.LATEST,
+            tag,
+            *(f"{tag}/{name}" for name in [checkpoint.MARKER, *(f["name"] for f in marker["files"])]),
+        ]
+    ), files  # no temp files
     first, second = run_ranks(resume_after_kill, 2, str(tmp_path), timeout=120)
     for name, value in first.items():
         assert torch.isfinite(value).all() and torch.equal(value, second[name]), name
@@ -238,11 +243,21 @@ def test_sigkill_mid_round_fails_the_others_and_keeps_the_checkpoint(tmp_path):
 def test_ctrl_c_stops_every_rank(tmp_path):
     """SIGINT to the whole launch (what a terminal's Ctrl-C does) ends torchrun and every worker."""
     marker = f"co2-ctrl-c-{os.getpid()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(29500 + os.getpid() % 1000), str(Path(__file__).parent / "workers" / "co2_forever.py"), marker]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(29500 + os.getpid() % 1000),
+        str(Path(__file__).parent / "workers" / "co2_forever.py"),
+        marker,
+    ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True, env=env)
+    launch = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launch.stdout), daemon=True)
     reader.start()
@@ -381,8 +396,11 @@ def test_frozen_parameters_are_broadcast_and_stay_identical(round_results):
 
 @pytest.mark.parametrize("change", ["unfreeze", "freeze"])
 def test_changing_requires_grad_after_construction_is_refused_at_the_next_round_end(round_results, change):
-    phrase = "0.weight (shape (8, 4)) was frozen and is now trainable" if change == "unfreeze" else (
-        "2.bias (shape (3,)) was trainable and is now frozen")
+    phrase = (
+        "0.weight (shape (8, 4)) was frozen and is now trainable"
+        if change == "unfreeze"
+        else ("2.bias (shape (3,)) was trainable and is now frozen")
+    )
     for result in round_results:
         error = result["frozen"][change]
         assert error is not None and "round 1" in error and phrase in error and "reshard=True" in error, error

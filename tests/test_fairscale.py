@@ -29,39 +29,57 @@ HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 ADAPTIVE = {"mode": "adaptive", "strength": 1.5}
 
-OVERLAP_SGD = dict(
-    config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce"}, steps=7
-)
+OVERLAP_SGD = dict(config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce"}, steps=7)
 
 # S = 2 x R = 2 on 4 ranks.
 SHARDED = {
     # uneven OSS partitions (262 / 265 elements, different tensor mixes); a train/eval switch mid-round
     # makes ShardedDataParallel rebuild the OSS buckets (the partition's storage moves)
     "sdp-overlap-adam-uneven-clipnorm-reducescatter": dict(
-        config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "clip": {"mode": "norm", "threshold": 0.1},
-                "collective": "reduce_scatter"},
-        steps=9, model="uneven", optimizer="adam", eval_at=4, sdp_kwargs={"reduce_buffer_size": 128},
+        config={
+            **NESTEROV,
+            "tau": 2,
+            "gap_penalty": ADAPTIVE,
+            "clip": {"mode": "norm", "threshold": 0.1},
+            "collective": "reduce_scatter",
+        },
+        steps=9,
+        model="uneven",
+        optimizer="adam",
+        eval_at=4,
+        sdp_kwargs={"reduce_buffer_size": 128},
     ),
     "sdp-overlap-sgd": OVERLAP_SGD,
     "sdp-blocking-slowmo-reducescatter": dict(
-        config={**HEAVY_BALL, "overlap": False, "tau": 3, "gap_penalty": {"mode": "constant", "value": 1.5},
-                "collective": "reduce_scatter"},
-        steps=9, model="uneven",
+        config={
+            **HEAVY_BALL,
+            "overlap": False,
+            "tau": 3,
+            "gap_penalty": {"mode": "constant", "value": 1.5},
+            "collective": "reduce_scatter",
+        },
+        steps=9,
+        model="uneven",
     ),
     # plain torch DDP inside the replica, on a replica group the user built and passed in
     "ddp-overlap-user-group": dict(
         config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
-        steps=7, wrapper="ddp", user_group=True,
+        steps=7,
+        wrapper="ddp",
+        user_group=True,
     ),
     # one parameter tensor: the second shard of each replica owns nothing
     "sdp-overlap-empty-partition": dict(
         config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
-        steps=6, model="single",
+        steps=6,
+        model="single",
     ),
     # built by wrap(); BatchNorm statistics of every rank are averaged at round ends
     "wrap-overlap-batchnorm-buffers": dict(
         config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce"},
-        steps=6, model="bn", wrapper="wrap",
+        steps=6,
+        model="bn",
+        wrapper="wrap",
     ),
     # torch 2.x's zero_grad(set_to_none=True) under ShardedDataParallel: must NOT match the reference
     "sdp-overlap-sgd-set-to-none": {**OVERLAP_SGD, "set_to_none": True},
@@ -70,34 +88,51 @@ SHARDED = {
     # FairScale's own ShardedDataParallel on a replica group: the unbucketed gradient is dropped
     "fairscale-sdp-overlap-empty-partition": dict(
         config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
-        steps=6, model="single", wrapper="fairscale-sdp",
+        steps=6,
+        model="single",
+        wrapper="fairscale-sdp",
     ),
 }
 # buggy variant -> its correct twin
-BUGGY = {"sdp-overlap-sgd-set-to-none": "sdp-overlap-sgd",
-         "fairscale-sdp-overlap-empty-partition": "sdp-overlap-empty-partition"}
+BUGGY = {
+    "sdp-overlap-sgd-set-to-none": "sdp-overlap-sgd",
+    "fairscale-sdp-overlap-empty-partition": "sdp-overlap-empty-partition",
+}
 LOSSY = {"sdp-overlap-broadcast-fp16"}  # fp16 broadcasts: close to the reference, not to 1e-5
 RESUME_SHARDED = dict(
     config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
-    steps=9, model="uneven", optimizer="adam", save_at=5, recipient=1,
+    steps=9,
+    model="uneven",
+    optimizer="adam",
+    save_at=5,
+    recipient=1,
 )
 
 # S = 1 x R = 2 on 2 ranks.
 ONE_SHARD = {
     "s1-sdp-overlap-adam-clipnorm-reducescatter": dict(
-        config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "clip": {"mode": "norm", "threshold": 0.1},
-                "collective": "reduce_scatter"},
-        steps=8, model="uneven", optimizer="adam",
+        config={
+            **NESTEROV,
+            "tau": 2,
+            "gap_penalty": ADAPTIVE,
+            "clip": {"mode": "norm", "threshold": 0.1},
+            "collective": "reduce_scatter",
+        },
+        steps=8,
+        model="uneven",
+        optimizer="adam",
     ),
     "s1-bare-blocking-allreduce": dict(
-        config={**HEAVY_BALL, "overlap": False, "tau": 3, "gap_penalty": {"mode": "none"},
-                "collective": "all_reduce"},
-        steps=9, wrapper="none",
+        config={**HEAVY_BALL, "overlap": False, "tau": 3, "gap_penalty": {"mode": "none"}, "collective": "all_reduce"},
+        steps=9,
+        wrapper="none",
     ),
 }
 RESUME_ONE_SHARD = dict(
     config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "collective": "all_reduce"},
-    steps=10, save_at=4, recipient=-1,
+    steps=10,
+    save_at=4,
+    recipient=-1,
 )
 
 
@@ -143,8 +178,14 @@ def build(sc: dict, shards: int, rank: int):
     if wrapper == "wrap":
         net, opt = co2_fairscale.wrap(model, co2, optim, sdp_kwargs=sdp_kwargs, **defaults)
         return model, opt, net
-    opt = CO2OSS(model.parameters(), optim=optim, group=group, co2=co2,
-                 broadcast_fp16=sc.get("broadcast_fp16", False), **defaults)
+    opt = CO2OSS(
+        model.parameters(),
+        optim=optim,
+        group=group,
+        co2=co2,
+        broadcast_fp16=sc.get("broadcast_fp16", False),
+        **defaults,
+    )
     if wrapper == "sdp":
         net = co2_fairscale.ShardedDataParallel(model, opt, process_group=opt.group, **sdp_kwargs)
     elif wrapper == "fairscale-sdp":
@@ -175,8 +216,9 @@ def train(sc: dict, shards: int, rank: int, model, opt, net, steps: range, start
 def partition_info(opt: CO2OSS) -> dict:
     """What OSS decided (from its public partition), to check the CO2 partition and footprint against."""
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"] if p.requires_grad)}
-    owned = [[index[id(p)] for g in groups for p in g["params"] if p.requires_grad]
-             for groups in opt.partition_parameters()]
+    owned = [
+        [index[id(p)] for g in groups for p in g["params"] if p.requires_grad] for groups in opt.partition_parameters()
+    ]
     return {
         "owned": owned,
         "numels": [p.numel() for g in opt.param_groups for p in g["params"]],
@@ -323,8 +365,13 @@ def bad_group(shards: int):
     """A group that is not this rank's replica is refused with a clear error (on every rank alike)."""
     model = make_model("mlp")
     try:
-        CO2OSS(model.parameters(), optim=torch.optim.SGD, group=dist.group.WORLD, lr=0.1,
-               co2={"shards_per_replica": shards, "tau": 2})
+        CO2OSS(
+            model.parameters(),
+            optim=torch.optim.SGD,
+            group=dist.group.WORLD,
+            lr=0.1,
+            co2={"shards_per_replica": shards, "tau": 2},
+        )
     except ValueError as error:
         return str(error)
     return None
@@ -536,8 +583,10 @@ def test_plain_oss_state_restarts_co2(sharded):
         assert got["plain_restart"] == (0, True)  # a fresh round state whose start point is the loaded weights
         assert got["plain_rounds"] == 1
     for per_rank in sharded[1:]:  # the restarted run is still one CO2 run: all ranks agree after a round
-        assert all(torch.equal(sharded[0]["resume"]["plain_params"][k], v)
-                   for k, v in per_rank["resume"]["plain_params"].items())
+        assert all(
+            torch.equal(sharded[0]["resume"]["plain_params"][k], v)
+            for k, v in per_rank["resume"]["plain_params"].items()
+        )
 
 
 def test_clip_grad_norm_is_the_replica_norm(sharded, one_shard):

@@ -60,9 +60,7 @@ def cfg(**overrides: object) -> dict:
     return {**base, **overrides}
 
 
-def train(
-    make_model, start: Params | None, replica: int, first: int, n: int
-) -> nn.Module:
+def train(make_model, start: Params | None, replica: int, first: int, n: int) -> nn.Module:
     """Plain SGD training of one model from ``start`` on batch(replica, first..first+n-1)."""
     model = make_model()
     model.train()
@@ -84,9 +82,7 @@ def params(model: nn.Module) -> Params:
 
 
 def close(a: Params, b: Params, atol: float = 1e-6) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.allclose(a[n], b[n], atol=atol, rtol=0) for n in a
-    )
+    return a.keys() == b.keys() and all(torch.allclose(a[n], b[n], atol=atol, rtol=0) for n in a)
 
 
 def mean_displacement(start: Params, round_: int, replicas: int = 2) -> Params:
@@ -108,9 +104,7 @@ def test_blocking_start_is_mean_of_replicas() -> None:
 
 def test_blocking_single_replica_is_plain_training() -> None:
     starts: list[Params] = []
-    live = simulate(
-        linear, adam, batch, mse, cfg(), 1, 3 * TAU + 2, finalize=False, record=starts
-    )
+    live = simulate(linear, adam, batch, mse, cfg(), 1, 3 * TAU + 2, finalize=False, record=starts)
     model = linear()
     opt = adam(list(model.parameters()))
     for k in range(3 * TAU + 2):
@@ -174,9 +168,7 @@ def test_clip_value_caps_momentum() -> None:
             assert m.abs().max() <= 0.05 + 1e-7
             assert torch.equal(entry["u"][n], m)
             assert torch.allclose(entry["result"][n], entry["base"][n] - entry["u"][n])
-    assert any(
-        g.abs().max() > 0.05 for g in trace[0]["g"].values()
-    )  # clipping was needed
+    assert any(g.abs().max() > 0.05 for g in trace[0]["g"].values())  # clipping was needed
     assert any((m.abs() == 0.05).any() for m in trace[0]["m"].values())
 
 
@@ -213,15 +205,10 @@ def test_adaptive_penalty_formula() -> None:
             gap = alpha * prev["u"][n].norm()
             expected = 1.0 + gamma * gap / (g.norm() + 1e-12)
             assert entry["gap"][n].item() == pytest.approx(gap.item(), rel=1e-6)
-            assert entry["penalty"][n].item() == pytest.approx(
-                expected.item(), rel=1e-6
-            )
+            assert entry["penalty"][n].item() == pytest.approx(expected.item(), rel=1e-6)
             assert entry["penalty"][n].item() > 1.0
     # m follows β·m + g/Λ (no clipping).
-    m1 = {
-        n: 0.5 * trace[0]["m"][n] + trace[1]["g"][n] / trace[1]["penalty"][n]
-        for n in trace[1]["g"]
-    }
+    m1 = {n: 0.5 * trace[0]["m"][n] + trace[1]["g"][n] / trace[1]["penalty"][n] for n in trace[1]["g"]}
     assert close(trace[1]["m"], m1)
 
 
@@ -249,10 +236,7 @@ def test_nesterov() -> None:
         b = simulate(linear, sgd, batch, mse, nest, 2, 4 * TAU, trace=trace)
         assert close(a[0], b[0]) != differs
         for entry in trace:
-            u = {
-                n: beta * entry["m"][n] + g / entry["penalty"][n]
-                for n, g in entry["g"].items()
-            }
+            u = {n: beta * entry["m"][n] + g / entry["penalty"][n] for n, g in entry["g"].items()}
             assert close(entry["u"], u)
 
 
@@ -319,9 +303,7 @@ def test_shards_average_gradients() -> None:
 
     c = cfg(overlap=True, outer_momentum=0.5)
     whole = simulate(linear, sgd, batch, mse, c, 2, 3 * TAU)
-    sharded = simulate(
-        linear, sgd, batch, mse, c, 2, 3 * TAU, shards=2, shard_batch=halves
-    )
+    sharded = simulate(linear, sgd, batch, mse, c, 2, 3 * TAU, shards=2, shard_batch=halves)
     one_shard = simulate(
         linear,
         sgd,
@@ -336,17 +318,11 @@ def test_shards_average_gradients() -> None:
     for a, b, x in zip(whole, sharded, one_shard):
         assert close(a, b, atol=1e-5)
         assert not close(a, x, atol=1e-5)
-    bn = simulate(
-        mlp_bn, sgd, batch, mse, cfg(), 2, 2 * TAU, shards=2, shard_batch=halves
-    )
-    assert (
-        bn[0]["1.num_batches_tracked"].item() == 2 * TAU
-    )  # one forward per step per rank
+    bn = simulate(mlp_bn, sgd, batch, mse, cfg(), 2, 2 * TAU, shards=2, shard_batch=halves)
+    assert bn[0]["1.num_batches_tracked"].item() == 2 * TAU  # one forward per step per rank
 
 
-@pytest.mark.parametrize(
-    "bad", [{"gap_penalty": {"mode": "bogus"}}, {"clip": {"mode": "l1"}}, {"tau": 0}]
-)
+@pytest.mark.parametrize("bad", [{"gap_penalty": {"mode": "bogus"}}, {"clip": {"mode": "l1"}}, {"tau": 0}])
 def test_invalid_config(bad: dict) -> None:
     with pytest.raises(ValueError):
         simulate(linear, sgd, batch, mse, cfg(**bad), 2, TAU)
