@@ -151,10 +151,13 @@ class SegmentIndex:
         return span, span[: self.rows * self.block].view(self.rows, self.block)
 
     def sq_norms(self, flat: torch.Tensor) -> torch.Tensor:
-        """Per-tensor sums of squares of `flat` over the segments (fp32, length num_tensors)."""
+        """Per-tensor sums of squares of `flat` over the segments (length num_tensors).
+
+        In float64: fp32 values above ~1.8e19 have squares beyond fp32's range, and a finite
+        displacement must not be taken for a non-finite one. Only these few sums are float64."""
         span, rows = self._span(flat)
-        row_sq = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).square()
-        listed_sq = span.index_select(0, self.listed_pos).square()
+        row_sq = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).square()
+        listed_sq = span.index_select(0, self.listed_pos).double().square()
         parts = torch.cat([row_sq, listed_sq]).index_select(0, self.order)
         return torch.segment_reduce(parts, "sum", lengths=self.counts, unsafe=True)
 
@@ -216,16 +219,16 @@ def outer_step(
     alpha, beta, num_tensors = hyper.outer_lr, hyper.outer_momentum, counted.num_tensors
     gap_sq = previous_update_sq_norms
     if gap_sq is None:
-        gap_sq = torch.zeros(num_tensors, dtype=torch.float32, device=g.device)
+        gap_sq = torch.zeros(num_tensors, dtype=torch.float64, device=g.device)
     # One small collective carries both per-tensor norm vectors.
     norms_sq = sum_across_ranks(torch.cat([counted.sq_norms(g), gap_sq]))
     if not bool(torch.isfinite(norms_sq).all()):  # the one host sync
         g.copy_(base)
-        return OuterResult(torch.zeros(num_tensors, dtype=torch.float32, device=g.device), False)
+        return OuterResult(torch.zeros(num_tensors, dtype=torch.float64, device=g.device), False)
 
     if hyper.penalty != "none":  # g <- g / Λ
         g_norms, gap_norms = norms_sq[:num_tensors].sqrt(), alpha * norms_sq[num_tensors:].sqrt()
-        segments.scale_(g, gap_penalty(hyper, g_norms, gap_norms).reciprocal())
+        segments.scale_(g, gap_penalty(hyper, g_norms, gap_norms).reciprocal().to(g.dtype))
     if beta or hyper.nesterov:  # m <- β·m + g/Λ
         m = torch.add(g, momentum, alpha=beta, out=momentum) if beta else momentum.copy_(g)
     else:  # β = 0, heavy ball: m = g/Λ is read by nothing after this step, so it stays in g
@@ -235,7 +238,7 @@ def outer_step(
         m.clamp_(-hyper.clip_threshold, hyper.clip_threshold)
     elif hyper.clip == "norm":
         norm = sum_across_ranks(counted.sq_norms(m).sum().reshape(1)).sqrt()
-        m.mul_(torch.where(norm > hyper.clip_threshold, hyper.clip_threshold / norm, 1.0))
+        m.mul_(torch.where(norm > hyper.clip_threshold, hyper.clip_threshold / norm, 1.0).to(m.dtype))
 
     update = g.add_(m, alpha=beta) if hyper.nesterov else m  # u
     update_sq_norms = counted.sq_norms(update)

@@ -555,7 +555,7 @@ class RoundEngine:
             _check_tensor(key, state.get(key), like)
         norms = state.get("previous_update_sq_norms")
         if norms is not None:
-            _check_tensor("previous_update_sq_norms", norms, torch.zeros(self.layout.num_tensors))
+            _check_tensor("previous_update_sq_norms", norms, torch.zeros(self.layout.num_tensors, dtype=torch.float64))
         residuals = state.get("residuals")
         if residuals is not None:
             if self.exchange.residuals is None or not isinstance(residuals, dict):
@@ -600,7 +600,7 @@ class RoundEngine:
 
     def state_bytes(self) -> int:
         """Bytes of CO2 state this rank holds (docs/design.md §4: 2Ψ/S + 2Ψ/N fp32 words with
-        reduce_scatter, 3Ψ/S with all_reduce, plus per-tensor norms), and the outer step's segment
+        reduce_scatter, 3Ψ/S with all_reduce, plus one float64 norm per tensor), and the outer step's segment
         index (`outer.SegmentIndex`, about 2·√(elements · segments) ids); int8/fp8 add the error-feedback
         residuals, Ψ/S + Ψ/N."""
         tensors = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]

@@ -394,9 +394,9 @@ def test_nan_round_is_skipped_and_residuals_restart(results_r2):
 
 
 def _norm_bytes(model: nn.Module, world: int) -> int:
-    """The per-tensor norm all-reduce of the outer step (g and the gap: 2 floats per tensor)."""
+    """The per-tensor norm all-reduce of the outer step (g and the gap: 2 float64 per tensor)."""
     tensors = len(list(model.parameters()))
-    return 2 * (world - 1) * (2 * tensors * 4) // world
+    return 2 * (world - 1) * (2 * tensors * 8) // world
 
 
 def test_bytes_sent_per_round_match_the_wire_formulas(results_r2, results_r4):
@@ -425,7 +425,7 @@ def test_bytes_sent_per_round_match_the_wire_formulas(results_r2, results_r4):
 
 
 def test_state_bytes_match_memory_formula(results_r2, results_r4):
-    """2Ψ/S + 2Ψ/N (reduce_scatter) or 3Ψ/S (all_reduce) fp32 words, plus a float per tensor; int8 and
+    """2Ψ/S + 2Ψ/N (reduce_scatter) or 3Ψ/S (all_reduce) fp32 words, plus a float64 per tensor; int8 and
     fp8 add the residuals: Ψ/S for the displacement and Ψ/N for what the owner gathers."""
     for results in (results_r2, results_r4):
         replicas = len(results)
@@ -437,7 +437,7 @@ def test_state_bytes_match_memory_formula(results_r2, results_r4):
                 words = 2 * padded + 2 * padded // replicas if strategy == "reduce_scatter" else 3 * padded
                 if comm_dtype in ("int8", "fp8"):
                     words += padded + padded // replicas
-                assert got["state"] == 4 * (words + tensors) + got["index_bytes"], (comm_dtype, strategy)
+                assert got["state"] == 4 * words + 8 * tensors + got["index_bytes"], (comm_dtype, strategy)
 
 
 # ---- CO2OSS, S = 2 x R = 2 ---------------------------------------------------------------------------

@@ -356,8 +356,33 @@ def finalize_after_different_steps(rank: int) -> dict:
         return {"error": str(error), "elapsed": time.monotonic() - began}
 
 
+HUGE = 1e20  # finite in fp32, but its square (and its half's, 2.5e39) is not
+
+
+def huge_displacement(rank: int) -> dict:
+    """Rank 1's inner step moves one weight by 1e20: finite, so CO2 must average it like any other
+    displacement (the fp32 squares of the norms would overflow and report it as NaN)."""
+    model = models.make_model("linear")
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), CO2Config(tau=2, timeout_s=TIMEOUT_S))
+    before = model.weight.detach().clone()
+    try:
+        for step in range(2):
+            x, y = models.batch(rank, step)
+            opt.zero_grad()
+            models.loss_fn(model(x), y).backward()
+            if rank == 1 and step == 1:  # inside the round: its end averages this displacement
+                with torch.no_grad():
+                    model.weight[0, 0] += HUGE
+            opt.step()
+        opt.finalize()
+    except CO2Error as error:
+        return {"error": str(error)}
+    return {"error": None, "before": before, "after": model.weight.detach().clone()}
+
+
 def round_failures(rank: int, world: int) -> dict:
     return {
+        "huge": huge_displacement(rank),
         "skip_overlap": skip_round_with_adam(rank, overlap=True),
         "skip_blocking": skip_round_with_adam(rank, overlap=False),
         "frozen": frozen_parameters(rank),
@@ -411,3 +436,14 @@ def test_finalize_after_different_step_counts_fails_on_every_rank_naming_them(ro
         got = result["finalize"]
         assert got["error"] is not None and "rank 0: 6, rank 1: 4" in got["error"], got
         assert got["elapsed"] < TIMEOUT_S + 3.0, got
+
+
+def test_a_huge_but_finite_displacement_is_averaged_not_reported_as_nan(round_results):
+    first, second = (r["huge"] for r in round_results)
+    assert first["error"] is None and second["error"] is None, (first["error"], second["error"])
+    assert torch.equal(first["after"], second["after"])  # replicas identical
+    moved = first["after"] - first["before"]
+    assert torch.isfinite(moved).all()
+    # the mean displacement of the two replicas, applied with outer_lr 1 (no gap in the first round)
+    assert moved[0, 0].item() == pytest.approx(HUGE / 2, rel=1e-6)
+    assert torch.equal(moved.flatten()[1:], torch.zeros_like(moved.flatten()[1:]))

@@ -534,7 +534,7 @@ def test_state_bytes_match_memory_formula(sharded, one_shard):
                 assert got["strategy"] == sc["config"]["collective"]
                 words = 2 * padded + 2 * padded // replicas if got["strategy"] == "reduce_scatter" else 3 * padded
                 index = got["index_bytes"]  # the outer step's segment index, sized in test_outer_kernels.py
-                assert got["bytes"] == 4 * (words + len(got["numels"])) + index, (name, rank)
+                assert got["bytes"] == 4 * words + 8 * len(got["numels"]) + index, (name, rank)
 
 
 @pytest.mark.parametrize("which", ["sharded", "one_shard"])

@@ -594,7 +594,10 @@ def test_accelerate_prepare_trains_co2_like_the_reference(results):
     rows = {tuple(row.tolist()): i for i, row in enumerate(token_rows())}
     first_steps = [rows[tuple(row.tolist())] for g in got for x in g["inputs"][:4] for row in x]
     assert sorted(first_steps) == list(range(4 * WORLD * 2)), "each rank must get its own samples"
-    assert got[0]["saved"] == [f"co2_ds_rank{r:05d}.pt" for r in range(WORLD)]  # save_state: co2's checkpoint
+    saved = got[0]["saved"]  # save_state wrote co2's checkpoint: every rank's file and the completion marker
+    assert "co2_complete.json" in saved, saved
+    rank_files = sorted(name.split(".")[0] for name in saved if name.startswith("co2_rank"))
+    assert rank_files == [f"co2_rank{r:05d}" for r in range(WORLD)], saved
     starts, finals = reference(ACCELERATE_DS_CONFIG, [g["inputs"] for g in got], accumulation=1)
     for rank, g in enumerate(got):
         assert len(g["starts"]) == len(starts)

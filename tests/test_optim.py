@@ -305,4 +305,4 @@ def test_state_bytes_match_memory_formula(results_r2, results_r4):
             else:  # all_reduce: both partition buffers and a full-partition momentum
                 words = 3 * padded
             # plus the outer step's segment index (its size is tested in test_outer_kernels.py)
-            assert got["bytes"] == 4 * (words + tensors) + got["index_bytes"], name
+            assert got["bytes"] == 4 * words + 8 * tensors + got["index_bytes"], name

@@ -116,8 +116,17 @@ def test_sq_norms_match_the_loop(name, segments, length, num_tensors, block):
     flat = data(length)
     index = SegmentIndex(segments, num_tensors, block=block)
     got = index.sq_norms(flat)
-    assert got.dtype == torch.float32 and got.shape == (num_tensors,)
-    torch.testing.assert_close(got.double(), loop_sq_norms(flat, segments, num_tensors), rtol=2e-6, atol=1e-6)
+    assert got.dtype == torch.float64 and got.shape == (num_tensors,)  # float64: no overflow of squares
+    torch.testing.assert_close(got.double(), loop_sq_norms(flat, segments, num_tensors), rtol=1e-9, atol=1e-9)
+
+
+def test_sq_norms_of_huge_finite_values_do_not_overflow():
+    """fp32 values of 1e20 square past fp32's range; their sums of squares stay finite (float64)."""
+    flat = torch.full((300,), 1e20)
+    index = SegmentIndex([Segment(0, 0, 100), Segment(1, 100, 300)], 2, block=16)
+    got = index.sq_norms(flat)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, torch.tensor([100 * 1e40, 200 * 1e40], dtype=torch.float64), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -260,7 +269,7 @@ def test_norm_clip_rescales_on_the_device():
         sum_across_ranks=sum_across_ranks,
     )
     assert [t.numel() for t in seen] == [4, 1]  # the per-tensor norms, then ‖m‖²
-    torch.testing.assert_close(seen[1], torch.tensor([120.0]))
+    torch.testing.assert_close(seen[1], torch.tensor([120.0], dtype=torch.float64))
     torch.testing.assert_close(torch.linalg.vector_norm(momentum), torch.tensor(1.0))
     torch.testing.assert_close(g, -momentum)
 
