@@ -377,7 +377,9 @@ class FrameworkState(Protocol):
 
 class InnerOptimizerState:
     """The framework state of `CO2Optimizer` and `CO2OSS`: the inner torch optimizer's state dict
-    (for CO2OSS: OSS's local optimizer, this rank's shard). `after_load` re-syncs wrapper param groups."""
+    (for CO2OSS: OSS's local optimizer, this rank's shard). The wrapper's param groups are its own
+    objects, kept in step with the inner optimizer's: `before_capture` brings the inner ones up to date
+    (an LR scheduler writes the wrapper's), `after_load` makes the wrapper follow the loaded ones."""
 
     def __init__(
         self,
@@ -386,14 +388,16 @@ class InnerOptimizerState:
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         after_load: Callable[[], None] = lambda: None,
+        before_capture: Callable[[], None] = lambda: None,
     ) -> None:
         self.integration, self.engine, self.module = integration, engine, module
-        self.optimizer, self.after_load = optimizer, after_load
+        self.optimizer, self.after_load, self.before_capture = optimizer, after_load, before_capture
 
     def module_excluded(self) -> set[str]:
         return set()
 
     def capture(self) -> dict[str, Any]:
+        self.before_capture()
         return {"inner_optimizer": self.optimizer.state_dict()}
 
     def check(self, saved: dict[str, Any]) -> None:
@@ -429,18 +433,14 @@ class InnerOptimizerState:
 
 
 def framework_state(model: torch.nn.Module, optimizer: Any) -> FrameworkState:
-    """The `FrameworkState` of a CO2 optimizer: its own (`checkpoint_state(model)`) where it has one
-    (CO2OSS), else its inner torch optimizer's (`CO2Optimizer`)."""
+    """The `FrameworkState` of a CO2 optimizer (`CO2Optimizer`, `CO2OSS`): its `checkpoint_state(model)`."""
     engine = getattr(optimizer, "engine", None)
     if engine is None:
         raise ValueError(
             f"co2 checkpoint: {type(optimizer).__name__} is not a CO2 optimizer (CO2Optimizer, CO2OSS); "
             f"for DeepSpeed use co2_zero.deepspeed.save_checkpoint / load_checkpoint"
         )
-    own = getattr(optimizer, "checkpoint_state", None)
-    if own is not None:
-        return own(model)
-    return InnerOptimizerState("plain", engine, model, optimizer.inner_optimizer)
+    return optimizer.checkpoint_state(model)
 
 
 # ---- agreement: fixed-size int64 vectors, no pickling ----------------------------------------------------

@@ -244,10 +244,15 @@ class CO2OSS(CO2Steps, OSS):
         """This optimizer's part of a `co2_zero.checkpoint` file: OSS's local optimizer state (this
         rank's shard; the model comes from `model`)."""
 
-        def sync_param_groups() -> None:
+        def groups_from_inner() -> None:
             OSS._sync_param_groups(self.optim.param_groups, self.param_groups)
 
-        return InnerOptimizerState("fairscale", self.engine, model, self.optim, after_load=sync_param_groups)
+        def groups_to_inner() -> None:  # a scheduler writes OSS's groups; the inner copy lags until step()
+            OSS._sync_param_groups(self.param_groups, self.optim.param_groups)
+
+        return InnerOptimizerState(
+            "fairscale", self.engine, model, self.optim, after_load=groups_from_inner, before_capture=groups_to_inner
+        )
 
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
         """OSS's consolidation of the inner optimizer state, plus the CO2 state of every rank of the

@@ -137,10 +137,19 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.engine.check_state_dict(state_dict["co2"])  # before anything changes: a refused state changes nothing
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        # torch's load_state_dict replaces the inner optimizer's group list and state: share the new ones,
-        # or an LR scheduler built on this optimizer would no longer reach the inner one
-        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+        self._share_inner_state()
         self.engine.load_state_dict(state_dict["co2"])
+
+    def _share_inner_state(self) -> None:
+        """torch's `load_state_dict` replaces the inner optimizer's group list and state: share the new
+        ones, or an LR scheduler built on this optimizer would no longer reach the inner one."""
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+
+    def checkpoint_state(self, model: torch.nn.Module) -> Any:
+        """This optimizer's part of a `co2_zero.checkpoint` file: the inner optimizer's state."""
+        from .checkpoint import InnerOptimizerState
+
+        return InnerOptimizerState("plain", self.engine, model, self.optimizer, after_load=self._share_inner_state)
 
     def __repr__(self) -> str:
         return f"CO2Optimizer({self.config}, inner={self.optimizer!r})"
