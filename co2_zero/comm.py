@@ -87,7 +87,7 @@ class Layout(NamedTuple):
         )
 
 
-def _largest(flat: torch.Tensor) -> torch.Tensor:
+def largest_abs(flat: torch.Tensor) -> torch.Tensor:
     """max |flat| as a 0-d tensor on flat's device (0 when empty), NaN if flat holds one."""
     return torch.linalg.vector_norm(flat, float("inf")) if flat.numel() else flat.new_zeros(())
 
@@ -221,7 +221,7 @@ class OuterExchange:
         live = job.work[: self.layout.length]  # D, what this rank measured; may be empty
         # Read only when the round turns out non-finite. all_reduce overwrites D, so its largest |D|
         # is taken now (on the device, no sync); reduce_scatter leaves D intact until the all-gather.
-        local_max = _largest(live) if self.strategy == "all_reduce" else None
+        local_max = largest_abs(live) if self.strategy == "all_reduce" else None
         g = self._average(job.work, job.g_buffer)
         result = outer_step(
             g,
@@ -235,7 +235,7 @@ class OuterExchange:
         )
         skipped = None
         if not result.finite:  # raises, or skips the round (the new start point is then `base`)
-            locally_finite = bool(torch.isfinite(_largest(live) if local_max is None else local_max))
+            locally_finite = bool(torch.isfinite(largest_abs(live) if local_max is None else local_max))
             skipped = self._non_finite(locally_finite, job.round_index)
         self._share_new_start(job.work, job.base, g, result.finite)
         return RoundResult(result.update_sq_norms, skipped)

@@ -12,7 +12,6 @@ parameters.
 from __future__ import annotations
 
 import math
-from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -24,6 +23,7 @@ from .config import CO2Config
 from .errors import CO2Error
 from .outer import Segment
 from .sync import Partition, parameter_signature
+from .topology import new_groups, replica_ranks
 
 _USE_REPLICA_MESH = "shard the model with fully_shard(module, mesh=co2_zero.fsdp.replica_mesh(config))"
 
@@ -41,17 +41,7 @@ def replica_mesh(config: Union[CO2Config, dict, None] = None, device_type: Optio
         raise RuntimeError("co2: replica_mesh needs torch.distributed initialised first (init_process_group)")
     world, rank = dist.get_world_size(), dist.get_rank()
     shards = config.resolve_shards(world)
-    if world % shards != 0:
-        raise ValueError(
-            f"co2 config: shards_per_replica={shards!r} does not divide the world size {world}; "
-            f"accepted: a divisor of {world} (ranks per replica)"
-        )
-    timeout = timedelta(seconds=float(config.timeout_s))
-    # dist.new_group is collective over the default group: every rank creates every replica's group
-    # in this order and keeps its own.
-    groups = [
-        dist.new_group(list(range(r * shards, (r + 1) * shards)), timeout=timeout) for r in range(world // shards)
-    ]
+    groups = new_groups(replica_ranks(shards, world), config)  # every replica's, on every rank
     return DeviceMesh.from_group(groups[rank // shards], device_type or default_device_type())
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import Layout, OuterExchange, PipelineJob, wire_bytes
+from .comm import Layout, OuterExchange, PipelineJob, largest_abs, wire_bytes
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError
 from .outer import Segment
@@ -625,7 +625,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def _all_finite(flat: torch.Tensor) -> bool:
-    return flat.numel() == 0 or bool(torch.isfinite(torch.linalg.vector_norm(flat, float("inf"))))
+    return bool(torch.isfinite(largest_abs(flat)))
 
 
 class CO2Steps:

@@ -82,6 +82,28 @@ def gather_fingerprints(values: Sequence[int], group: Any, timeout_s: float, wha
     return [t.tolist() for t in everyone]
 
 
+def check_shards(shards: int, world: int) -> int:
+    """R, the number of replicas; a ValueError naming the field when S does not divide the world."""
+    if shards < 1 or world % shards != 0:
+        raise ValueError(
+            f"co2 config: shards_per_replica={shards!r} does not divide the world size {world}; "
+            f"accepted: a divisor of {world} (ranks per replica)"
+        )
+    return world // shards
+
+
+def replica_ranks(shards: int, world: int) -> list[list[int]]:
+    """The global ranks of every replica: replica r is ranks [r*S, (r+1)*S)."""
+    return [list(range(r * shards, (r + 1) * shards)) for r in range(check_shards(shards, world))]
+
+
+def new_groups(rank_lists: Sequence[Sequence[int]], config: CO2Config) -> list[Any]:
+    """One process group per rank list, with the config's timeout. Collective over the default group:
+    every rank creates every group, in this order, and keeps the ones it belongs to."""
+    timeout = timedelta(seconds=float(config.timeout_s))
+    return [dist.new_group(ranks=list(ranks), timeout=timeout) for ranks in rank_lists]
+
+
 def agree_on_config(config: CO2Config, shards: int) -> None:
     """Fail fast, naming the field, when the ranks were started with different co2 configs or would
     split the world differently (`shards_per_replica: "node"` on nodes of different sizes).
@@ -147,25 +169,13 @@ class Topology:
         world, rank = dist.get_world_size(), dist.get_rank()
         shards = config.resolve_shards(world) if shards is None else shards
         agree_on_config(config, shards)
-        if shards < 1 or world % shards != 0:
-            raise ValueError(
-                f"co2 config: shards_per_replica={shards!r} does not divide the world size {world}; "
-                f"accepted: a divisor of {world} (ranks per replica)"
-            )
-        replicas = world // shards
-        timeout = timedelta(seconds=float(config.timeout_s))
-
-        def new_group(ranks: list[int]):
-            return dist.new_group(ranks=ranks, timeout=timeout)
-
-        replica_ranks = [list(range(r * shards, (r + 1) * shards)) for r in range(replicas)]
+        replicas = check_shards(shards, world)
+        rank_lists_of_replicas = replica_ranks(shards, world)
         shard_ranks = [list(range(s, world, shards)) for s in range(shards)]
-        # dist.new_group is collective over the default group: every rank creates every group, in
-        # this fixed order, and keeps the ones it belongs to.
-        inner_groups = [new_group(ranks) for ranks in replica_ranks] if inner_group is None else None
-        outer_groups = [new_group(ranks) for ranks in shard_ranks]
-        norm_group = new_group(list(range(world)))
-        buffer_group = new_group(list(range(world)))
+        # every rank creates every group, in this fixed order (dist.new_group is collective)
+        inner_groups = new_groups(rank_lists_of_replicas, config) if inner_group is None else None
+        outer_groups = new_groups(shard_ranks, config)
+        norm_group, buffer_group = new_groups([list(range(world))] * 2, config)
 
         r, s = rank // shards, rank % shards
         owns_inner_group = inner_group is None
@@ -173,11 +183,11 @@ class Topology:
             inner_group = inner_groups[r]
         else:
             given = sorted(dist.get_process_group_ranks(inner_group))
-            if given != replica_ranks[r]:
+            if given != rank_lists_of_replicas[r]:
                 raise ValueError(
                     f"co2: the process group given for the replica holds global ranks {given}, but "
                     f"shards_per_replica={shards} puts rank {rank} in replica {r} = ranks "
-                    f"{replica_ranks[r]}; pass group=None or a group of exactly those ranks"
+                    f"{rank_lists_of_replicas[r]}; pass group=None or a group of exactly those ranks"
                 )
         return cls(
             world_size=world,
@@ -189,7 +199,7 @@ class Topology:
             norm_group=norm_group,
             buffer_group=buffer_group,
             outer_ranks=tuple(shard_ranks[s]),
-            inner_ranks=tuple(replica_ranks[r]),
+            inner_ranks=tuple(rank_lists_of_replicas[r]),
             owns_inner_group=owns_inner_group,
         )
 

@@ -546,17 +546,14 @@ def save_checkpoint(trainer: Trainer, directory: Path, extra: dict) -> None:
     if trainer.ds_engine is not None:  # co2_zero.deepspeed's per-rank files, or plain DeepSpeed's own
         trainer.ds_engine.save_checkpoint(directory.parent, tag=directory.name, client_state=extra, save_latest=False)
         return
+    from co2_zero import checkpoint
+
     extra = {**extra, "sched": trainer.sched.state_dict()}
     if hasattr(trainer.opt, "engine"):  # CO2Optimizer, CO2OSS: model, inner optimizer, CO2 state
-        from co2_zero import checkpoint
-
         checkpoint.save(directory, trainer.model, trainer.opt, extra=extra)
-    else:  # ddp / none: no CO2 state; every rank its own file
+    else:  # ddp / none: no CO2 state; every rank its own file, written atomically
         state = {"model": trainer.model.state_dict(), "optimizer": trainer.opt.state_dict(), "extra": extra}
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"rank{dist.get_rank():05d}.pt"
-        torch.save(state, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)
+        checkpoint.save_atomic(state, directory / f"rank{dist.get_rank():05d}.pt")
 
 
 def load_checkpoint(trainer: Trainer, directory: Path) -> dict:
@@ -566,12 +563,12 @@ def load_checkpoint(trainer: Trainer, directory: Path) -> dict:
         if loaded is None:
             raise FileNotFoundError(f"--resume {directory}: DeepSpeed found no checkpoint there")
         return extra
-    if hasattr(trainer.opt, "engine"):
-        from co2_zero import checkpoint
+    from co2_zero import checkpoint
 
+    if hasattr(trainer.opt, "engine"):
         extra = checkpoint.load(directory, trainer.model, trainer.opt)
     else:
-        state = torch.load(directory / f"rank{dist.get_rank():05d}.pt", map_location="cpu", weights_only=True)
+        state = checkpoint.load_file(directory / f"rank{dist.get_rank():05d}.pt")
         trainer.model.load_state_dict(state["model"])
         trainer.opt.load_state_dict(state["optimizer"])
         extra = state["extra"]
@@ -729,9 +726,9 @@ class Run:
         save_checkpoint(self.trainer, directory, {"step": self.step, "rng": rng_state(self.gen)})
         self.barrier()  # every rank's part is written before `latest` names it
         if self.master:
-            latest = Path(self.args.save_dir) / "latest"
-            latest.with_suffix(".tmp").write_text(directory.name)
-            os.replace(latest.with_suffix(".tmp"), latest)
+            from co2_zero.checkpoint import write_text_atomic
+
+            write_text_atomic(Path(self.args.save_dir) / "latest", directory.name)
         self.log(f"step {self.step} | checkpoint {directory} ({time.perf_counter() - t:.1f}s)")
         self.paused_s += time.perf_counter() - t
 
