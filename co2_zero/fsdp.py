@@ -69,19 +69,9 @@ def find_partition(
     shards are still the tensors FSDP2 reads.
     """
     mesh = _replica_mesh_of(params, config)
-    shards, shard = mesh.size(), mesh.get_local_rank()
     chunks, segments, offset = [], [], 0
     for i, p in enumerate(params):
-        local = _local_shard(i, p, mesh)
-        rows = math.ceil(p.shape[0] / shards)  # FSDP2 shards dim 0 like torch.chunk
-        first = min(shard * rows, p.shape[0])
-        expected = min(rows, p.shape[0] - first)
-        if local.shape[0] != expected:
-            raise ValueError(
-                f"co2: parameter {i} (shape {tuple(p.shape)}) has {local.shape[0]} local rows on shard "
-                f"{shard}; fully_shard's dim-0 sharding gives {expected}. Custom shard placements are "
-                f"not supported"
-            )
+        first, local = _local_shard(i, p, mesh)
         chunks.append(local.view(-1))
         if local.numel():
             segments.append(Segment(i, offset, offset + local.numel(), first * math.prod(p.shape[1:])))
@@ -93,6 +83,49 @@ def find_partition(
         signature=parameter_signature([p.shape for p in params]),
     )
     return partition, mesh.get_group(), _check_shards_unmoved(params, chunks)
+
+
+def shard_rows(length: int, shards: int, shard: int) -> tuple[int, int]:
+    """(first row, rows) of dim 0 (`length` rows) that shard `shard` of `shards` holds: `torch.chunk`'s
+    split, which `fully_shard` uses (chunks of ceil(length / shards) rows; the last shards may be short or
+    empty, FSDP2 pads them in its own storage)."""
+    rows = math.ceil(length / shards)
+    first = min(shard * rows, length)
+    return first, min(rows, length - first)
+
+
+def local_rows(value: Any, what: str = "a DTensor") -> Optional[tuple[int, torch.Tensor]]:
+    """(first global row, this rank's rows) of a `fully_shard`'ed DTensor: its local tensor itself, so
+    writing into it writes the parameter FSDP2 all-gathers. None for any other value (a plain tensor is
+    all of itself). Checkpoint files hold these rows, never the DTensor (docs/design.md §7)."""
+    if not isinstance(value, DTensor):
+        return None
+    mesh = value.device_mesh
+    if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+        raise ValueError(
+            f"co2: {what} (shape {tuple(value.shape)}) has placements {tuple(value.placements)} on a "
+            f"{mesh.ndim}-D mesh; accepted: (Shard(dim=0),) on a 1-D mesh, fully_shard's default"
+        )
+    first, rows = shard_rows(value.shape[0], mesh.size(), mesh.get_local_rank())
+    with torch.no_grad():
+        local = value.to_local()  # without autograd: the DTensor's own local tensor, not a view of it
+    if local.shape[0] != rows:
+        raise ValueError(
+            f"co2: {what} (shape {tuple(value.shape)}) has {local.shape[0]} local rows on shard "
+            f"{mesh.get_local_rank()}; fully_shard's dim-0 sharding gives {rows}. Custom shard placements "
+            f"are not supported"
+        )
+    return first, local
+
+
+def sharded_like(local: torch.Tensor, param: DTensor) -> DTensor:
+    """`local` (this rank's rows of a tensor shaped like `param`, e.g. an optimizer moment read from a
+    checkpoint) as a DTensor sharded like `param`, on the device of its shard."""
+    with torch.no_grad():
+        device = param.to_local().device
+    return DTensor.from_local(
+        local.to(device), param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _check_shards_unmoved(params: Sequence[DTensor], chunks: Sequence[torch.Tensor]) -> Callable[[], None]:
@@ -144,21 +177,15 @@ def _replica_mesh_of(params: Sequence[torch.nn.Parameter], config: CO2Config) ->
     return mesh
 
 
-def _local_shard(i: int, p: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-    """The DTensor's local tensor (the object FSDP2 all-gathers from), checked usable as a chunk."""
-    if tuple(p.placements) != (Shard(0),):
-        raise ValueError(
-            f"co2: parameter {i} (shape {tuple(p.shape)}) has placements {tuple(p.placements)}; "
-            f"accepted: (Shard(dim=0),), fully_shard's default"
-        )
+def _local_shard(i: int, p: DTensor, mesh: DeviceMesh) -> tuple[int, torch.Tensor]:
+    """(first row, the DTensor's local tensor: the object FSDP2 all-gathers from), checked usable as a chunk."""
     if p.dtype != torch.float32:
         raise ValueError(
             f"co2: parameter {i} (shape {tuple(p.shape)}) is {p.dtype}; CO2 needs fp32 sharded "
             f"parameters. Keep the model fp32 and compute in low precision with "
             f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))"
         )
-    with torch.no_grad():
-        local = p.to_local()  # without autograd: the DTensor's own local tensor, not a view of it
+    first, local = local_rows(p, f"parameter {i}")
     if local.device.type != mesh.device_type:
         raise ValueError(
             f"co2: parameter {i} lives on {local.device} while its mesh is on {mesh.device_type} "
@@ -167,4 +194,4 @@ def _local_shard(i: int, p: DTensor, mesh: DeviceMesh) -> torch.Tensor:
         )
     if not local.is_contiguous():
         raise ValueError(f"co2: the local shard of parameter {i} (shape {tuple(p.shape)}) is not contiguous")
-    return local
+    return first, local
