@@ -1,6 +1,6 @@
 """Every checkpoint format co2_zero writes (docs/design.md §7): one layout, one identity record.
 
-On disk, for every integration (plain PyTorch, FairScale, DeepSpeed)::
+On disk, for every integration (plain PyTorch, FSDP2, FairScale, DeepSpeed)::
 
     <directory>/
       latest_co2                          the tag of the newest complete checkpoint (text)
@@ -26,7 +26,10 @@ CO2Error naming the rank, the file and what was wrong, within `timeout_s` per ag
 
 Resharding (`reshard=True`) re-cuts the CO2 state per parameter tensor (`consolidate`, `reshard`: pure
 functions over the layout) from every rank's file, so a checkpoint of any integration and any R x S
-loads on any other. The directory must be on a file system every rank sees.
+loads on any other. Files hold plain tensors only: an FSDP2 rank's module entries and optimizer moments
+are its rows of each tensor (`module_rows` says where they belong), which a load of another layout cuts
+anew (`cut_rows`) and writes into what each rank holds, in place. The directory must be on a file
+system every rank sees.
 
 An integration contributes only its framework's own state through a `FrameworkState` (see there); this
 module does the files, the agreement, the marker and the validation.
@@ -379,7 +382,9 @@ class InnerOptimizerState:
     """The framework state of `CO2Optimizer` and `CO2OSS`: the inner torch optimizer's state dict
     (for CO2OSS: OSS's local optimizer, this rank's shard). The wrapper's param groups are its own
     objects, kept in step with the inner optimizer's: `before_capture` brings the inner ones up to date
-    (an LR scheduler writes the wrapper's), `after_load` makes the wrapper follow the loaded ones."""
+    (an LR scheduler writes the wrapper's), `after_load` makes the wrapper follow the loaded ones.
+    State of FSDP2 parameters (DTensor moments) is stored as this rank's rows (`local_optimizer_state`)
+    and made a DTensor like its parameter again on load."""
 
     def __init__(
         self,
@@ -398,7 +403,8 @@ class InnerOptimizerState:
 
     def capture(self) -> dict[str, Any]:
         self.before_capture()
-        return {"inner_optimizer": self.optimizer.state_dict()}
+        inner, sharded = local_optimizer_state(self.optimizer.state_dict())
+        return {"inner_optimizer": inner, "sharded_state": sharded}
 
     def check(self, saved: dict[str, Any]) -> None:
         inner = saved.get("inner_optimizer") if isinstance(saved, dict) else None
@@ -408,7 +414,8 @@ class InnerOptimizerState:
         theirs = [len(g.get("params", ())) for g in inner["param_groups"]]
         if mine != theirs:
             raise ValueError(f"the inner optimizer has parameter groups of sizes {mine} here but {theirs} in the file")
-        current = self.optimizer.state_dict()["state"]  # shapes to compare with, where this run has state
+        self._sharded_state(saved)  # the entries of FSDP2 parameters fit their shards
+        current = local_optimizer_state(self.optimizer.state_dict())[0]["state"]  # where this run has state
         for index, entry in inner.get("state", {}).items():
             if not isinstance(index, int) or not 0 <= index < sum(mine):
                 raise ValueError(f"the inner optimizer state names parameter {index!r}, which does not exist here")
@@ -424,12 +431,49 @@ class InnerOptimizerState:
                     )
 
     def restore(self, saved: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(saved["inner_optimizer"])
+        self.optimizer.load_state_dict(self._sharded_state(saved))
         self.after_load()
+
+    def _sharded_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """The saved inner state dict with the entries `sharded_state` names made DTensors like their
+        parameters (`fsdp.sharded_like`); ValueError when one does not fit."""
+        from . import fsdp
+
+        inner, names = saved["inner_optimizer"], saved.get("sharded_state") or []
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = {index: dict(entry) for index, entry in inner.get("state", {}).items()}
+        for item in names:
+            index, key = item if isinstance(item, (list, tuple)) and len(item) == 2 else (None, None)
+            value = state.get(index, {}).get(key)
+            rows = fsdp.local_rows(params[index]) if isinstance(index, int) and 0 <= index < len(params) else None
+            if rows is None or not isinstance(value, torch.Tensor) or value.shape != rows[1].shape:
+                raise ValueError(
+                    f"the inner optimizer state names {item!r} as the rows of an FSDP2 parameter, which does not "
+                    f"fit this model's parameters"
+                )
+            state[index][key] = fsdp.sharded_like(value, params[index])
+        return {**inner, "state": state}
 
     def after_reshard(self, saved: Optional[dict[str, Any]]) -> None:
         """The inner optimizer state starts fresh: its partition changed."""
         self.optimizer.state.clear()
+
+
+def local_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], list[list[Any]]]:
+    """A torch optimizer state dict as plain data, and the [parameter index, key] of each entry that was a
+    DTensor (the state of an FSDP2 parameter, e.g. Adam's moments), now this rank's rows: a file holds
+    no DTensor, which would need the saving run's device mesh to be read."""
+    from . import fsdp
+
+    state, sharded = {}, []
+    for index, entry in state_dict.get("state", {}).items():
+        state[index] = dict(entry)
+        for key, value in entry.items():
+            rows = fsdp.local_rows(value)
+            if rows is not None:
+                state[index][key] = rows[1]
+                sharded.append([index, key])
+    return {**state_dict, "state": state}, sharded
 
 
 def framework_state(model: torch.nn.Module, optimizer: Any) -> FrameworkState:
@@ -591,7 +635,7 @@ def _write_rank_files(
         payload = {
             "identity": identity,
             "co2": framework.engine.state_dict(),
-            "module": _module_state(framework),
+            **_module_state(framework),
             "framework": framework.capture(),
             "extra": extra,
         }
@@ -642,8 +686,17 @@ def _identity(framework: FrameworkState, tag: str, save_id: str, steps: int) -> 
 
 
 def _module_state(framework: FrameworkState) -> dict[str, Any]:
+    """The module's part of a file, plain tensors only: `module` holds every entry (but the excluded)
+    whole, or for an FSDP2 model the rows this rank holds, and `module_rows[key] = [first row, shape of
+    the whole tensor]` says where such rows belong."""
     excluded = framework.module_excluded()
-    return {k: v for k, v in framework.module.state_dict().items() if k not in excluded}
+    entries, rows = {}, {}
+    for key, value in framework.module.state_dict().items():
+        if key not in excluded:
+            first, entries[key] = _held(value)
+            if first is not None:
+                rows[key] = [first, list(value.shape)]
+    return {"module": entries, "module_rows": rows}
 
 
 def _remove_superseded(root: Path, rank: int) -> None:
@@ -818,18 +871,149 @@ def _open(directory: Path, marker: dict[str, Any], rank: int) -> dict[str, Any]:
     return payload
 
 
-def _check_module(module: torch.nn.Module, saved: Any, needed: set[str], name: str) -> None:
-    if not isinstance(saved, dict):
+# ---- the module's state: whole tensors, or the rows an FSDP2 rank holds ----------------------------------
+
+
+def _held(value: torch.Tensor) -> tuple[Optional[int], torch.Tensor]:
+    """(first row, what this rank holds) of a module state entry: an FSDP2 DTensor's local rows (the
+    parameter's own storage), else (None, the whole tensor)."""
+    from . import fsdp
+
+    rows = fsdp.local_rows(value)
+    return (None, value) if rows is None else rows
+
+
+def _shown(value: Any, where: Any = None) -> str:
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    text = f"{value.dtype} {tuple(value.shape)}"
+    if type(value) is not torch.Tensor:
+        text += f" ({type(value).__name__})"
+    return text if where is None else f"{text}, rows from {where[0]} of {tuple(where[1])}"
+
+
+def cut_rows(pieces: Sequence[tuple[int, torch.Tensor]], first: int, rows: int) -> torch.Tensor:
+    """Rows [first, first + rows) of a tensor given as pieces (first row, rows of it): what an FSDP2 rank
+    holds of it, or (first 0, every row) all of it. Pieces may repeat rows; ValueError names the rows
+    that no piece holds."""
+    like = pieces[0][1]
+    out = like.new_empty((rows, *like.shape[1:]))
+    covered = torch.zeros(rows, dtype=torch.bool)
+    for start, piece in pieces:
+        lo, hi = max(first, start), min(first + rows, start + piece.shape[0])
+        if lo < hi:
+            out[lo - first : hi - first] = piece[lo - start : hi - start]
+            covered[lo - first : hi - first] = True
+    if not covered.all():
+        gaps = (~covered).nonzero().flatten() + first
+        raise ValueError(f"rows {int(gaps[0])}..{int(gaps[-1])} ({len(gaps)} rows) are in none of the saved files")
+    return out
+
+
+class _Piece(NamedTuple):
+    """A saved module entry, or the rows of it one FSDP2 rank held."""
+
+    first: int  # its first row in the whole tensor
+    tensor: torch.Tensor
+    shape: tuple[int, ...]  # of the whole tensor
+    file: str
+
+
+def _saved_pieces(payload: dict[str, Any], name: str, needed: set[str], whole: bool) -> dict[str, _Piece]:
+    """The pieces of the `needed` module entries in one saved file: rows of FSDP2 entries always, whole
+    entries only when `whole` (every file of a replica holds the same ones: one is enough)."""
+    module, rows = payload.get("module"), payload.get("module_rows", {})
+    if not isinstance(module, dict) or not isinstance(rows, dict):
+        raise _Refused(f"{name}: the module state is missing")
+    found = {}
+    for key in needed & set(module):
+        value, where = module[key], rows.get(key)
+        if where is None and not whole:
+            continue
+        valid_where = where is None or (
+            isinstance(where, list) and len(where) == 2 and isinstance(where[0], int) and isinstance(where[1], list)
+        )
+        if type(value) is not torch.Tensor or not valid_where or (where is not None and value.dim() == 0):
+            raise _Refused(f"{name}: module entry {key!r} is {_shown(value)} with rows record {where!r}")
+        first, shape = (0, tuple(value.shape)) if where is None else (where[0], tuple(where[1]))
+        found[key] = _Piece(first, value, shape, name)
+    return found
+
+
+def _module_for_here(
+    module: torch.nn.Module, pieces: dict[str, list[_Piece]], needed: set[str], source: str
+) -> dict[str, Any]:
+    """What this rank holds of every `needed` module entry (whole, or its FSDP2 rows), cut from the
+    saved pieces (`source`: the file whole entries come from); _Refused naming the file and the entry
+    when they do not fit this model."""
+    current = module.state_dict()
+    missing = sorted(k for k in needed if not pieces.get(k))
+    if missing:
+        raise _Refused(f"{source}: the module state lacks {missing[:5]} (a different model?)")
+    state = {}
+    for key in sorted(needed):
+        whole = current[key]
+        first, held = _held(whole)
+        for piece in pieces[key]:
+            rows = piece.tensor.shape[0] if piece.tensor.dim() else 0
+            if (
+                piece.shape != tuple(whole.shape)
+                or piece.tensor.dtype != whole.dtype
+                or piece.tensor.shape[1:] != whole.shape[1:]
+                or not 0 <= piece.first <= piece.first + rows <= (whole.shape[0] if whole.dim() else 0)
+            ):
+                raise _Refused(
+                    f"{piece.file}: module entry {key!r} is {_shown(piece.tensor, [piece.first, piece.shape])}; "
+                    f"this model has {whole.dtype} {tuple(whole.shape)}"
+                )
+        if whole.dim() == 0:
+            state[key] = pieces[key][0].tensor
+            continue
+        try:
+            state[key] = cut_rows([(p.first, p.tensor) for p in pieces[key]], first or 0, held.shape[0])
+        except ValueError as error:
+            where = f"{source} and its replica's files"
+            raise _Refused(f"{where}: module entry {key!r} {tuple(whole.shape)}: {error}") from error
+    return state
+
+
+def _write_module(module: torch.nn.Module, state: dict[str, Any], strict: bool) -> None:
+    """Write a checked module state (whole entries, or this rank's FSDP2 rows) into the module. FSDP2:
+    each entry into what this rank holds of it, in place (FSDP2 keeps references to its sharded
+    parameters and CO2's partition views them: never new Parameters); else `load_state_dict`."""
+    from . import fsdp
+
+    current = module.state_dict(keep_vars=True)
+    if not fsdp.is_sharded(list(current.values())):
+        module.load_state_dict(state, strict=strict)
+        return
+    with torch.no_grad():
+        for key, value in state.items():
+            _held(current[key])[1].copy_(value)
+
+
+def _check_module(module: torch.nn.Module, payload: dict[str, Any], needed: set[str], name: str) -> None:
+    """The file's module state is exactly what this rank holds of the `needed` entries (same run layout)."""
+    saved, rows = payload.get("module"), payload.get("module_rows", {})
+    if not isinstance(saved, dict) or not isinstance(rows, dict):
         raise _Refused(f"{name}: the module state is missing")
     current = module.state_dict()
     missing = sorted(needed - set(saved))
     if missing:
         raise _Refused(f"{name}: the module state lacks {missing[:5]} (a different model?)")
     for key in needed:
-        want, got = current[key], saved[key]
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
-            shown = f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
-            raise _Refused(f"{name}: module entry {key!r} is {shown}; this model has {want.dtype} {tuple(want.shape)}")
+        first, want = _held(current[key])
+        where = None if first is None else [first, list(current[key].shape)]
+        got = saved[key]
+        if (
+            type(got) is not torch.Tensor
+            or got.shape != want.shape
+            or got.dtype != want.dtype
+            or rows.get(key) != where
+        ):
+            raise _Refused(
+                f"{name}: module entry {key!r} is {_shown(got, rows.get(key))}; this rank holds {_shown(want, where)}"
+            )
 
 
 def _prepare(directory: Path, framework: FrameworkState, resharding: bool) -> _Plan:
@@ -846,10 +1030,16 @@ def _prepare(directory: Path, framework: FrameworkState, resharding: bool) -> _P
         raise _Refused(f"{directory / MARKER}: {_describe(error)}") from error
     if not resharding:
         return _prepare_same(directory, marker, framework)
-    saved_world = marker.get("world_size")
-    if not isinstance(saved_world, int) or saved_world < 1:
-        raise _Refused(f"{directory / MARKER}: world_size={saved_world!r}")
-    shares, source = [], None
+    saved_world, saved_grid = marker.get("world_size"), marker.get("grid")
+    saved_shards = saved_grid.get("shards") if isinstance(saved_grid, dict) else None
+    if not isinstance(saved_world, int) or not isinstance(saved_shards, int) or not 0 < saved_shards <= saved_world:
+        raise _Refused(f"{directory / MARKER}: world_size={saved_world!r}, grid={saved_grid!r}")
+    trainable = {n for n, p in framework.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    needed = set(framework.module.state_dict()) - trainable
+    # Buffers and frozen parameters come from the saved replica of rank `rank % saved world`: whole from
+    # that rank's file, FSDP2 rows from every file of its replica.
+    source_rank = topology.rank % saved_world
+    shares, source, pieces = [], None, {}
     for saved_rank in range(saved_world):
         payload = _open(directory, marker, saved_rank)
         name = marker["files"][saved_rank]["name"]
@@ -857,7 +1047,10 @@ def _prepare(directory: Path, framework: FrameworkState, resharding: bool) -> _P
             shares.append(consolidate(payload["co2"]))
         except Exception as error:
             raise _Refused(f"{name}: the co2 state cannot be consolidated ({_describe(error)})") from error
-        if saved_rank == topology.rank % saved_world:
+        if saved_rank // saved_shards == source_rank // saved_shards:
+            for key, piece in _saved_pieces(payload, name, needed, whole=saved_rank == source_rank).items():
+                pieces.setdefault(key, []).append(piece)
+        if saved_rank == source_rank:
             source = (name, payload)
         del payload
     name, payload = source
@@ -866,12 +1059,9 @@ def _prepare(directory: Path, framework: FrameworkState, resharding: bool) -> _P
         engine.check_state_dict(state)
     except ValueError as error:
         raise _Refused(f"{directory.name}: {error}") from error
-    trainable = {n for n, p in framework.module.named_parameters(remove_duplicate=False) if p.requires_grad}
-    needed = set(framework.module.state_dict()) - trainable
-    _check_module(framework.module, payload["module"], needed, name)
+    module_state = _module_for_here(framework.module, pieces, needed, name)
     same_framework = payload["identity"].get("integration") == framework.integration
     saved_framework = payload["framework"] if same_framework else None
-    module_state = {k: payload["module"][k] for k in needed}
 
     def apply() -> None:
         if dropped:
@@ -880,7 +1070,7 @@ def _prepare(directory: Path, framework: FrameworkState, resharding: bool) -> _P
                 f"resumes at its last round start (step {state['inner_steps']})",
                 stacklevel=4,
             )
-        framework.module.load_state_dict(module_state, strict=False)
+        _write_module(framework.module, module_state, strict=False)
         engine.load_state_dict(state)
         engine.restart_from_start_point()
         framework.after_reshard(saved_framework)
@@ -908,7 +1098,7 @@ def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkS
     except ValueError as error:
         raise _Refused(f"{name}: {error}") from error
     needed = set(framework.module.state_dict()) - framework.module_excluded()
-    _check_module(framework.module, payload.get("module"), needed, name)
+    _check_module(framework.module, payload, needed, name)
     unknown = sorted(set(payload["module"]) - needed)
     if unknown:
         raise _Refused(f"{name}: the module state has entries this model lacks: {unknown[:5]}")
@@ -918,7 +1108,7 @@ def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkS
         raise _Refused(f"{name}: {error}") from error
 
     def apply() -> None:
-        framework.module.load_state_dict(payload["module"], strict=not framework.module_excluded())
+        _write_module(framework.module, payload["module"], strict=not framework.module_excluded())
         framework.restore(payload["framework"])
         engine.load_state_dict(payload["co2"])
 

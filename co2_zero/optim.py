@@ -149,7 +149,8 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         """This optimizer's part of a `co2_zero.checkpoint` file: the inner optimizer's state."""
         from .checkpoint import InnerOptimizerState
 
-        return InnerOptimizerState("plain", self.engine, model, self.optimizer, after_load=self._share_inner_state)
+        integration = "plain" if self.flat_params is not None else "fsdp2"
+        return InnerOptimizerState(integration, self.engine, model, self.optimizer, after_load=self._share_inner_state)
 
     def __repr__(self) -> str:
         return f"CO2Optimizer({self.config}, inner={self.optimizer!r})"
