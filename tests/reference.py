@@ -146,6 +146,7 @@ def simulate(
     trace: list[dict[str, Any]] | None = None,
     step_record: list[list[Params]] | None = None,
     exchange: Any = None,
+    fresh_inner_at: int | None = None,
 ) -> list[Params]:
     """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
 
@@ -160,6 +161,8 @@ def simulate(
     ``exchange`` (if given) replaces the exact exchange:
     ``exchange.average(start, xs)`` gives g, ``exchange.publish(base, result)``
     the next start point (tests/reference_compress.py: int8/fp8 with error feedback).
+    ``fresh_inner_at`` (if given): before that inner step every replica's inner
+    optimizer is built anew, as a resharded checkpoint load leaves it (state fresh).
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
@@ -186,6 +189,8 @@ def simulate(
         record.append({n: v.clone() for n, v in start.items()})
 
     for k in range(steps):
+        if k == fresh_inner_at:
+            opts = [make_optimizer(list(model.parameters())) for model in models]
         for r, (model, opt) in enumerate(zip(models, opts)):
             if shards == 1:
                 micro = [batch(r, k)]
