@@ -145,17 +145,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def table(result: dict) -> dict:
-    """label -> τ, mean final val loss over seeds, spread, gap to ddp, mean wall-clock on the link."""
-    out = {}
-    for label in result["taus"]:
-        runs = [r for r in result["runs"] if r["label"] == label]
-        losses = [r["final_val_loss"] for r in runs]
-        out[label] = {"tau": result["taus"][label], "final_val_loss": statistics.mean(losses),
-                      "spread": max(losses) - min(losses), "seeds": len(runs),
-                      "train_s": statistics.mean(r["train_s"] for r in runs),
-                      "tokens": runs[0]["tokens"][-1]}  # fmt: skip
-    for row in out.values():
-        row["vs_ddp"] = row["final_val_loss"] / out["ddp"]["final_val_loss"] - 1
+    """bench_convergence's table (mean final val loss over seeds, spread, gap to ddp, mean seconds), with
+    each run's τ and its speed against ddp's on the link."""
+    out = bc.table(result)
+    for label, row in out.items():
+        row["tau"] = result["taus"][label]
         row["speedup_vs_ddp"] = out["ddp"]["train_s"] / row["train_s"]
     return out
 
