@@ -1,20 +1,26 @@
 """Throughput of CO2 against DDP, the blocking baselines and compute-only, on an emulated cluster.
 
 For every cell (nodes P x link rate) it builds the cluster (scripts/emulated_cluster.py), runs the
-bandwidth self-check, runs scripts/tune_tau.py to pick τ for that cell, then runs scripts/train_lm.py
-once per method and repetition (methods in a rotated order each repetition, so slow drift of the
-host does not favour one). The figure of merit is each method's steady-state tokens/s divided by
-that of `none` (no communication at all: compute-only) in the same repetition of the same cluster.
+bandwidth self-check, runs scripts/tune_tau.py once per CO2 wire format asked for (co2 = fp32,
+co2-bf16, co2-int8: `comm_dtype`) to pick τ for that cell, then runs scripts/train_lm.py once per
+method and repetition (in a rotated order each repetition, so slow drift of the host does not favour
+one). Every method runs at the same τ, fp32's pick (or --tau); a compressed co2 whose own pick is
+smaller also runs at that τ ("co2-int8 @tuned"): what the fewer bytes buy. The figure of merit is
+each run's steady-state tokens/s divided by that of `none` (no communication at all: compute-only)
+in the same repetition of the same cluster.
 
 Steady state: the first logged round (start-up, and for CO2 a round with nothing in flight) is
 dropped; tokens/s is measured from the end of that round to the end of the run, excluding validation.
-For the CO2-family methods the seconds blocked on the exchange (wait) and the round-end bookkeeping
-(round_end - wait) are reported as fractions of that time.
+A run with fewer than --min_intervals intervals after it is flagged (`few_intervals`). For the
+CO2-family methods the seconds blocked on the exchange (wait) and the round-end bookkeeping
+(round_end - wait) are reported as fractions of that time. Every interval ends after train_lm.py's
+log-point all-reduce, i.e. when the slowest rank got there (docs/design.md §9).
 
 Results: <out_dir>/throughput.json (every run, with the load average and CPU-busy fraction of the
 host before it, the self-check, the tuner's measurements and the exact command) and
 <out_dir>/throughput.md (medians). Numbers measured while other programs load the host are
-meaningless: by default it waits for the 1-minute load average to fall below --max_load first.
+meaningless: by default it waits for the 1-minute load average to fall below --max_load before a
+cell, and for the host's CPUs to be idle (busy < --max_busy over 1 s) before every run.
 
     python scripts/bench_throughput.py --cells 4:1gbit 2:1gbit --reps 3        # the headline
     python scripts/bench_throughput.py --cells 2:100mbit 4:100mbit 2:10gbit 2:unshaped --reps 2
@@ -38,8 +44,21 @@ import emulated_cluster as ec  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "scripts" / "train_lm.py")
 TUNE = str(ROOT / "scripts" / "tune_tau.py")
-METHODS = ("none", "ddp", "co2", "localsgd", "slowmo", "diloco")
-CO2_FAMILY = ("co2", "localsgd", "slowmo", "diloco")
+METHODS = ("none", "ddp", "co2", "co2-bf16", "co2-int8", "localsgd", "slowmo", "diloco")
+CO2_FAMILY = ("co2", "co2-bf16", "co2-int8", "localsgd", "slowmo", "diloco")
+TUNED = "@tuned"  # suffix of a compressed co2 run at its own tuner's τ
+
+
+def comm_dtype(label: str) -> str:
+    """The wire format of a co2 run label: 'co2' -> fp32, 'co2-int8 @tuned' -> int8."""
+    return label.removesuffix(TUNED).strip().partition("-")[2] or "fp32"
+
+
+def run_flags(label: str, model: list[str], co2_flags: list[str]) -> list[str]:
+    """train_lm.py flags of a run label besides tau and the run length: method, wire format, model."""
+    if not label.startswith("co2"):
+        return ["--method", label, *model]
+    return ["--method", "co2", "--comm_dtype", comm_dtype(label), *model, *co2_flags]
 
 
 def get_args(argv: Optional[Sequence[str]] = None):
@@ -48,8 +67,9 @@ def get_args(argv: Optional[Sequence[str]] = None):
                    help="NODES:RATE pairs, RATE in 100mbit|1gbit|10gbit|unshaped")  # fmt: skip
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=10, help="CO2 rounds per run (steps = rounds x tau; same for all)")
-    p.add_argument("--max_seconds", type=float, default=25.0, help="cap on each run's training time")
+    p.add_argument("--rounds", type=int, default=12, help="CO2 rounds per run (steps = rounds x tau; same for all)")
+    p.add_argument("--max_seconds", type=float, default=30.0, help="cap on each run's training time")
+    p.add_argument("--min_intervals", type=int, default=5, help="steady-state intervals a run should have")
     p.add_argument("--tau", type=int, default=0, help="fixed tau (0: what tune_tau.py picks in each cell)")
     p.add_argument("--margin", type=float, default=1.5, help="tune_tau.py --margin")
     p.add_argument("--co2_flags", default="--outer_momentum 0 --gap_penalty adaptive --gap_strength 2",
@@ -58,27 +78,31 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--tag", default="", help="suffix of the result files")
     p.add_argument("--max_load", type=float, default=2.5, help="wait for the 1-min load average below this")
     p.add_argument("--wait_load_s", type=float, default=1800, help="give up waiting after this (and say so)")
+    p.add_argument("--max_busy", type=float, default=0.15, help="before every run: wait for CPU busy below this")
+    p.add_argument("--wait_busy_s", type=float, default=120, help="... for at most this long (and say so)")
     p.add_argument("--strict_check", action=argparse.BooleanOptionalAction, default=True,
                    help="abort a cell whose bandwidth self-check fails")  # fmt: skip
     # the model and batch (train_lm.py flags): tokens/rank/step small enough that DDP is communication-bound
-    p.add_argument("--model", default="--n_layer 4 --n_embd 320 --n_head 4 --block_size 64 --batch_size 1",
+    p.add_argument("--model", default="--n_layer 4 --n_embd 320 --n_head 4 --block_size 64 --batch_size 4",
                    help="train_lm.py model/batch flags, one string")  # fmt: skip
     return p.parse_args(argv)
 
 
-def steady_state(records: list[dict]) -> dict:
+def steady_state(records: list[dict], min_intervals: int = 5) -> dict:
     """tokens/s, wait and bookkeeping fractions after the first logged interval."""
     rounds = [r for r in records if not r.get("summary") and r.get("step", 0) > 0]
     if len(rounds) == 1:  # a very slow method (ddp on a slow link): the one interval, start-up included
         r = rounds[0]
         return {"tokens_per_s": r["tokens"] / r["elapsed_s"], "seconds": r["elapsed_s"], "steps": r["step"],
-                "intervals": 1, "includes_startup": True}  # fmt: skip
+                "intervals": 1, "includes_startup": True, "few_intervals": True}  # fmt: skip
     if len(rounds) < 2:
         raise ValueError(f"need at least 1 logged interval, got {len(rounds)}")
     first, last = rounds[0], rounds[-1]
     seconds = last["elapsed_s"] - first["elapsed_s"]
     out = {"tokens_per_s": (last["tokens"] - first["tokens"]) / seconds, "seconds": seconds,
            "steps": last["step"] - first["step"], "intervals": len(rounds) - 1}  # fmt: skip
+    if out["intervals"] < min_intervals:
+        out["few_intervals"] = True
     later = rounds[1:]
     if all(r.get("wait_s") is not None for r in later):
         wait = sum(r["wait_s"] for r in later)
@@ -93,27 +117,68 @@ def run_tuner(cluster: ec.EmulatedCluster, model: list[str], margin: float, log_
     """scripts/tune_tau.py in the cluster; `model`: train_lm.py flags (model, batch, CO2 knobs)."""
     out = log_dir / "tune.json"
     args = [*model, "--margin", str(margin), "--tune_json", str(out)]
-    cluster.torchrun(TUNE, args, log_dir=log_dir, timeout_s=600)
+    cluster.torchrun(TUNE, args, log_dir=log_dir, timeout_s=900)
     result = json.loads(out.read_text())
     result["command"] = shlex.join(["scripts/tune_tau.py", *args[:-2]])
     result["log"] = (log_dir / "node0.log").read_text(errors="replace")[-3000:]
     return result
 
 
-def train_args(method: str, tau: int, steps: int, model: list[str], max_seconds: float, out_json: Path) -> list[str]:
+def train_args(label: str, tau: int, steps: int, flags: list[str], max_seconds: float, out_json: Path) -> list[str]:
     """train_lm.py flags of one run. CO2-family methods log once per round; `none` every tau steps (the
     same per-round sync as CO2's log line); ddp every min(4, tau) steps, so that even a slow link
     gives it a few log intervals within --max_seconds (it only stops at a log line)."""
-    log_every = min(4, tau) if method == "ddp" else tau
+    log_every = min(4, tau) if label == "ddp" else tau
     return [
-        "--method", method, "--tau", str(tau), "--log_every", str(log_every), "--max_steps", str(steps),
+        "--tau", str(tau), "--log_every", str(log_every), "--max_steps", str(steps),
         "--max_seconds", str(max_seconds), "--eval_every", "0", "--eval_batches", "2", "--data_bytes", "1000000",
-        "--warmup_steps", "5", "--no_progress", *model, "--out_json", str(out_json),
+        "--warmup_steps", "5", "--no_progress", *flags, "--out_json", str(out_json),
     ]  # fmt: skip
 
 
+def tune_cell(cluster: ec.EmulatedCluster, a, co2_flags: list[str], log_dir: Path) -> dict:
+    """comm_dtype -> the tuner's result, for every co2 wire format among --methods (none with --tau)."""
+    if a.tau > 0:
+        return {}
+    dtypes = dict.fromkeys(comm_dtype(m) for m in a.methods if m.startswith("co2")) or {"fp32": None}
+    tuners = {}
+    for dtype in dtypes:
+        flags = [*a.model.split(), *co2_flags, "--comm_dtype", dtype]
+        tuners[dtype] = run_tuner(cluster, flags, a.margin, log_dir / f"tune_{dtype}")
+        print(f"   tuner {dtype}: {tuners[dtype]['recommendation']}", file=sys.stderr, flush=True)
+    return tuners
+
+
+def plan(methods: Sequence[str], tau: int, tuned: dict[str, int]) -> dict[str, int]:
+    """run label -> τ: every method at the common τ, and each compressed co2 at its own tuned τ too."""
+    runs = dict.fromkeys(methods, tau)
+    for m in methods:
+        if m.startswith("co2-") and tuned.get(comm_dtype(m), tau) < tau:
+            runs[m + " " + TUNED] = tuned[comm_dtype(m)]
+    return runs
+
+
+def run_one(cluster: ec.EmulatedCluster, label: str, tau: int, rep: int, a, log_dir: Path) -> dict:
+    """One train_lm.py run in the cluster, on a quiet host; its steady state."""
+    out_json = log_dir / "train.jsonl"
+    flags = run_flags(label, a.model.split(), a.co2_flags.split())
+    steps = a.rounds * max(tau, 1)
+    args = train_args(label.removesuffix(TUNED).strip(), tau, steps, flags, a.max_seconds, out_json)
+    host = ec.wait_for_idle_cpus(a.max_busy, a.wait_busy_s)
+    began = time.time()
+    cluster.torchrun(TRAIN, args, log_dir=log_dir, timeout_s=600)
+    records = [json.loads(line) for line in out_json.read_text().splitlines()]
+    run = {"label": label, "tau": tau, "rep": rep, "host_before": host, "wall_s": round(time.time() - began, 1),
+           "command": shlex.join(["scripts/train_lm.py", *args[:-2]]),
+           "final_val_loss": records[-1].get("val_loss")}  # fmt: skip
+    try:
+        run.update(steady_state(records, a.min_intervals))
+    except ValueError as error:  # too few log lines: recorded, left out of the medians
+        run["error"] = str(error)
+    return run
+
+
 def run_cell(nodes: int, rate: str, a, log_root: Path) -> dict:
-    model, co2_flags = a.model.split(), a.co2_flags.split()
     cell = {"nodes": nodes, "rate": rate, "host_before": ec.wait_for_quiet_host(a.max_load, a.wait_load_s)}
     print(f"== cell P={nodes} {rate}: {cell['host_before']}", file=sys.stderr, flush=True)
     with ec.EmulatedCluster(nodes, rate) as cluster:
@@ -122,59 +187,44 @@ def run_cell(nodes: int, rate: str, a, log_root: Path) -> dict:
         print(f"   self-check: {json.dumps(check)}", file=sys.stderr, flush=True)
         if check.get("status") == "fail" and a.strict_check:
             raise ec.ShapingError(f"cell P={nodes} {rate}: self-check failed: {check.get('error')}")
-        if a.tau > 0:
-            tau, cell["tuner"] = a.tau, None
-        else:
-            cell["tuner"] = run_tuner(cluster, model + co2_flags, a.margin, log_root / f"P{nodes}_{rate}_tune")
-            tau = cell["tuner"]["recommendation"]["tau"]
-            print(f"   tuner: tau={tau} {cell['tuner']['recommendation']}", file=sys.stderr, flush=True)
-        cell["tau"] = tau
-        steps = a.rounds * tau
+        cell["tuners"] = tune_cell(cluster, a, a.co2_flags.split(), log_root / f"P{nodes}_{rate}")
+        tuned = {dtype: t["recommendation"]["tau"] for dtype, t in cell["tuners"].items()}
+        cell["tau"] = a.tau if a.tau > 0 else tuned.get("fp32", max(tuned.values()))
+        cell["tuned_tau"] = tuned
+        runs_tau = plan(a.methods, cell["tau"], tuned)
+        labels = list(runs_tau)
         runs = []
         for rep in range(a.reps):
-            k = rep % len(a.methods)
-            for method in a.methods[k:] + a.methods[:k]:
-                log_dir = log_root / f"P{nodes}_{rate}_{method}_r{rep}"
-                out_json = log_dir / "train.jsonl"
-                flags = model + co2_flags if method == "co2" else model
-                args = train_args(method, tau, steps, flags, a.max_seconds, out_json)
-                host = {"load_avg": ec.load_average(), "cpu_busy": round(ec.host_cpu_busy(1.0), 3)}
-                began = time.time()
-                cluster.torchrun(TRAIN, args, log_dir=log_dir, timeout_s=600)
-                records = [json.loads(line) for line in out_json.read_text().splitlines()]
-                run = {"method": method, "rep": rep, "host_before": host, "wall_s": round(time.time() - began, 1),
-                       "command": shlex.join(["scripts/train_lm.py", *args[:-2]]),
-                       "final_val_loss": records[-1].get("val_loss")}  # fmt: skip
-                try:
-                    run.update(steady_state(records))
-                except ValueError as error:  # too few log lines: recorded, left out of the medians
-                    run["error"] = str(error)
-                    print(f"   {method:9s} rep {rep}: {error}", file=sys.stderr, flush=True)
-                    runs.append(run)
-                    continue
+            k = rep % len(labels)
+            for label in labels[k:] + labels[:k]:
+                log_dir = log_root / f"P{nodes}_{rate}_{label.replace(' ', '')}_r{rep}"
+                run = run_one(cluster, label, runs_tau[label], rep, a, log_dir)
                 runs.append(run)
-                print(f"   {method:9s} rep {rep}: {run['tokens_per_s']:8.0f} tok/s"
+                print(f"   {label:16s} rep {rep}: " + (run.get("error") or f"{run['tokens_per_s']:8.0f} tok/s"
                       + (f" wait {100 * run['wait_fraction']:.1f}%" if "wait_fraction" in run else "")
                       + (f" book {100 * run['bookkeeping_fraction']:.1f}%" if "bookkeeping_fraction" in run else "")
-                      + f"  (host before: {host})", file=sys.stderr, flush=True)  # fmt: skip
+                      + (" FEW INTERVALS" if run.get("few_intervals") else ""))
+                      + f"  (host before: {run['host_before']})", file=sys.stderr, flush=True)  # fmt: skip
     cell["runs"] = runs
     cell["host_after"] = {"load_avg": ec.load_average()}
-    cell["summary"] = summarize(runs, a.methods)
+    cell["summary"] = summarize(runs, labels)
     return cell
 
 
-def summarize(runs: list[dict], methods: Sequence[str]) -> dict:
-    """Per method: median tokens/s, median of per-repetition ratios to `none`, median wait/bookkeeping."""
-    by = {(r["method"], r["rep"]): r for r in runs if "tokens_per_s" in r}
+def summarize(runs: list[dict], labels: Sequence[str]) -> dict:
+    """Per run label: median tokens/s, median of per-repetition ratios to `none`, median wait/bookkeeping."""
+    by = {(r["label"], r["rep"]): r for r in runs if "tokens_per_s" in r}
     reps = sorted({r["rep"] for r in runs})
     out = {}
-    for m in methods:
+    for m in labels:
         mine = [by[(m, k)] for k in reps if (m, k) in by]
         if not mine:
             continue
-        row = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine), "n": len(mine)}
-        if any(r.get("includes_startup") for r in mine):
-            row["includes_startup"] = True
+        row = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine), "n": len(mine),
+               "tau": mine[0]["tau"], "intervals": min(r["intervals"] for r in mine)}  # fmt: skip
+        for flag in ("includes_startup", "few_intervals"):
+            if any(r.get(flag) for r in mine):
+                row[flag] = True
         ratios = [by[(m, k)]["tokens_per_s"] / by[("none", k)]["tokens_per_s"]
                   for k in reps if (m, k) in by and ("none", k) in by]  # fmt: skip
         if ratios:
@@ -199,9 +249,10 @@ def markdown(result: dict) -> str:
         f"Model/batch: `{result['model']}`, one thread per rank, {result['host']['cores']} cores. Figure of merit: "
         "steady-state tokens/s as a ratio of `none` (compute only, no communication) in the same repetition. "
         "Medians over repetitions (range of the ratio in brackets). `wait` = blocked on the exchange, "
-        "`book` = round-end bookkeeping, as % of training time. τ: picked by `scripts/tune_tau.py` in each cell.",
+        "`book` = round-end bookkeeping, as % of training time. τ: every run at fp32's tuned τ; "
+        f"`{TUNED}`: a compressed co2 at its own tuner's τ.",
         "",
-        "| P | link | achieved all-reduce | τ | comm/step | method | tokens/s | × none | wait | book |",
+        "| P | link | achieved all-reduce | comm/step | run | τ | tokens/s | × none | wait | book |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in result["cells"]:
@@ -212,24 +263,26 @@ def markdown(result: dict) -> str:
             bw += " (host limit: not a real 10gbit)"
         elif chk.get("status") == "fail":
             bw += " (SELF-CHECK FAILED)"
-        tuner = cell.get("tuner") or {}
-        ratio = tuner.get("recommendation", {}).get("comm_over_step")
+        ratio = (cell.get("tuners") or {}).get("fp32", {}).get("recommendation", {}).get("comm_over_step")
         first = True
         for m, row in cell["summary"].items():
             rr = (f"{row['ratio_to_none']:.3f} [{row['ratio_range'][0]:.2f}–{row['ratio_range'][1]:.2f}]"
                   if "ratio_to_none" in row else "")  # fmt: skip
-            head = (f"| {cell['nodes']} | {cell['rate']} | {bw} | {cell['tau']} | "
-                    f"{'' if ratio is None else f'{ratio:.2f}'} |") if first else "| | | | | |"  # fmt: skip
-            star = "*" if row.get("includes_startup") else ""
-            lines.append(f"{head} {m}{star} | {row['tokens_per_s']:,.0f} | {rr} | {_pct(row, 'wait_fraction')} | "
-                         f"{_pct(row, 'bookkeeping_fraction')} |")  # fmt: skip
+            head = (f"| {cell['nodes']} | {cell['rate']} | {bw} | {'' if ratio is None else f'{ratio:.2f}'} |"
+                    if first else "| | | | |")  # fmt: skip
+            star = "*" if row.get("includes_startup") else "†" if row.get("few_intervals") else ""
+            lines.append(f"{head} {m}{star} | {row['tau']} | {row['tokens_per_s']:,.0f} | {rr} | "
+                         f"{_pct(row, 'wait_fraction')} | {_pct(row, 'bookkeeping_fraction')} |")  # fmt: skip
             first = False
-    lines += ["", "`comm/step`: the tuner's one-round exchange time over one inner step's compute time — also "
+    lines += ["", "`comm/step`: the fp32 tuner's one-round exchange time over one inner step's compute time — also "
               "DDP's communication/compute ratio (DDP all-reduces the same bytes every step). `*`: too slow "
-              "for a steady state within --max_seconds; its one logged interval, start-up included.", "",
-              "Host load average before each cell: "
-              + "; ".join(f"P={c['nodes']} {c['rate']}: {c['host_before']['load_avg']}" for c in result["cells"]),
-              "", "Command:", "", f"    {result['command']}", ""]  # fmt: skip
+              "for a steady state within --max_seconds; its one logged interval, start-up included. `†`: fewer "
+              "than --min_intervals steady-state intervals.", ""]  # fmt: skip
+    for c in result["cells"]:
+        picks = ", ".join(f"{d} τ = {t}" for d, t in (c.get("tuned_tau") or {}).items())
+        lines.append(f"- P={c['nodes']} {c['rate']}: tuner picks {picks or '(fixed --tau)'}; host load average "
+                     f"before the cell {c['host_before']['load_avg']}")  # fmt: skip
+    lines += ["", "Command:", "", f"    {result['command']}", ""]
     return "\n".join(lines)
 
 

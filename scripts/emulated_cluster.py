@@ -237,6 +237,19 @@ def wait_for_quiet_host(max_load: float, max_wait_s: float, poll_s: float = 30.0
         time.sleep(poll_s)
 
 
+def wait_for_idle_cpus(max_busy: float, max_wait_s: float) -> dict:
+    """Sample the CPUs' busy fraction (1 s at a time) until it is below max_busy or max_wait_s passed.
+
+    Before every timed run: the load average still counts the ranks of the run before, this does not.
+    Returns the record (`quiet`: False when it gave up waiting)."""
+    began = time.time()
+    while True:
+        busy = host_cpu_busy(1.0)
+        if busy < max_busy or time.time() - began >= max_wait_s:
+            return {"load_avg": load_average(), "cpu_busy": round(busy, 3), "waited_s": round(time.time() - began, 1),
+                    "quiet": busy < max_busy}  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- the cluster
 
 

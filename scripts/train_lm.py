@@ -717,6 +717,7 @@ class Run:
         if self.master or not alone:
             shards = self.config.resolve_shards(self.world) if self.args.engine == "fsdp" else 1
             v = evaluate(self.trainer.model, self.val_batches, self.rank, self.world, alone, self.args, shards)
+        self.barrier()  # nobody trains while rank 0 evaluates alone: the pause is every rank's
         self.paused_s += time.perf_counter() - t
         return v
 
@@ -800,7 +801,7 @@ def train(run: Run) -> None:
              tokens_per_s=None, wait_s=None, round_end_s=None, val_loss=run.v0)  # fmt: skip
     run.bar = tqdm(total=a.max_steps, initial=run.step, disable=not run.master or a.no_progress, dynamic_ncols=True,
                    file=sys.stderr, mininterval=0.1 if sys.stderr.isatty() else 10.0)  # fmt: skip
-    run.t0 = run.t_last = time.perf_counter()
+    run.t0 = run.t_last = time.perf_counter()  # after val_loss's barrier: every rank starts the clock together
     run.paused_s, run.step_last = 0.0, run.step
     t.model.train()
     while run.step < a.max_steps:
@@ -833,13 +834,15 @@ def log_point(run: Run, wait_s: Optional[float], round_end_s: Optional[float]) -
     if wait_s is not None:
         run.wait_tot += wait_s
         run.round_end_tot += round_end_s or 0.0
-    now = time.perf_counter()
-    out_of_time = run.master and a.max_seconds > 0 and now - run.t0 - run.paused_s >= a.max_seconds
+    out_of_time = run.master and a.max_seconds > 0 and time.perf_counter() - run.t0 - run.paused_s >= a.max_seconds
     s = torch.stack([torch.as_tensor(run.loss_sum, dtype=torch.float64, device=run.device).reshape(()),
                      torch.tensor(float(run.loss_n), dtype=torch.float64, device=run.device),
                      torch.tensor(float(out_of_time), dtype=torch.float64, device=run.device)])  # fmt: skip
     dist.all_reduce(s)
     loss_sum, loss_n, stop = s.tolist()
+    # After the all-reduce (and its .tolist() sync): the interval ends when the slowest rank got here,
+    # so the time rank 0 waits for the others is counted in this interval, not lost between two.
+    now = time.perf_counter()
     loss_mean = loss_sum / loss_n
     run.loss_sum, run.loss_n = 0.0, 0
     run.n_logs += 1

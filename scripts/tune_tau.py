@@ -47,6 +47,7 @@ and `recommend_tau(...)`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -63,7 +64,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_lm  # noqa: E402  (scripts/train_lm.py: the model, its flags and the CO2 presets)
 
 from co2_zero import CO2Config, CO2Optimizer  # noqa: E402
-from co2_zero.comm import choose_collective  # noqa: E402
 from co2_zero.topology import collective_device  # noqa: E402
 
 
@@ -89,58 +89,40 @@ def measure_step_time(step_fn: Callable[[], None], steps: int = 10, warmup: int 
 
 
 def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, shards: int = 1, reps: int = 5) -> dict:
-    """Median seconds of one round's exchange of `numel` partition elements on the CO2 outer group.
+    """Median seconds of one round's exchange of `numel` partition elements, slowest rank.
 
-    Uses the collective the library would use (config.collective, `auto` resolved for the backend)
-    in config.comm_dtype. With shards S > 1 every one of the S outer groups exchanges at once, as in
-    training. Every rank must call this (it creates process groups).
+    Times the library's own pipeline (co2_zero.comm: the collective `config.collective` resolves to,
+    in `config.comm_dtype`, quantization and error feedback included, and the outer step) on a
+    partition of one flat tensor: CO2 rounds of τ = 1 with nothing to compute, so each round's wait
+    is the previous round's whole pipeline. With shards S > 1 every one of the S outer groups
+    exchanges at once, as in training. Every rank must call this (it creates process groups).
     """
-    config = config or CO2Config()
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % shards:
-        raise ValueError(f"shards={shards} does not divide the world size {world}")
-    replicas = world // shards
-    groups = [dist.new_group(list(range(s, world, shards))) for s in range(shards)]
-    group = groups[rank % shards]
-    strategy = choose_collective(config, dist.get_backend(group))
-    dtype = torch.bfloat16 if config.comm_dtype == "bf16" else torch.float32
-    padded = -(-numel // replicas) * replicas
-    device = collective_device(group)  # where training's partition (hence its exchange) lives
-    buf = torch.zeros(padded, dtype=dtype, device=device)  # D on the wire
-    if strategy == "reduce_scatter":
-        out = torch.zeros(padded // replicas, dtype=dtype, device=device)
-        start_point = torch.zeros(padded, device=device)  # gathered in fp32
-        sub_shard = torch.zeros(padded // replicas, device=device)
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-    def exchange():
-        if strategy == "reduce_scatter":
-            reduce_scatter(out, buf, group=group)
-            all_gather(start_point, sub_shard, group=group)
-        else:
-            dist.all_reduce(buf, group=group)
-
-    exchange()  # warm-up: connections and buffers
-    times = []
-    for _ in range(reps):
+    config = dataclasses.replace(config or CO2Config(), tau=1, shards_per_replica=shards, overlap=True)
+    device = collective_device()  # where training's partition (hence its exchange) lives
+    flat = torch.nn.Parameter(torch.zeros(numel * shards, device=device))
+    flat.grad = torch.zeros_like(flat)
+    opt = CO2Optimizer(torch.optim.SGD([flat], lr=0.0), config)
+    times, sent = [], []
+    for round_index in range(reps + 2):  # round 0 has nothing in flight; round 1 warms up connections
         dist.barrier()
         t = time.perf_counter()
-        exchange()
-        times.append(time.perf_counter() - t)
-    for g in groups:
-        dist.destroy_process_group(g)
-    nbytes = padded * buf.element_size()
+        opt.step()
+        if round_index >= 2:
+            times.append(time.perf_counter() - t)
+            sent.append(opt.last_round["bytes_sent"])
+    opt.finalize()
+    opt.topology.destroy()
     t_comm = _slowest(statistics.median(times))
+    replicas = opt.topology.replicas
     return {
         "t_comm": t_comm,
         "samples": [round(x, 4) for x in times],
-        "collective": strategy,
+        "collective": opt.engine.exchange.strategy,
         "comm_dtype": config.comm_dtype,
         "partition_elems": numel,
-        "bytes": nbytes,
+        "bytes_sent": statistics.median(sent),
         "outer_group_size": replicas,
-        "bus_bits_per_s": 2 * (replicas - 1) / replicas * nbytes * 8 / t_comm if replicas > 1 else None,
+        "sent_bits_per_s": statistics.median(sent) * 8 / t_comm if replicas > 1 else None,
     }
 
 
@@ -343,10 +325,10 @@ def _report(r: dict) -> None:
           f"{r['tokens_per_rank_step']} tokens/rank/step")  # fmt: skip
     print(f"  t_step = {c['t_step'] * 1e3:.1f} ms  (one inner step, no communication; slowest rank median)")
     if r["world_size"] > 1:
-        bw = m["bus_bits_per_s"]
-        print(f"  t_comm = {m['t_comm'] * 1e3:.1f} ms  ({m['collective']} of {m['bytes'] / 1e6:.1f} MB "
-              f"{m['comm_dtype']} over {m['outer_group_size']} replicas"
-              + (f", {bw / 1e9:.2f} Gbit/s bus bandwidth)" if bw else ")"))  # fmt: skip
+        bw = m["sent_bits_per_s"]
+        print(f"  t_comm = {m['t_comm'] * 1e3:.1f} ms  ({m['collective']} pipeline in {m['comm_dtype']} over "
+              f"{m['outer_group_size']} replicas, {m['bytes_sent'] / 1e6:.1f} MB sent per rank"
+              + (f", {bw / 1e6:.0f} Mbit/s)" if bw else ")"))  # fmt: skip
     print(f"  t_comm / t_step = {rec['comm_over_step']:.2f}; margin {rec['margin']} -> "
           f"tau_comm = ceil({rec['margin']} x {rec['comm_over_step']:.2f}) = {rec['tau_comm']}")  # fmt: skip
     for v in r.get("verify", []):
