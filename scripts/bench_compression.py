@@ -54,6 +54,7 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "compression"))
     p.add_argument("--max_busy", type=float, default=0.15, help="before every run: wait for CPU busy below this")
     p.add_argument("--wait_busy_s", type=float, default=120)
+    p.add_argument("--report", action="store_true", help="only rebuild the table and plot from <out_dir>'s JSON")
     return p.parse_args(argv)
 
 
@@ -87,6 +88,8 @@ def run_unshaped(nodes: int, args: list[str], log_dir: Path) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = get_args(argv)
     bc.require_matplotlib()
+    if a.report:
+        return report(json.loads((Path(a.out_dir) / "compression.json").read_text()), Path(a.out_dir))
     ec.require_privileges()
     throughput = json.loads(Path(a.throughput).read_text())
     cell = find_cell(throughput, a.nodes, a.rate)
@@ -136,6 +139,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"link  (host before: {host})", file=sys.stderr, flush=True)  # fmt: skip
                 (out_dir / "compression.json").write_text(json.dumps(result, indent=1))
     result["total_s"] = round(time.time() - began, 1)
+    return report(result, out_dir)
+
+
+def report(result: dict, out_dir: Path) -> int:
+    """The table (into the JSON too), compression.md and headline.png."""
     result["table"] = table(result)
     (out_dir / "compression.json").write_text(json.dumps(result, indent=1))
     (out_dir / "compression.md").write_text(markdown(result))
@@ -144,13 +152,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def mean_curve(result: dict, label: str) -> tuple[list[float], list[float]]:
+    """(seconds, validation loss) of `label`, each the mean over seeds at the same validation points."""
+    runs = [r for r in result["runs"] if r["label"] == label]
+    n = min(len(r["val_loss"]) for r in runs)
+    return ([statistics.mean(r["elapsed_s"][i] for r in runs) for i in range(n)],
+            [statistics.mean(r["val_loss"][i] for r in runs) for i in range(n)])  # fmt: skip
+
+
+def seconds_to_reach(curve: tuple[list[float], list[float]], loss: float) -> Optional[float]:
+    """When a curve first gets down to `loss` (linear between validation points); None if it never does."""
+    seconds, losses = curve
+    for i, value in enumerate(losses):
+        if value <= loss:
+            if i == 0:
+                return seconds[0]
+            t0, t1, v0 = seconds[i - 1], seconds[i], losses[i - 1]
+            return t0 + (t1 - t0) * (v0 - loss) / (v0 - value)
+    return None
+
+
 def table(result: dict) -> dict:
     """bench_convergence's table (mean final val loss over seeds, spread, gap to ddp, mean seconds), with
-    each run's τ and its speed against ddp's on the link."""
+    each run's τ, its speed against ddp's on the link, and when ddp gets down to the same loss."""
     out = bc.table(result)
+    ddp = mean_curve(result, "ddp")
     for label, row in out.items():
         row["tau"] = result["taus"][label]
         row["speedup_vs_ddp"] = out["ddp"]["train_s"] / row["train_s"]
+        row["ddp_s_to_same_loss"] = seconds_to_reach(ddp, row["final_val_loss"])
     return out
 
 
@@ -167,13 +197,14 @@ def markdown(result: dict) -> str:
         f"({result['ddp_shaped_tokens_per_s']:,.0f} tokens/s). Final validation loss: mean over seeds (spread = "
         "max − min); wall-clock excludes validation.",
         "",
-        "| run | τ | final val loss | spread | vs ddp | wall-clock s | × ddp speed |",
+        "| run | τ | final val loss | spread | vs ddp | wall-clock s | ddp's s to that loss |",
         "|---|---|---|---|---|---|---|",
     ]
     for label, row in result["table"].items():
+        reach = row["ddp_s_to_same_loss"]
         lines.append(f"| {label} | {row['tau'] if label != 'ddp' else '–'} | {row['final_val_loss']:.4f} | "
                      f"{row['spread']:.4f} | {100 * row['vs_ddp']:+.2f}% | {row['train_s']:,.0f} | "
-                     f"{row['speedup_vs_ddp']:.1f}× |")  # fmt: skip
+                     f"{'never' if reach is None else f'{reach:,.0f}'} |")  # fmt: skip
     lines += ["", "Command (after the throughput run it reads):", "", f"    {result['throughput_command']}",
               f"    {result['command']}", "", "Plot: `headline.png`.", ""]  # fmt: skip
     return "\n".join(lines)
@@ -189,13 +220,11 @@ def plot(result: dict, path: Path) -> None:
     means = []
     for label in result["taus"]:
         runs = [r for r in result["runs"] if r["label"] == label]
-        n = min(len(r["val_loss"]) for r in runs)
-        x = [statistics.mean(r["elapsed_s"][i] for r in runs) for i in range(n)]
-        y = [statistics.mean(r["val_loss"][i] for r in runs) for i in range(n)]
+        x, y = mean_curve(result, label)
         tau = f", τ={result['taus'][label]}" if label != "ddp" else ""
-        (line,) = ax.plot(x, y, marker=".", lw=2, label=f"{label}{tau} (mean of {len(runs)} seeds)")
-        for r in runs:
-            ax.plot(r["elapsed_s"], r["val_loss"], color=line.get_color(), lw=0.6, alpha=0.35)
+        (line,) = ax.plot(x[1:], y[1:], marker=".", lw=2, label=f"{label}{tau} (mean over {len(runs)} seed(s))")
+        for r in runs:  # every seed faint; the start (0 s) is off a log axis
+            ax.plot(r["elapsed_s"][1:], r["val_loss"][1:], color=line.get_color(), lw=0.6, alpha=0.35)
         means.append({"val_loss": y})
     ax.set_xscale("log")
     ax.set_xlabel(f"training seconds on the link (log scale; ddp: tokens / its tokens/s at {result['rate']})")

@@ -22,8 +22,10 @@ host before it, the self-check, the tuner's measurements and the exact command) 
 meaningless: by default it waits for the 1-minute load average to fall below --max_load before a
 cell, and for the host's CPUs to be idle (busy < --max_busy over 1 s) before every run.
 
-    python scripts/bench_throughput.py --cells 4:1gbit 2:1gbit --reps 3        # the headline
-    python scripts/bench_throughput.py --cells 2:100mbit 4:100mbit 2:10gbit 2:unshaped --reps 2
+    python scripts/bench_throughput.py --cells 4:1gbit 2:1gbit --reps 3        # the 1 Gbit/s table
+    python scripts/bench_throughput.py --cells 4:100mbit --methods none ddp co2 co2-bf16 co2-int8 localsgd \
+        --reps 3 --rounds 3 --min_intervals 2 --max_seconds 75 --tag P4_100mbit \
+        --model "--n_layer 4 --n_embd 320 --n_head 4 --block_size 64 --batch_size 4"   # compressed exchange
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", nargs="+", default=["4:1gbit", "2:1gbit"],
                    help="NODES:RATE pairs, RATE in 100mbit|1gbit|10gbit|unshaped")  # fmt: skip
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=["none", "ddp", "co2", "localsgd", "slowmo", "diloco"],
+                   choices=METHODS)  # fmt: skip
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=12, help="CO2 rounds per run (steps = rounds x tau; same for all)")
-    p.add_argument("--max_seconds", type=float, default=30.0, help="cap on each run's training time")
+    p.add_argument("--rounds", type=int, default=10, help="CO2 rounds per run (steps = rounds x tau; same for all)")
+    p.add_argument("--max_seconds", type=float, default=25.0, help="cap on each run's training time")
     p.add_argument("--min_intervals", type=int, default=5, help="steady-state intervals a run should have")
     p.add_argument("--tau", type=int, default=0, help="fixed tau (0: what tune_tau.py picks in each cell)")
     p.add_argument("--margin", type=float, default=1.5, help="tune_tau.py --margin")
@@ -83,7 +86,7 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--strict_check", action=argparse.BooleanOptionalAction, default=True,
                    help="abort a cell whose bandwidth self-check fails")  # fmt: skip
     # the model and batch (train_lm.py flags): tokens/rank/step small enough that DDP is communication-bound
-    p.add_argument("--model", default="--n_layer 4 --n_embd 320 --n_head 4 --block_size 64 --batch_size 4",
+    p.add_argument("--model", default="--n_layer 4 --n_embd 320 --n_head 4 --block_size 64 --batch_size 1",
                    help="train_lm.py model/batch flags, one string")  # fmt: skip
     return p.parse_args(argv)
 
