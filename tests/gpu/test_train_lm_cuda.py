@@ -21,6 +21,7 @@ ENGINES = {
     "plain": ["--engine", "plain"],
     "fairscale": ["--engine", "fairscale", "--shards_per_replica", "1"],
     "deepspeed": ["--engine", "deepspeed", "--shards_per_replica", "1"],  # configs/ds_zero2_co2.json
+    "fsdp": ["--engine", "fsdp", "--shards_per_replica", "1"],  # fully_shard over a CUDA replica mesh
 }  # fmt: skip
 
 
