@@ -88,18 +88,18 @@ def measure_step_time(step_fn: Callable[[], None], steps: int = 10, warmup: int 
     return {"t_step": _slowest(statistics.median(times)), "samples": [round(x, 4) for x in times]}
 
 
-def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, shards: int = 1, reps: int = 5) -> dict:
+def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, reps: int = 5) -> dict:
     """Median seconds of one round's exchange of `numel` partition elements, slowest rank.
 
     Times the library's own pipeline (co2_zero.comm: the collective `config.collective` resolves to,
     in `config.comm_dtype`, quantization and error feedback included, and the outer step) on a
     partition of one flat tensor: CO2 rounds of τ = 1 with nothing to compute, so each round's wait
-    is the previous round's whole pipeline. With shards S > 1 every one of the S outer groups
-    exchanges at once, as in training. Every rank must call this (it creates process groups).
+    is the previous round's whole pipeline. Every rank is a replica (CO2Optimizer's S = 1), as in
+    train_lm.py's plain engine. Every rank must call this (it creates process groups).
     """
-    config = dataclasses.replace(config or CO2Config(), tau=1, shards_per_replica=shards, overlap=True)
+    config = dataclasses.replace(config or CO2Config(), tau=1, shards_per_replica=1, overlap=True)
     device = collective_device()  # where training's partition (hence its exchange) lives
-    flat = torch.nn.Parameter(torch.zeros(numel * shards, device=device))
+    flat = torch.nn.Parameter(torch.zeros(numel, device=device))
     flat.grad = torch.zeros_like(flat)
     opt = CO2Optimizer(torch.optim.SGD([flat], lr=0.0), config)
     times, sent = [], []
@@ -294,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         inner.step()
 
     compute = measure_step_time(step, steps=ours.steps)
-    comm = measure_exchange_time(numel, config, shards=1, reps=ours.reps) if world > 1 else {"t_comm": 0.0}
+    comm = measure_exchange_time(numel, config, reps=ours.reps) if world > 1 else {"t_comm": 0.0}
     rec = recommend_tau(comm["t_comm"], compute["t_step"], ours.margin)
     result = {"world_size": world, "params": numel, "tokens_per_rank_step": args.batch_size * args.block_size,
               "compute": compute, "comm": comm, "recommendation": rec,
