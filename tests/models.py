@@ -63,6 +63,15 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
+def train_steps(replica: int, model: nn.Module, opt: torch.optim.Optimizer, first: int, last: int) -> None:
+    """Inner steps first .. last - 1 of `model` on replica `replica`'s batches."""
+    for step in range(first, last):
+        x, y = batch(replica, step)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+
 def teacher_batch(
     replica: int, shard: int, step: int, shards: int, rows: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from co2_zero import CO2Error, CO2Optimizer, checkpoint
 from co2_zero.checkpoint import consolidate
 from tests import models
+from tests.compare import param_copies
 from tests.dist_utils import run_ranks
 
 CONFIGS = {
@@ -38,28 +39,16 @@ def _build(config: dict):
     return model, CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), config, model=model)
 
 
-def _train(rank: int, model, opt, first: int, last: int) -> None:
-    for step in range(first, last):
-        x, y = models.batch(rank, step)
-        opt.zero_grad()
-        models.loss_fn(model(x), y).backward()
-        opt.step()
-
-
-def _params(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def interrupted_and_uninterrupted(rank: int, world: int, root: str) -> dict:
     out = {}
     for name, config in CONFIGS.items():
         model, opt = _build(config)
-        _train(rank, model, opt, 0, TOTAL)
+        models.train_steps(rank, model, opt, 0, TOTAL)
         opt.finalize()
-        out[name] = _params(model)
+        out[name] = param_copies(model)
 
         model, opt = _build(config)
-        _train(rank, model, opt, 0, SAVE_AT)
+        models.train_steps(rank, model, opt, 0, SAVE_AT)
         out[f"{name}-in-flight"] = opt.engine.pending_round is not None
         checkpoint.save(f"{root}/{name}", model, opt, extra={"step": SAVE_AT})
     return out
@@ -70,9 +59,9 @@ def resumed(rank: int, world: int, root: str) -> dict:
     for name, config in CONFIGS.items():
         model, opt = _build(config)
         step = checkpoint.load(f"{root}/{name}", model, opt)["step"]
-        _train(rank, model, opt, step, TOTAL)
+        models.train_steps(rank, model, opt, step, TOTAL)
         opt.finalize()
-        out[name] = _params(model)
+        out[name] = param_copies(model)
     model, opt = _build({**CONFIGS["all_reduce"], "tau": 4})
     try:
         checkpoint.load(f"{root}/all_reduce", model, opt)
@@ -87,10 +76,10 @@ def resharded(rank: int, world: int, root: str) -> dict:
         model, opt = _build(config)
         with pytest.warns(UserWarning, match="dropped"):
             checkpoint.load(f"{root}/{name}", model, opt, reshard=True)
-        out[name] = {"share": consolidate(opt.engine.state_dict()), "live": _params(model)}
-        _train(rank, model, opt, SAVE_AT, TOTAL)
+        out[name] = {"share": consolidate(opt.engine.state_dict()), "live": param_copies(model)}
+        models.train_steps(rank, model, opt, SAVE_AT, TOTAL)
         opt.finalize()
-        out[f"{name}-final"] = _params(model)
+        out[f"{name}-final"] = param_copies(model)
     return out
 
 

@@ -9,7 +9,6 @@ parameters are broadcast at start and a change of requires_grad is refused at th
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from co2_zero import CO2Error, CO2Optimizer, checkpoint
 from tests import models
+from tests.compare import clone_state, param_copies, same
 from tests.dist_utils import run_ranks
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, here and in the children
@@ -56,39 +56,15 @@ def _train(engine, rank: int, first: int, last: int) -> None:
         engine.step()
 
 
-def _params(engine) -> dict:
-    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-
-
-def _copy(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_copy(v) for v in value]
-    return copy.deepcopy(value)
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def _snapshot(engine) -> dict:
     """Everything a DeepSpeed load could change."""
     zero = engine.optimizer
     return {
-        "module": _copy(engine.module.state_dict()),
-        "fp32": _copy(list(zero.single_partition_of_fp32_groups)),
-        "zero_inner": _copy(zero.optimizer.state_dict()),
-        "co2": _copy(zero.engine.state_dict()),
-        "scheduler": _copy(engine.lr_scheduler.state_dict()),
+        "module": clone_state(engine.module.state_dict()),
+        "fp32": clone_state(list(zero.single_partition_of_fp32_groups)),
+        "zero_inner": clone_state(zero.optimizer.state_dict()),
+        "co2": clone_state(zero.engine.state_dict()),
+        "scheduler": clone_state(engine.lr_scheduler.state_dict()),
         "counters": (engine.global_steps, engine.global_samples, engine.micro_steps),
     }
 
@@ -101,7 +77,7 @@ def _refused(engine, action) -> dict:
         error = None
     except CO2Error as caught:
         error = str(caught)
-    return {"error": error, "elapsed": time.monotonic() - began, "unchanged": _same(before, _snapshot(engine))}
+    return {"error": error, "elapsed": time.monotonic() - began, "unchanged": same(before, _snapshot(engine))}
 
 
 def reused_tag(rank: int, root: str) -> dict:
@@ -110,7 +86,7 @@ def reused_tag(rank: int, root: str) -> dict:
     engine, opt = _initialize()
     _train(engine, rank, 0, 4)
     engine.save_checkpoint(root, tag="t", client_state={"step": 4})
-    out = {"params4": _params(engine)}
+    out = {"params4": param_copies(engine.module)}
     _train(engine, rank, 4, 8)
     original = torch.save
 
@@ -131,7 +107,7 @@ def reused_tag(rank: int, root: str) -> dict:
 
     engine, opt = _initialize()
     directory, client = co2_deepspeed.load_checkpoint(engine, root)
-    out.update(tag=directory.name, client=client, global_steps=engine.global_steps, params=_params(engine))
+    out.update(tag=directory.name, client=client, global_steps=engine.global_steps, params=param_copies(engine.module))
     opt.finalize()
     return out
 

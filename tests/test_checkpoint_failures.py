@@ -26,6 +26,7 @@ import torch
 
 from co2_zero import CO2Config, CO2Error, CO2Optimizer, checkpoint
 from tests import models
+from tests.compare import param_copies, same
 from tests.dist_utils import launch_ranks, run_ranks
 
 TIMEOUT_S = 4.0
@@ -49,33 +50,11 @@ def _build(**overrides):
     return model, opt
 
 
-def _train(rank: int, model, opt, first: int, last: int) -> None:
-    for step in range(first, last):
-        x, y = models.batch(rank, step)
-        opt.zero_grad()
-        models.loss_fn(model(x), y).backward()
-        opt.step()
-
-
-def _params(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _snapshot(model, opt) -> dict:
     """Everything a load could change: weights, inner optimizer state, CO2 state (deep copies)."""
     state = opt.engine.state_dict()
     co2 = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()}
-    return {"params": _params(model), "inner": copy.deepcopy(opt.optimizer.state_dict()), "co2": co2}
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
+    return {"params": param_copies(model), "inner": copy.deepcopy(opt.optimizer.state_dict()), "co2": co2}
 
 
 @contextlib.contextmanager
@@ -109,10 +88,10 @@ def save_scenarios(rank: int, world: int, root: str) -> dict:
     reused/: tag "fixed" complete at step 6, then a save of the same tag at step 8 failing on rank 1."""
     out = {}
     model, opt = _build()
-    _train(rank, model, opt, 0, 4)
+    models.train_steps(rank, model, opt, 0, 4)
     checkpoint.save(f"{root}/main", model, opt, extra={"step": 4})
-    out["params4"] = _params(model)
-    _train(rank, model, opt, 4, 6)
+    out["params4"] = param_copies(model)
+    models.train_steps(rank, model, opt, 4, 6)
     for name, error in DISK_FULL.items():
         with _torch_save_fails(error, active=rank == 1):
             out[name] = _attempt(lambda: checkpoint.save(f"{root}/main", model, opt, extra={"step": 6}))
@@ -121,14 +100,14 @@ def save_scenarios(rank: int, world: int, root: str) -> dict:
     out["not_plain_extra"] = _attempt(lambda: checkpoint.save(f"{root}/bad_extra", model, opt, extra=extra))
 
     checkpoint.save(f"{root}/reused", model, opt, extra={"step": 6}, tag="fixed")
-    out["params6"] = _params(model)
-    _train(rank, model, opt, 6, 8)
+    out["params6"] = param_copies(model)
+    models.train_steps(rank, model, opt, 6, 8)
     with _torch_save_fails(DISK_FULL["oserror"], active=rank == 1):
         out["reused_tag"] = _attempt(lambda: checkpoint.save(f"{root}/reused", model, opt, tag="fixed"))
     opt.finalize()
 
     model, opt = _build()
-    _train(rank, model, opt, 0, 2 + rank)  # rank 1 one step ahead
+    models.train_steps(rank, model, opt, 0, 2 + rank)  # rank 1 one step ahead
     out["different_steps"] = _attempt(lambda: checkpoint.save(f"{root}/steps", model, opt))
     return out
 
@@ -136,9 +115,9 @@ def save_scenarios(rank: int, world: int, root: str) -> dict:
 def killed_during_save(rank: int, world: int, root: str) -> dict:
     """A complete save at step 4; at step 6 rank 1 is killed (SIGKILL) halfway through writing its file."""
     model, opt = _build()
-    _train(rank, model, opt, 0, 4)
+    models.train_steps(rank, model, opt, 0, 4)
     checkpoint.save(root, model, opt, extra={"step": 4})
-    _train(rank, model, opt, 4, 6)
+    models.train_steps(rank, model, opt, 4, 6)
     if rank == 1:
         original = torch.save
 
@@ -155,10 +134,10 @@ def load_scenarios(rank: int, world: int, root: str) -> dict:
     for name in ("main", "kill"):  # the newest complete checkpoint, never the partial one after it
         model, opt = _build()
         extra = checkpoint.load(f"{root}/{name}", model, opt)
-        out[name] = {"extra": extra, "steps": opt.engine.inner_steps, "params": _params(model)}
+        out[name] = {"extra": extra, "steps": opt.engine.inner_steps, "params": param_copies(model)}
     model, opt = _build()
     extra = checkpoint.load(f"{root}/reused", model, opt, tag="fixed")
-    out["reused"] = {"extra": extra, "steps": opt.engine.inner_steps, "params": _params(model)}
+    out["reused"] = {"extra": extra, "steps": opt.engine.inner_steps, "params": param_copies(model)}
 
     # Only rank 0 reads latest_co2 and the markers to choose; the others receive its choice.
     choose = checkpoint._choose
@@ -181,11 +160,11 @@ def load_scenarios(rank: int, world: int, root: str) -> dict:
     }
     for name, case in refused.items():
         model, opt = _build(**case.get("config", {}))
-        _train(rank, model, opt, 0, 1)  # non-trivial inner state to compare
+        models.train_steps(rank, model, opt, 0, 1)  # non-trivial inner state to compare
         before = _snapshot(model, opt)
         directory = f"{root}/{case.get('directory', name)}"
         out[name] = _attempt(lambda d=directory, m=model, o=opt, t=case.get("tag"): checkpoint.load(d, m, o, tag=t))
-        out[name]["unchanged"] = _same(before, _snapshot(model, opt))
+        out[name]["unchanged"] = same(before, _snapshot(model, opt))
     return out
 
 

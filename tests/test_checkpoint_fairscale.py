@@ -8,13 +8,12 @@ parameters are broadcast at start and a change of requires_grad is refused at th
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from co2_zero import CO2Error, checkpoint
 from tests import models
+from tests.compare import clone_state, same
 from tests.dist_utils import run_ranks
 
 co2_fairscale = pytest.importorskip("co2_zero.fairscale")
@@ -31,48 +30,20 @@ def _build(model=None, **overrides):
     return model, opt
 
 
-def _train(rank: int, model, opt, first: int, last: int) -> None:
-    for step in range(first, last):
-        x, y = models.batch(rank, step)
-        opt.zero_grad()
-        models.loss_fn(model(x), y).backward()
-        opt.step()
-
-
-def _copy(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy(v) for v in value)
-    return copy.deepcopy(value)
-
-
 def _snapshot(model, opt) -> dict:
     return {
-        "params": _copy(dict(model.named_parameters())),
-        "inner": _copy(opt.optim.state_dict()),
-        "co2": _copy(opt.engine.state_dict()),
+        "params": clone_state(dict(model.named_parameters())),
+        "inner": clone_state(opt.optim.state_dict()),
+        "co2": clone_state(opt.engine.state_dict()),
     }
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def stale_consolidation(rank: int, root: str) -> dict:
     """state_dict(all_ranks=True) at step 4, then checkpoint.save at step 10, then a load."""
     model, opt = _build()
-    _train(rank, model, opt, 0, 4)
+    models.train_steps(rank, model, opt, 0, 4)
     consolidated = opt.state_dict(all_ranks=True)
-    _train(rank, model, opt, 4, 10)
+    models.train_steps(rank, model, opt, 4, 10)
     out = {
         "consolidated_steps": consolidated["co2"]["inner_steps"],
         "state_dict_steps_after_stepping": opt.state_dict()["co2"]["inner_steps"],
@@ -81,7 +52,7 @@ def stale_consolidation(rank: int, root: str) -> dict:
     saved = _snapshot(model, opt)
     model2, opt2 = _build()
     checkpoint.load(f"{root}/stale", model2, opt2)
-    out["loaded_is_step_10"] = _same(saved, _snapshot(model2, opt2))
+    out["loaded_is_step_10"] = same(saved, _snapshot(model2, opt2))
     opt.finalize()
     opt2.finalize()
     return out
@@ -91,14 +62,14 @@ def refused_loads(rank: int, root: str) -> dict:
     """A checkpoint (and a consolidated state) of a tau=2 run, loaded into a tau=3 run: refused, and
     the weights, OSS's inner state and the CO2 state are what they were."""
     model, opt = _build()
-    _train(rank, model, opt, 0, 4)
+    models.train_steps(rank, model, opt, 0, 4)
     checkpoint.save(f"{root}/refused", model, opt)
-    consolidated = _copy(opt.state_dict(all_ranks=True))
+    consolidated = clone_state(opt.state_dict(all_ranks=True))
     opt.finalize()
     out = {}
     for how in ("checkpoint.load", "CO2OSS.load_state_dict"):
         model, opt = _build(tau=3)
-        _train(rank, model, opt, 0, 1)
+        models.train_steps(rank, model, opt, 0, 1)
         before = _snapshot(model, opt)
         try:
             if how == "checkpoint.load":
@@ -108,7 +79,7 @@ def refused_loads(rank: int, root: str) -> dict:
             out[how] = None
         except (CO2Error, ValueError) as error:
             out[how] = str(error)
-        out[f"{how} unchanged"] = _same(before, _snapshot(model, opt))
+        out[f"{how} unchanged"] = same(before, _snapshot(model, opt))
         opt.finalize()
     return out
 
@@ -122,10 +93,10 @@ def frozen(rank: int) -> dict:
             model[0].weight.add_(1.0)
     model, opt = _build(model)
     out["frozen_after_build"] = model[0].weight.detach().clone()
-    _train(rank, model, opt, 0, 3)
+    models.train_steps(rank, model, opt, 0, 3)
     model[0].weight.requires_grad_(True)
     try:
-        _train(rank, model, opt, 3, 4)
+        models.train_steps(rank, model, opt, 3, 4)
         out["unfreeze"] = None
     except CO2Error as error:
         out["unfreeze"] = str(error)

@@ -24,6 +24,7 @@ from torch import nn
 from co2_zero import CO2Optimizer
 from co2_zero.compress import BLOCK, FORMATS, RecordLayout, dequantize_into, quantize_into, quantize_with_feedback_
 from tests import models
+from tests.compare import assert_close
 from tests.dist_utils import run_ranks
 from tests.reference import simulate
 from tests.reference_compress import CompressedExchange, roundtrip
@@ -314,12 +315,6 @@ def _reference(sc: dict, replicas: int, partitions=None, shards: int = 1):
     return starts, finals
 
 
-def _assert_close(actual: dict, expected: dict, what: str) -> None:
-    for key, value in expected.items():
-        label = f"{what}/{key}"
-        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, label=label: f"{label}: {m}")
-
-
 def _check_against_reference(results: list, scenarios: dict, name: str) -> None:
     sc = scenarios[name]
     starts, finals = _reference(sc, len(results))
@@ -329,8 +324,8 @@ def _check_against_reference(results: list, scenarios: dict, name: str) -> None:
         assert got["strategy"] == sc["config"]["collective"]
         assert len(got["starts"]) == len(starts)
         for t, (a, e) in enumerate(zip(got["starts"], starts)):
-            _assert_close(a, e, f"{name} rank {rank} round-{t} start")
-        _assert_close(got["final"], finals[rank], f"{name} rank {rank} final")
+            assert_close(a, e, f"{name} rank {rank} round-{t} start")
+        assert_close(got["final"], finals[rank], f"{name} rank {rank} final")
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS_R2))
@@ -503,7 +498,7 @@ def test_fairscale_two_shards_match_reference(results_sharded, name):
         got = per_rank[name]["starts"]
         assert len(got) == len(starts) == 1 + sc["steps"] // sc["config"]["tau"]
         for t, (a, e) in enumerate(zip(got, starts)):
-            _assert_close(a, e, f"{name} rank {rank} round-{t} start")
+            assert_close(a, e, f"{name} rank {rank} round-{t} start")
         assert all(torch.equal(a[k], b[k]) for a, b in zip(got, results_sharded[0][name]["starts"]) for k in a)
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from co2_zero import CO2Optimizer, checkpoint
 from tests import models
+from tests.compare import assert_close
 from tests.dist_utils import run_ranks
 from tests.reference import simulate
 
@@ -424,11 +425,6 @@ def reference(sc: dict, replicas: int, shards: int):
         record=starts,
     )
     return starts, finals
-
-
-def assert_close(actual: dict, expected: dict, what: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{what}/{k}: {m}")
 
 
 def check_against_reference(results: list, sc: dict, name: str, shards: int, **tol) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from co2_zero import CO2Optimizer
 from tests import models
+from tests.compare import assert_close
 from tests.dist_utils import run_ranks
 from tests.reference import simulate
 
@@ -225,12 +226,6 @@ def _reference(sc: dict, replicas: int):
     return starts, finals
 
 
-def _assert_close(actual: dict, expected: dict, what: str) -> None:
-    for key, value in expected.items():
-        label = f"{what}/{key}"
-        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, label=label: f"{label}: {m}")
-
-
 @pytest.fixture(scope="module")
 def results_r2():
     return run_ranks(train_scenarios, 2, SCENARIOS_R2)
@@ -248,8 +243,8 @@ def _check_against_reference(results, scenarios, name):
         got = per_rank[name]
         assert len(got["starts"]) == len(starts) == 1 + sc["steps"] // sc["config"]["tau"]
         for t, (a, e) in enumerate(zip(got["starts"], starts)):
-            _assert_close(a, e, f"{name} rank {rank} round-{t} start")
-        _assert_close(got["final"], finals[rank], f"{name} rank {rank} final")
+            assert_close(a, e, f"{name} rank {rank} round-{t} start")
+        assert_close(got["final"], finals[rank], f"{name} rank {rank} final")
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS_R2))

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from tests import compare
 from tests import test_deepspeed as cpu_deepspeed
 from tests import test_fairscale as cpu_fairscale
 from tests import test_optim as cpu_optim
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.gpu
 
 
 def assert_close(actual: dict, expected: dict, what: str) -> None:
-    for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{what}/{k}: {m}")
+    """compare.assert_close at the GPU suite's tolerance (tests/gpu/devices.py)."""
+    compare.assert_close(actual, expected, what, rtol=RTOL, atol=ATOL)
 
 
 def assert_trajectory(got: dict, starts: list, final: dict, what: str) -> None:
