@@ -31,10 +31,10 @@ import torch.distributed as dist
 from co2_zero import CO2Error, CO2Optimizer, checkpoint
 from co2_zero.checkpoint import consolidate, cut_rows
 from tests import models
+from tests.compare import same
 from tests.dist_utils import run_ranks
 from tests.reference import simulate
 from tests.test_checkpoint import _assemble, _saved_files
-from tests.test_checkpoint_failures import _same
 from tests.test_fsdp import _assert_close, make_model, shard
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, here and in the children
@@ -203,7 +203,7 @@ def _refused(run: Run, directory: str) -> dict:
         error = None
     except CO2Error as caught:
         error = str(caught)
-    return {"error": error, "unchanged": _same(before, run.snapshot())}
+    return {"error": error, "unchanged": same(before, run.snapshot())}
 
 
 def _refusals(rank: int, world: int, root: str) -> dict:
@@ -374,8 +374,8 @@ def test_another_replica_count_trains_on_to_one_model(results):
     """S = 1 x R = 4 from S = 2 x R = 2: trains on through a round end; finalize gives one model."""
     got = results["targets"]["fsdp22-to-fsdp14"]
     for per_rank in got[1:]:
-        assert _same(per_rank["final"], got[0]["final"])
-    assert not _same(got[0]["final"], got[0]["loaded"])
+        assert same(per_rank["final"], got[0]["final"])
+    assert not same(got[0]["final"], got[0]["loaded"])
 
 
 @pytest.mark.parametrize("case", ["missing", "extra_buffer"])
