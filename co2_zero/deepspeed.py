@@ -61,10 +61,6 @@ __all__ = [
     "zero_partition",
 ]
 
-CHECKPOINT_FORMAT = "co2_zero.deepspeed/1"
-CHECKPOINT_TAG = "co2_ds"  # per-rank file name: <dir>/<tag>/co2_ds_rank00000.pt
-LATEST = "latest_co2"  # text file in the save directory naming the newest tag
-
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any]]
 
 
@@ -727,8 +723,8 @@ def _initialize_for_framework(arguments: Mapping[str, Any]) -> tuple[Any, Any, A
         directory, client_state = load_checkpoint(engine, load_dir, tag)
         if directory is None and _seen_on_any_rank((Path(load_dir) / "latest").is_file(), zero):
             raise CO2Error(
-                f"co2: {load_dir} holds a plain DeepSpeed checkpoint ('latest' but no '{LATEST}'): it has no CO2 "
-                f"state, and resuming from it would silently restart CO2; refused"
+                f"co2: {load_dir} holds a plain DeepSpeed checkpoint ('latest' but no '{checkpoint.LATEST}'): it has "
+                f"no CO2 state, and resuming from it would silently restart CO2; refused"
             )
         return directory, client_state
 

@@ -33,6 +33,7 @@ try:
 except ImportError as error:
     raise ImportError(f"co2_zero.hf needs DeepSpeed ({error}): pip install -e '.[hf]'") from error
 
+from . import checkpoint
 from .errors import CO2Error
 
 __all__ = ["CO2Callback", "check_co2_section"]
@@ -142,7 +143,7 @@ class CO2Callback(transformers.TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Rank 0 (which names the saved tag once every rank has written) checks the checkpoint is CO2's."""
         directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        latest = directory / co2_deepspeed.LATEST
+        latest = directory / checkpoint.LATEST
         if state.is_world_process_zero and not args.save_only_model and directory.is_dir() and not latest.is_file():
             warnings.warn(f"co2: {directory} holds no CO2 state ({latest.name} missing)", stacklevel=2)
 
