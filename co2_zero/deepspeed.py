@@ -126,6 +126,17 @@ def split_config(config: ConfigLike) -> tuple[dict[str, Any], Optional[CO2Config
     Raises ValueError naming the field for a bad `co2` section, for a top-level key that is a near miss
     of `co2` ("CO2", "co_2", "c02"; see `_is_near_co2`), and for a ZeRO stage other than 1 or 2 when a
     `co2` section is present. Needs no process group: scripts can call it to fail early.
+
+    Args:
+        config: a DeepSpeed config as a dict or a path to its JSON file.
+
+    Returns:
+        `(config without "co2", CO2Config or None)`.
+
+    Raises:
+        ValueError: the `co2` section is invalid (naming the field, the value and what is accepted), a
+            top-level key is a near miss of `co2`, or `zero_optimization.stage` is not 1 or 2 while a
+            `co2` section is present.
     """
     ds_config = _load_ds_config(config)
     _refuse_misspelt_section(ds_config, _config_source(config))
@@ -386,6 +397,9 @@ def init_distributed(**kwargs: Any) -> None:
     For scripts that need the process group before `initialize` (to read the rank): call this instead
     of `deepspeed.init_distributed`. Joins a process group the script created itself, or starts one from
     the launcher's environment; the backend defaults to the accelerator's (gloo on CPU).
+
+    Args:
+        **kwargs: `deepspeed.init_distributed`'s keywords.
     """
     from deepspeed.accelerator import get_accelerator
 
@@ -414,6 +428,24 @@ def initialize(
     module's per-rank versions. Without `co2`, it is plain DeepSpeed. Both ways the DeepSpeed 0.19.8
     workarounds apply: no inference-only JIT build, and an absent `gradient_clipping` means no clipping
     (DeepSpeed 0.19.8 would clip at 1.0; see `_explicit_gradient_clipping`).
+
+    Args:
+        args: as for `deepspeed.initialize` (`args.deepspeed_config` may name the config).
+        model: the module.
+        optimizer: as for `deepspeed.initialize`.
+        model_parameters: the parameters to train.
+        training_data: an optional dataset, sampled over all N ranks.
+        lr_scheduler: as for `deepspeed.initialize`.
+        config: the DeepSpeed config, a dict or a path to its JSON file.
+        **kwargs: `deepspeed.initialize`'s other keywords (`config_params`, `dist_init_required`, ...).
+
+    Returns:
+        `(engine, optimizer, training_dataloader, lr_scheduler)`, as DeepSpeed returns them.
+
+    Raises:
+        ValueError: the `co2` section is invalid, the ZeRO stage is not 1 or 2, or a feature CO2 does not
+            support is configured (ZeRO-3, an `mpu`, MoE, fp16/bf16 master weights, ...).
+        CO2Error: the ranks disagree on the config, the grid or the model.
     """
     if config is None:
         config = kwargs.pop("config_params", None)
@@ -587,7 +619,20 @@ def save_checkpoint(
     """Save every rank's state as one complete checkpoint `save_dir/tag` (collective; see
     `co2_zero.checkpoint`). `tag` defaults to `global_step<N>`; `client_state` must be plain data. With
     `save_latest`, `save_dir/latest_co2` names it once it is complete. Call it after an `engine.step()`
-    at a gradient accumulation boundary. Returns the checkpoint's directory."""
+    at a gradient accumulation boundary.
+
+    Args:
+        engine: the engine `initialize` returned.
+        save_dir: the checkpoint root, on a file system every rank sees.
+        tag: the checkpoint's directory name; defaults to `global_step<N>`.
+        client_state: plain data saved with the checkpoint.
+        save_latest: write `save_dir/latest_co2` once the checkpoint is complete.
+
+    Returns:
+        The checkpoint's directory.
+
+    Raises:
+        CO2Error: on every rank, when any rank failed; the previous state of a reused tag stays loadable."""
     # Accelerate sets the boundary itself and then calls engine.step() once per window: micro_steps counts
     # optimizer steps there, and the flag it set says whether the window is complete.
     boundary = engine._is_gradient_accumulation_boundary
@@ -612,7 +657,19 @@ def load_checkpoint(
     (directory, client_state), like DeepSpeed's `load_checkpoint`; (None, {}) when there is none.
     `reshard=True` loads a checkpoint of another R x S or integration (training resumes at its last
     round start, the ZeRO inner state starts fresh). Training then continues exactly as if it had not
-    stopped; a refused load raises CO2Error on every rank and changes nothing."""
+    stopped; a refused load raises CO2Error on every rank and changes nothing.
+
+    Args:
+        engine: the engine `initialize` returned.
+        load_dir: the checkpoint root given to `save_checkpoint`.
+        tag: load this checkpoint instead of the newest complete one.
+        reshard: load a checkpoint of another R x S or integration.
+
+    Returns:
+        `(directory, client_state)`, or `(None, {})` when there is no complete checkpoint.
+
+    Raises:
+        CO2Error: on every rank, when any rank's file is missing, damaged or from another config or grid."""
     loaded = checkpoint.load_checkpoint(load_dir, ZeroCheckpointState(engine), tag=tag, reshard=reshard)
     if loaded is None:
         warnings.warn(f"co2: no complete checkpoint in {load_dir}; nothing loaded", stacklevel=2)
@@ -819,6 +876,9 @@ def patch() -> _Patch:
     `deepspeed.init_distributed` itself unless run with `cpu=True`.
 
     Idempotent. `unpatch()` undoes it; `with co2_zero.deepspeed.patch(): ...` undoes it on exit.
+
+    Returns:
+        A context manager whose exit calls `unpatch()`; ignoring it keeps the patch.
     """
     was_patched = _ENTRY.patched
     if not was_patched:

@@ -84,6 +84,11 @@ class CO2Callback(transformers.TrainerCallback):
     The logged figures are rank 0's: `co2/round` (the last round ended), `co2/wait_s` and `co2/round_end_s`
     (means over the rounds ended since the previous log: time blocked on the exchange, and the whole
     round end), any other number the round reports, and `co2/state_bytes` (CO2 state on rank 0).
+
+    Raises:
+        ValueError: (when the Trainer is built) `"auto"` or an invalid value inside the `co2` section, or a
+            ZeRO stage other than 1 or 2.
+        CO2Error: (when training starts) the engine is plain DeepSpeed, because `unpatch()` undid the patch.
     """
 
     def __init__(self) -> None:
