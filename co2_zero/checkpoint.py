@@ -1339,11 +1339,27 @@ def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkS
 def save(
     directory: PathLike, model: torch.nn.Module, optimizer: Any, extra: Any = None, tag: Optional[str] = None
 ) -> Path:
-    """Save model, optimizer (inner and CO2 state) and `extra` (plain data) of every rank as one complete
-    checkpoint `directory/tag` (collective: every rank calls it). Waits for the round in flight, so it
-    can be called at any inner step. `tag` defaults to `step<inner steps>`. Returns the checkpoint's
-    directory; raises CO2Error on every rank if any rank failed (nothing of the previous checkpoints is
-    lost then)."""
+    """Save model, optimizer (inner and CO2 state) and `extra` of every rank as one complete checkpoint.
+
+    Collective: every rank calls it. Waits for the round in flight, so it can be called at any inner
+    step. Layout and protocol: docs/design.md §7.
+
+    Args:
+        directory: the checkpoint root, on a file system every rank sees.
+        model: the module whose state is saved (this rank's shards under FSDP2).
+        optimizer: a `CO2Optimizer` or `co2_zero.fairscale.CO2OSS`.
+        extra: plain data (dicts, lists, numbers, strings, tensors) kept in every rank's file and
+            returned by `load`, e.g. `{"sched": sched.state_dict()}`.
+        tag: the checkpoint's directory name; defaults to `step<inner steps>`.
+
+    Returns:
+        The checkpoint's directory, `directory/tag`.
+
+    Raises:
+        ValueError: `tag` could escape `directory` (absolute, `..`, a path separator).
+        CO2Error: on every rank, when any rank failed (naming it, its file and why); the previous
+            checkpoints are untouched and the failed one is never loaded.
+    """
     return save_checkpoint(directory, framework_state(model, optimizer), extra=extra, tag=tag)
 
 
@@ -1357,6 +1373,20 @@ def load(
     assembles the CO2 state per parameter tensor from every rank's file, so R, S and the integration may
     differ from the saved run's: training resumes at its last round start, the inner optimizer state
     starts fresh. A refused load (CO2Error on every rank) changes nothing.
+
+    Args:
+        directory: the checkpoint root given to `save`.
+        model: the module to restore, built as in the saved run (or for the new layout with `reshard`).
+        optimizer: a `CO2Optimizer` or `co2_zero.fairscale.CO2OSS` over `model`.
+        reshard: load a checkpoint of another R x S or integration.
+        tag: load this checkpoint instead of the newest complete one.
+
+    Returns:
+        The `extra` given to `save`.
+
+    Raises:
+        CO2Error: on every rank, when there is no complete checkpoint, or any rank's file is missing,
+            damaged or from another config or grid (naming the rank, the file and what was wrong).
     """
     loaded = load_checkpoint(directory, framework_state(model, optimizer), tag=tag, reshard=reshard)
     if loaded is None:

@@ -2,7 +2,11 @@
 
 
 class CO2Error(RuntimeError):
-    """The CO2 exchange failed: a peer died, timed out, or the ranks disagree."""
+    """The CO2 exchange failed: a peer died, timed out, or the ranks disagree.
+
+    Raised on every rank, naming the round and the process group (or the checkpoint, rank and file); a
+    save or load that raised it left the saved and the live state as they were. Failures lists each case.
+    """
 
 
 class CO2TimeoutError(CO2Error, TimeoutError):
