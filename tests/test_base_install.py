@@ -1,4 +1,4 @@
-"""The library works with nothing but torch and what setup.py declares (no numpy, no pickling).
+"""The library works with nothing but torch and what pyproject.toml declares (no numpy, no pickling).
 
 Runs tests/workers/base_install_check.py under torchrun on 2 ranks with numpy hidden from the
 workers; CI also runs it in the base-only venv of the README's first command.
