@@ -613,8 +613,17 @@ def test_stages_other_than_1_and_2_are_refused(stage):
         _initialize(config)
 
 
-def test_shipped_configs_are_valid():
-    for path in sorted(CONFIGS.glob("ds_*co2*.json")):
+def test_shipped_configs_are_valid(monkeypatch):
+    import co2_zero.configs
+    from co2_zero.topology import check_shards
+
+    paths = sorted(CONFIGS.glob("ds_*co2*.json"))
+    assert [p.name for p in paths] == co2_zero.configs.names(), "configs/ must be the package's configs"
+    for path in paths:
+        assert co2_zero.configs.path(path.name).read_bytes() == path.read_bytes(), path
         ds, co2 = co2_deepspeed.split_config(str(path))
         assert co2 is not None and "co2" not in ds, path
         assert ds["optimizer"]["params"]["torch_adam"] is True, f"{path}: FusedAdam would JIT-build on CPU"
+        # 4 ranks on one machine (LOCAL_WORLD_SIZE=4) must give CO2 more than one replica to average
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        assert check_shards(co2.resolve_shards(4), 4) > 1, f"{path}: shards_per_replica gives R = 1 on one machine"
