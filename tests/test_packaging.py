@@ -81,7 +81,7 @@ def venv(dist) -> dict[str, Path]:
     """A fresh venv: torch first (the README's order), then the wheel and its declared dependencies."""
     where = dist["work"] / "venv"
     run([sys.executable, "-m", "venv", str(where)], timeout=300)
-    pip = [str(where / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    pip = [str(where / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
     run([*pip, TORCH], timeout=600)
     run([*pip, str(dist["wheel"])], timeout=600)
     outside = dist["work"] / "elsewhere"  # no checkout on sys.path: imports come from the venv
