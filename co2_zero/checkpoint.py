@@ -13,16 +13,21 @@ A save is collective. The ranks agree on the tag, the step and a fresh save id; 
 file atomically (temporary file, fsync, rename, fsync of the directory) under a name that carries the
 save id, so a save never overwrites a file a complete checkpoint still needs (a reused tag included);
 the ranks then exchange their file's size and SHA-256 and only when every rank succeeded does rank 0
-write the marker that names them, then `latest_co2`. A checkpoint without a marker is never loaded.
+write the marker that names them; once every rank sees it, `latest_co2`. A checkpoint without a marker
+is never loaded. A save that failed, as every rank heard, removes every rank's file of it before it
+raises; each rank also removes its own files that no marker names (left by a save cut short) at the
+start of every save and after every successful load, so failed saves cannot fill a disk.
 
 A load is collective too. Rank 0 chooses one complete checkpoint (the given tag, else the one
 `latest_co2` names, else the newest complete one) and tells the others (a fixed-size tensor, no
 pickling); every rank then validates everything it will need: its file's size and digest against the
 marker, `torch.load(weights_only=True)`, the identity (co2 config hash, grid, world size, rank, save
 id), the shapes of the co2 state, the module and the framework's state. Only when every rank reports
-success does any rank write model, optimizer or CO2 state, so a refused load changes nothing. Every
-failure (a full disk, a dead peer, a damaged or crafted file on one rank) ends on every rank with a
-CO2Error naming the rank, the file and what was wrong, within `timeout_s` per agreement.
+success, and every rank read the same save (save id, step and marker digest: a rank with a stale view
+of the directory would resume elsewhere), does any rank write model, optimizer or CO2 state, so a
+refused load changes nothing. Every failure (a full disk, a dead peer, a damaged or crafted file on one
+rank) ends on every rank with a CO2Error naming the rank, the file and what was wrong, within
+`timeout_s` per agreement.
 
 Resharding (`reshard=True`) re-cuts the CO2 state per parameter tensor (`consolidate`, `reshard`: pure
 functions over the layout) from every rank's file, so a checkpoint of any integration and any R x S
@@ -37,6 +42,7 @@ module does the files, the agreement, the marker and the validation.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -565,11 +571,50 @@ def save_checkpoint(
     root = Path(directory)
     tag = check_tag(tag if tag is not None else f"step{engine.inner_steps:08d}")
     where = root / tag
+    _refuse_unusable_engine(engine, "save to", where)
     agreement = _Agreement(engine, "save to", where)
     save_id = _agree_to_save(agreement, root, tag, engine)
-    identity = _identity(framework, tag, save_id, engine.inner_steps)
+    try:
+        _write_save(agreement, where, _identity(framework, tag, save_id, engine.inner_steps), framework, extra)
+    except CO2TimeoutError:
+        raise  # no agreement on the outcome: what this rank wrote stays until the next save or load removes it
+    except CO2Error:
+        _remove_failed_save(root, where, agreement, save_id)  # every rank heard of the failure: no marker
+        raise
+    _confirm_marker(agreement, root, where, save_id)
+    if write_latest:
+        _write_latest(agreement, root, tag)
+    _tidy(root, agreement.rank)
+    return where
+
+
+def _refuse_unusable_engine(engine: Any, action: str, where: Path) -> None:
+    """CO2Error on this rank, before any collective, when the engine cannot take part in a save or load:
+    after finalize() or a failure its process groups are released (torch would only say that a process
+    group is not in the world group map)."""
+    verb = "saved" if action.startswith("save") else "loaded"
+    if engine.finalized:
+        raise CO2Error(
+            f"co2 checkpoint {action} {where}: finalize() already ended this CO2 optimizer's training and released "
+            f"its process groups; nothing was {verb}. Save the checkpoint before finalize(); after finalize() every "
+            f"rank holds the same final model: save it with torch.save(model.state_dict(), ...); to train on, build "
+            f"a new CO2 optimizer and load a checkpoint saved before finalize() into it"
+        )
+    if engine.failed is not None:
+        raise CO2Error(
+            f"co2 checkpoint {action} {where}: this CO2 optimizer failed earlier and cannot take part in a "
+            f"checkpoint ({engine.failed}); nothing was {verb}. Restart every rank, build a new CO2 optimizer and "
+            f"load the last complete checkpoint into it"
+        )
+
+
+def _write_save(
+    agreement: _Agreement, where: Path, identity: dict[str, Any], framework: FrameworkState, extra: Any
+) -> None:
+    """Every rank's file, then rank 0's marker naming them all; CO2Error on every rank if any failed."""
     agreement.consequence = (
-        "This save did not complete: no marker names its files, so it will never be loaded; the previous "
+        "This save did not complete: no marker names its files, so it will never be loaded; they are removed "
+        "(at once, or by the next save or load of the directory where a rank did not answer). The previous "
         "complete checkpoints (an earlier save of the same tag included) are untouched."
     )
     files = _write_rank_files(agreement, where, identity, framework, extra)
@@ -577,17 +622,38 @@ def save_checkpoint(
     if agreement.rank == 0:
         marker = {k: v for k, v in identity.items() if k != "rank"}
         marker.update(files=files, saved_at=time.time())
-        try:
-            write_text_atomic(where / MARKER, json.dumps(marker, indent=1))
-            if write_latest:
-                write_text_atomic(root / LATEST, tag)
-        except Exception as error:
-            problem = f"{MARKER} or {LATEST}: {_describe(error)}"
-    agreement.consequence = (
-        f"Without its marker {MARKER} the checkpoint is incomplete and will not be loaded; the previous "
-        f"complete checkpoints are untouched."
-    )
+        problem = _write_marker(where, marker)
     agreement.outcome(problem, "save: marker written")
+
+
+def _write_marker(where: Path, marker: dict[str, Any]) -> Optional[str]:
+    """Rank 0 writes the marker; on failure returns why, having removed a marker of this save that a
+    failure after the rename may have left (the others are about to remove the files it names)."""
+    try:
+        write_text_atomic(where / MARKER, json.dumps(marker, indent=1))
+        return None
+    except Exception as error:
+        if _marker_names(where, marker["save_id"]):
+            (where / MARKER).unlink(missing_ok=True)
+        return f"{MARKER}: {_describe_write_error(error, where)}"
+
+
+def _marker_names(where: Path, save_id: str) -> bool:
+    """Whether `where` holds a marker (readable or not) that could name save `save_id`."""
+    try:
+        return _read_marker(where).get("save_id") == save_id
+    except FileNotFoundError:
+        return False
+    except Exception:
+        return True  # a damaged marker might still name it: keep its files
+
+
+def _confirm_marker(agreement: _Agreement, root: Path, where: Path, save_id: str) -> None:
+    """Every rank reads the marker rank 0 wrote: a directory that is not shared fails every rank."""
+    agreement.consequence = (
+        f"Rank 0's {MARKER} is written, but a rank that does not see it cannot load this checkpoint; the "
+        f"previous complete checkpoints are untouched."
+    )
     try:
         seen = _read_marker(where).get("save_id")
     except Exception as error:
@@ -596,8 +662,44 @@ def save_checkpoint(
     if seen != save_id:
         problem = f"{where / MARKER} names save {seen!r} here, rank 0 wrote {save_id!r}: is {root} shared?"
     agreement.outcome(problem, "save: marker seen")
-    _remove_superseded(root, agreement.rank)
-    return where
+
+
+def _write_latest(agreement: _Agreement, root: Path, tag: str) -> None:
+    """Rank 0 points `latest_co2` at the new checkpoint. If that fails every rank raises CO2Error saying
+    what is true: the checkpoint is complete and loads by its tag; `latest_co2` names the previous one."""
+    problem = None
+    if agreement.rank == 0:
+        try:
+            write_text_atomic(root / LATEST, tag)
+        except Exception as error:
+            problem = f"{LATEST}: {_describe_write_error(error, root)}; it still names {_latest_named(root)}"
+    agreement.consequence = (
+        f"The checkpoint {root / tag} itself is complete (its marker names every rank's file) and loads with "
+        f"tag={tag!r}; only {root / LATEST} was not updated, so a load without a tag picks what it still names."
+    )
+    agreement.outcome(problem, "save: latest_co2 written")
+
+
+def _latest_named(root: Path) -> str:
+    """What `latest_co2` names, for a message."""
+    try:
+        return repr((root / LATEST).read_text().strip()[:80])
+    except OSError:
+        return "nothing (it does not exist)"
+
+
+def _remove_failed_save(root: Path, where: Path, agreement: _Agreement, save_id: str) -> None:
+    """After every rank heard that save `save_id` failed: remove this rank's file of it and its temp
+    files, then the tag directory if that left it empty, so failed saves cannot fill a disk. Only this
+    rank's files (no race with another rank), never those a marker names. A courtesy: an OSError is
+    ignored (the next save or load removes what no marker names)."""
+    try:
+        if not _marker_names(where, save_id):
+            (where / rank_file_name(agreement.rank, save_id)).unlink(missing_ok=True)
+        clean_temp_files(root, agreement.rank, agreement.world)
+        _remove_if_empty(where)
+    except OSError:
+        pass
 
 
 def _agree_to_save(agreement: _Agreement, root: Path, tag: str, engine: Any) -> str:
@@ -610,6 +712,7 @@ def _agree_to_save(agreement: _Agreement, root: Path, tag: str, engine: Any) -> 
         clean_temp_files(root, agreement.rank, agreement.world)
     except (OSError, ValueError) as error:
         problem = f"{root}: {_describe(error)}"
+    _tidy(root, agreement.rank)  # before the exchange: no rank writes into the directory before it ends
     mine = [int(problem is not None), fingerprint(tag), engine.inner_steps, _id_word(), _id_word()]
     table = agreement.exchange([*mine, *_text_words(problem or "")], "save: agree on tag and step")
     if any(row[1:3] != table[0][1:3] for row in table):
@@ -630,7 +733,7 @@ def _write_rank_files(
 ) -> list[dict[str, Any]]:
     """Every rank writes its file durably; returns the marker's list of files (name, bytes, SHA-256)."""
     name = rank_file_name(agreement.rank, identity["save_id"])
-    size, digest, problem = 0, "0" * 64, None
+    size, digest, problem, cause = 0, "0" * 64, None, None
     try:
         payload = {
             "identity": identity,
@@ -641,27 +744,56 @@ def _write_rank_files(
         }
         size, digest = save_atomic(payload, where / name)
     except Exception as error:  # a full disk (OSError, or RuntimeError from torch.save), a bad extra, ...
-        problem = f"{name}: {_describe(error)}"
+        problem, cause = f"{name}: {_describe_write_error(error, where)}", error
     digest_words = list(struct.unpack("<4q", bytes.fromhex(digest)))
     table = agreement.exchange(
         [int(problem is not None), size, *digest_words, *_text_words(problem or "")], "save: every file durable"
     )
-    _raise_failed(agreement, [(r, row[0], row[6:]) for r, row in enumerate(table)])
+    _raise_failed(agreement, [(r, row[0], row[6:]) for r, row in enumerate(table)], cause)
     return [
         {"rank": r, "name": rank_file_name(r, identity["save_id"]), "bytes": row[1], "sha256": _words_hex(row[2:6])}
         for r, row in enumerate(table)
     ]
 
 
-def _raise_failed(agreement: _Agreement, reports: Sequence[tuple[int, int, Sequence[int]]]) -> None:
-    """reports: (rank, failed flag, message words); raise CO2Error listing the failed ranks, if any."""
+def _raise_failed(
+    agreement: _Agreement, reports: Sequence[tuple[int, int, Sequence[int]]], cause: Optional[BaseException] = None
+) -> None:
+    """reports: (rank, failed flag, message words); raise CO2Error listing the failed ranks, if any
+    (`cause`: this rank's own original error, kept as the CO2Error's cause)."""
     failed = [(rank, _words_text(words)) for rank, flag, words in reports if flag]
     if failed:
         lines = "\n".join(f"  rank {rank}: {text}" for rank, text in failed)
         raise CO2Error(
             f"co2 checkpoint {agreement.action} {agreement.where} failed on rank(s) {[r for r, _ in failed]}:\n"
             f"{lines}\n{agreement.consequence}"
-        )
+        ) from cause
+
+
+def _describe_write_error(error: BaseException, directory: Path) -> str:
+    """`_describe(error)`, led by "no space left on the device <directory>" when the disk is full: an
+    errno ENOSPC anywhere in the chain, or torch.save's "unexpected pos" (its zip writer wrote less
+    than it meant to: what a full disk looks like through torch.save)."""
+    if not _is_disk_full(error):
+        return _describe(error)
+    try:
+        stats = os.statvfs(directory if directory.exists() else directory.parent)
+        free = f" ({stats.f_bavail * stats.f_frsize} bytes free now)"
+    except OSError:
+        free = ""
+    return f"no space left on the device {directory}{free}; {_describe(error)}"
+
+
+def _is_disk_full(error: Optional[BaseException]) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if isinstance(error, RuntimeError) and "unexpected pos" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _words_hex(words: Sequence[int]) -> str:
@@ -699,9 +831,20 @@ def _module_state(framework: FrameworkState) -> dict[str, Any]:
     return {"module": entries, "module_rows": rows}
 
 
+def _tidy(root: Path, rank: int) -> None:
+    """`_remove_superseded`, as a courtesy: an OSError leaves the rest for the next save or load."""
+    try:
+        _remove_superseded(root, rank)
+    except OSError:
+        pass
+
+
 def _remove_superseded(root: Path, rank: int) -> None:
     """Remove this rank's files no marker names: those of an earlier save of a reused tag and of saves
-    that never completed. A checkpoint directory this left empty is removed too (by the last rank)."""
+    that never completed. A checkpoint directory this left empty is removed too (by the last rank).
+    Only this rank's own files, and only where no rank can be writing (outside its own saves)."""
+    if not root.is_dir():
+        return
     for directory in (d for d in root.iterdir() if d.is_dir() and not d.is_symlink()):
         if (directory / MARKER).exists():
             try:
@@ -717,17 +860,26 @@ def _remove_superseded(root: Path, rank: int) -> None:
                 path.unlink(missing_ok=True)
                 removed = True
         if removed:
-            try:
-                directory.rmdir()  # only if empty: the last rank to remove its file succeeds
-            except OSError:
-                pass
+            _remove_if_empty(directory)
+
+
+def _remove_if_empty(directory: Path) -> None:
+    """rmdir, only if empty: the last rank to remove its file of a checkpoint directory succeeds."""
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
 
 
 # ---- load ------------------------------------------------------------------------------------------------
 
 
 def _read_marker(directory: Path) -> dict[str, Any]:
-    marker = json.loads((directory / MARKER).read_text())
+    return _parse_marker((directory / MARKER).read_bytes())
+
+
+def _parse_marker(raw: bytes) -> dict[str, Any]:
+    marker = json.loads(raw.decode())
     if not isinstance(marker, dict) or marker.get("format") != FORMAT:
         raise ValueError(f"{MARKER} has format {marker.get('format') if isinstance(marker, dict) else None!r}")
     return marker
@@ -791,15 +943,36 @@ def load_checkpoint(
     rank cannot load it; nothing was changed then. See the module docstring."""
     engine = framework.engine
     root = Path(directory)
+    _refuse_unusable_engine(engine, "load from", root)
     agreement = _Agreement(engine, "load from", root)
-    rank, world = agreement.rank, agreement.world
     agreement.consequence = "Nothing was loaded: the model, the optimizers and the CO2 state are unchanged."
     try:
-        clean_temp_files(root, rank, world)
+        clean_temp_files(root, agreement.rank, agreement.world)
     except OSError:
         pass  # cleaning is a courtesy; the load does not depend on it
+    chosen = _agree_on_choice(agreement, root, tag)
+    if chosen is None:
+        return None
+    where = root / chosen
+    agreement.where = where
+    try:
+        plan, problem = _prepare(where, framework, reshard), None
+    except _Refused as refusal:
+        plan, problem = None, str(refusal)
+    except Exception as error:  # a malformed file can fail anywhere; every rank must still hear of it
+        plan, problem = None, f"{where.name}: {_describe(error)}"
+    _agree_to_apply(agreement, plan, problem)
+    assert plan is not None
+    plan.apply()
+    _tidy(root, agreement.rank)  # every rank agreed on the markers: what none names is a leftover
+    return where, plan.extra
+
+
+def _agree_on_choice(agreement: _Agreement, root: Path, tag: Optional[str]) -> Optional[str]:
+    """Rank 0 chooses the tag to load (`_choose`) and every rank receives it; None: nothing to load.
+    CO2Error on every rank when rank 0 refuses."""
     kind, chosen, problem = 0, "", ""
-    if rank == 0:
+    if agreement.rank == 0:
         try:
             choice = _choose(root, tag)
             kind = 2 if choice.problem else (1 if choice.tag is None else 0)
@@ -813,20 +986,62 @@ def load_checkpoint(
             f"co2 checkpoint load from {root} refused: {_words_text(table[0][1 + _TAG_WORDS :])}. "
             f"{agreement.consequence}"
         )
-    if kind == 1:
-        return None
-    where = root / chosen
-    agreement.where = where
-    try:
-        plan, problem = _prepare(where, framework, reshard), None
-    except _Refused as refusal:
-        plan, problem = None, str(refusal)
-    except Exception as error:  # a malformed file can fail anywhere; every rank must still hear of it
-        plan, problem = None, f"{where.name}: {_describe(error)}"
-    agreement.outcome(problem, "load: every rank validated")
-    assert plan is not None
-    plan.apply()
-    return where, plan.extra
+    return None if kind == 1 else chosen
+
+
+def _agree_to_apply(agreement: _Agreement, plan: Optional[_Plan], problem: Optional[str]) -> None:
+    """The last exchange of a load: every rank validated, and every rank is about to apply the same save
+    (save id, step, marker digest: a rank with a stale or non-shared view of the directory would
+    otherwise resume elsewhere). Else CO2Error on every rank, before any rank changed anything."""
+    seen = _UNSEEN if plan is None else plan.seen
+    table = agreement.exchange(
+        [int(problem is not None), *seen.words(), *_text_words(problem or "")], "load: every rank validated"
+    )
+    _refuse_different_saves(agreement, [_SaveSeen.from_words(row[1 : 1 + _SEEN_WORDS]) for row in table])
+    _raise_failed(agreement, [(r, row[0], row[1 + _SEEN_WORDS :]) for r, row in enumerate(table)])
+
+
+class _SaveSeen(NamedTuple):
+    """The save a rank's marker of the chosen checkpoint describes: what that rank would apply."""
+
+    save_id: str
+    step: int
+    digest: str  # SHA-256 hex of the marker's bytes; "" when this rank could not read it
+
+    def words(self) -> list[int]:
+        digest = bytes.fromhex(self.digest) if self.digest else bytes(32)
+        return [self.step, *struct.unpack("<4q", digest), *_text_words(self.save_id, 2)]
+
+    @staticmethod
+    def from_words(words: Sequence[int]) -> _SaveSeen:
+        digest = _words_hex(words[1:5])
+        return _SaveSeen(_words_text(words[5:7]), words[0], "" if digest == "0" * 64 else digest)
+
+
+_SEEN_WORDS = 7
+_UNSEEN = _SaveSeen("", -1, "")
+
+
+def _seen_in(raw: bytes, marker: dict[str, Any]) -> _SaveSeen:
+    step = marker.get("step")
+    step = step if type(step) is int and abs(step) < 2**62 else -1
+    return _SaveSeen(str(marker.get("save_id"))[:16], step, hashlib.sha256(raw).hexdigest())
+
+
+def _refuse_different_saves(agreement: _Agreement, seen: Sequence[_SaveSeen]) -> None:
+    """CO2Error on every rank when the ranks that read their marker read different saves."""
+    read = [(rank, s) for rank, s in enumerate(seen) if s.digest]
+    if len({s for _, s in read}) <= 1:
+        return
+    fields = ("save id", "step", "marker digest")
+    differ = [name for index, name in enumerate(fields) if len({s[index] for _, s in read}) > 1]
+    views = ", ".join(f"rank {r}: save {s.save_id} at step {s.step}, marker SHA-256 {s.digest[:16]}" for r, s in read)
+    raise CO2Error(
+        f"co2 checkpoint load from {agreement.where} refused: the ranks read different saves of it ({views}); "
+        f"they differ in {', '.join(differ)}. Every rank must read the same files: the directory must be on a "
+        f"file system every rank shares, written completely (a rank seeing an older save of a reused tag would "
+        f"resume at another step). {agreement.consequence}"
+    )
 
 
 class _Refused(Exception):
@@ -834,10 +1049,11 @@ class _Refused(Exception):
 
 
 class _Plan(NamedTuple):
-    """What a rank will write once every rank validated."""
+    """What a rank will write once every rank validated, and the save it comes from."""
 
     apply: Callable[[], None]
     extra: Any
+    seen: _SaveSeen = _UNSEEN
 
 
 def _open(directory: Path, marker: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -1025,11 +1241,13 @@ def _prepare(directory: Path, framework: FrameworkState, resharding: bool) -> _P
     except CO2Error as error:
         raise _Refused(str(error)) from error
     try:
-        marker = _read_marker(directory)
+        raw = (directory / MARKER).read_bytes()
+        marker = _parse_marker(raw)
     except Exception as error:
         raise _Refused(f"{directory / MARKER}: {_describe(error)}") from error
+    seen = _seen_in(raw, marker)
     if not resharding:
-        return _prepare_same(directory, marker, framework)
+        return _prepare_same(directory, marker, framework)._replace(seen=seen)
     saved_world, saved_grid = marker.get("world_size"), marker.get("grid")
     saved_shards = saved_grid.get("shards") if isinstance(saved_grid, dict) else None
     if not isinstance(saved_world, int) or not isinstance(saved_shards, int) or not 0 < saved_shards <= saved_world:
@@ -1075,7 +1293,7 @@ def _prepare(directory: Path, framework: FrameworkState, resharding: bool) -> _P
         engine.restart_from_start_point()
         framework.after_reshard(saved_framework)
 
-    return _Plan(apply, payload["extra"])
+    return _Plan(apply, payload["extra"], seen)
 
 
 def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkState) -> _Plan:
@@ -1121,11 +1339,27 @@ def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkS
 def save(
     directory: PathLike, model: torch.nn.Module, optimizer: Any, extra: Any = None, tag: Optional[str] = None
 ) -> Path:
-    """Save model, optimizer (inner and CO2 state) and `extra` (plain data) of every rank as one complete
-    checkpoint `directory/tag` (collective: every rank calls it). Waits for the round in flight, so it
-    can be called at any inner step. `tag` defaults to `step<inner steps>`. Returns the checkpoint's
-    directory; raises CO2Error on every rank if any rank failed (nothing of the previous checkpoints is
-    lost then)."""
+    """Save model, optimizer (inner and CO2 state) and `extra` of every rank as one complete checkpoint.
+
+    Collective: every rank calls it. Waits for the round in flight, so it can be called at any inner
+    step. Layout and protocol: docs/design.md §7.
+
+    Args:
+        directory: the checkpoint root, on a file system every rank sees.
+        model: the module whose state is saved (this rank's shards under FSDP2).
+        optimizer: a `CO2Optimizer` or `co2_zero.fairscale.CO2OSS`.
+        extra: plain data (dicts, lists, numbers, strings, tensors) kept in every rank's file and
+            returned by `load`, e.g. `{"sched": sched.state_dict()}`.
+        tag: the checkpoint's directory name; defaults to `step<inner steps>`.
+
+    Returns:
+        The checkpoint's directory, `directory/tag`.
+
+    Raises:
+        ValueError: `tag` could escape `directory` (absolute, `..`, a path separator).
+        CO2Error: on every rank, when any rank failed (naming it, its file and why); the previous
+            checkpoints are untouched and the failed one is never loaded.
+    """
     return save_checkpoint(directory, framework_state(model, optimizer), extra=extra, tag=tag)
 
 
@@ -1139,6 +1373,20 @@ def load(
     assembles the CO2 state per parameter tensor from every rank's file, so R, S and the integration may
     differ from the saved run's: training resumes at its last round start, the inner optimizer state
     starts fresh. A refused load (CO2Error on every rank) changes nothing.
+
+    Args:
+        directory: the checkpoint root given to `save`.
+        model: the module to restore, built as in the saved run (or for the new layout with `reshard`).
+        optimizer: a `CO2Optimizer` or `co2_zero.fairscale.CO2OSS` over `model`.
+        reshard: load a checkpoint of another R x S or integration.
+        tag: load this checkpoint instead of the newest complete one.
+
+    Returns:
+        The `extra` given to `save`.
+
+    Raises:
+        CO2Error: on every rank, when there is no complete checkpoint, or any rank's file is missing,
+            damaged or from another config or grid (naming the rank, the file and what was wrong).
     """
     loaded = load_checkpoint(directory, framework_state(model, optimizer), tag=tag, reshard=reshard)
     if loaded is None:

@@ -85,9 +85,12 @@ class GapPenalty:
     Λ = 1 + `strength` · ‖δ‖ / (‖g‖ + ε), with δ the distance the model moved since g was measured.
     """
 
-    mode: str = "adaptive"
-    value: float = 1.0
-    strength: float = 2.0
+    mode: str = field(
+        default="adaptive",
+        metadata={"doc": "Staleness gap penalty Λ per parameter tensor: `none` (Λ = 1), `constant` or `adaptive`."},
+    )
+    value: float = field(default=1.0, metadata={"doc": "λ for `constant`: Λ = λ (the authors' public code)."})
+    strength: float = field(default=2.0, metadata={"doc": "γ for `adaptive`: Λ = 1 + γ·‖δ‖/(‖g‖ + 1e-12)."})
 
     def __post_init__(self) -> None:
         _check_choice("gap_penalty.mode", self.mode, PENALTY_MODES)
@@ -101,8 +104,14 @@ class Clip:
     """Outer momentum clipping: `value` clamps m element-wise to ±threshold; `norm` rescales m so
     its global L2 norm is at most threshold."""
 
-    mode: str = "none"
-    threshold: float = 1.0
+    mode: str = field(
+        default="none",
+        metadata={
+            "doc": "Outer momentum clipping: `value` clamps m element-wise to ±φ; `norm` rescales m to a "
+            "global L2 norm of at most φ. Off by default: φ is an absolute norm, which grows with the model."
+        },
+    )
+    threshold: float = field(default=1.0, metadata={"doc": "φ, the clipping threshold."})
 
     def __post_init__(self) -> None:
         _check_choice("clip.mode", self.mode, CLIP_MODES)
@@ -112,20 +121,79 @@ class Clip:
 
 @dataclass(frozen=True)
 class CO2Config:
-    """Hyperparameters and plumbing of CO2. The README documents every field."""
+    """Hyperparameters and plumbing of CO2, validated on construction.
 
-    tau: int = 12
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    nesterov: bool = False
-    overlap: bool = True
-    gap_penalty: Union[GapPenalty, Mapping[str, Any]] = field(default_factory=GapPenalty)
-    clip: Union[Clip, Mapping[str, Any]] = field(default_factory=Clip)
-    shards_per_replica: Union[int, str] = "node"
-    collective: str = "auto"
-    comm_dtype: str = "fp32"
-    timeout_s: float = 600.0
-    nonfinite: str = "raise"
+    One schema for `CO2Config(...)`, `CO2Config.from_dict(d)` and the `"co2"` section of a DeepSpeed
+    JSON config. Each field's `metadata["doc"]` is its description in the generated configuration
+    reference (docs/configuration.md); the algorithm behind them is docs/design.md §3.
+
+    Raises:
+        ValueError: a field has a wrong type or an out-of-range value, or a nested section has an
+            unknown key; the message names the field, the value and what would be accepted.
+    """
+
+    tau: int = field(
+        default=12,
+        metadata={"doc": "Inner optimizer steps per round (steps that were applied, not micro-batches)."},
+    )
+    outer_lr: float = field(default=1.0, metadata={"doc": "α, the outer learning rate."})
+    outer_momentum: float = field(default=0.0, metadata={"doc": "β, the outer momentum."})
+    nesterov: bool = field(
+        default=False, metadata={"doc": "Nesterov outer momentum: `u = β·m + g/Λ` instead of `u = m`."}
+    )
+    overlap: bool = field(
+        default=True,
+        metadata={
+            "doc": "`true`: CO2, the exchange overlaps the next round and is applied one round late. `false`: "
+            "blocking outer steps (Local SGD, SlowMo, DiLoCo), on the same code path."
+        },
+    )
+    gap_penalty: Union[GapPenalty, Mapping[str, Any]] = field(
+        default_factory=GapPenalty, metadata={"doc": "The staleness gap penalty (a `GapPenalty` or a dict)."}
+    )
+    clip: Union[Clip, Mapping[str, Any]] = field(
+        default_factory=Clip, metadata={"doc": "Outer momentum clipping (a `Clip` or a dict)."}
+    )
+    shards_per_replica: Union[int, str] = field(
+        default="node",
+        metadata={
+            "doc": 'S, ranks per replica (ZeRO, OSS or FSDP2 shard over them). `"node"`: the ranks per node '
+            "as the launcher says (`LOCAL_WORLD_SIZE`, `LOCAL_SIZE`, `OMPI_COMM_WORLD_LOCAL_SIZE`). Must "
+            "divide the world size. A plain `CO2Optimizer` (no FSDP2) uses 1.",
+            "accepted": "an integer >= 1, or 'node'",
+        },
+    )
+    collective: str = field(
+        default="auto",
+        metadata={
+            "doc": "How the displacement is averaged over the replicas. `auto`: `all_reduce` on gloo, "
+            "`reduce_scatter` on NCCL (docs/design.md §5)."
+        },
+    )
+    comm_dtype: str = field(
+        default="fp32",
+        metadata={
+            "doc": "Wire type of the exchange. `bf16` halves the displacement's bytes (the new start point "
+            "travels in fp32). `int8` and `fp8` (e4m3) quantize the displacement and the new start point in "
+            "blocks of 256 elements with error feedback: 0.254× the fp32 bytes per round, for Ψ/S + Ψ/N "
+            "fp32 words of residuals per rank."
+        },
+    )
+    timeout_s: float = field(
+        default=600.0,
+        metadata={"doc": "Deadline of every wait on the exchange, and timeout of the CO2 process groups."},
+    )
+    nonfinite: str = field(
+        default="raise",
+        metadata={
+            "doc": "A NaN/Inf in some replica's displacement: `raise` a `NonFiniteError` naming the round and "
+            "replica, or `skip_round`: skip that round's outer update on every replica (a rank whose own "
+            "displacement was non-finite also resets its inner optimizer state; "
+            '`last_round["skipped_rounds"]` counts them). The same for NaN/Inf in some rank\'s float module '
+            "buffers: raise, or keep the last agreed buffers on every rank "
+            '(`last_round["buffers_restored"]`).'
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_int("tau", self.tau, 1)

@@ -61,10 +61,6 @@ __all__ = [
     "zero_partition",
 ]
 
-CHECKPOINT_FORMAT = "co2_zero.deepspeed/1"
-CHECKPOINT_TAG = "co2_ds"  # per-rank file name: <dir>/<tag>/co2_ds_rank00000.pt
-LATEST = "latest_co2"  # text file in the save directory naming the newest tag
-
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any]]
 
 
@@ -80,13 +76,70 @@ def _load_ds_config(config: ConfigLike) -> dict[str, Any]:
     return dict(load_ds_config(os.fspath(config)))
 
 
+def _config_source(config: ConfigLike) -> str:
+    """How an error names the config it read: the file, or the kind of object."""
+    if isinstance(config, Mapping):
+        return "the DeepSpeed config dict"
+    if os.path.isfile(config):
+        return f"the DeepSpeed config {os.fspath(config)!r}"
+    return "the DeepSpeed config string"
+
+
+def _within_one_edit(word: str, target: str) -> bool:
+    """Whether one insertion, deletion, substitution or swap of neighbours (or none) turns word into target."""
+    if len(word) == len(target):
+        diffs = [i for i, (a, b) in enumerate(zip(word, target)) if a != b]
+        if len(diffs) <= 1:
+            return True
+        i, j = diffs[0], diffs[-1]
+        return len(diffs) == 2 and j == i + 1 and word[i] == target[j] and word[j] == target[i]
+    short, long = sorted((word, target), key=len)
+    return len(long) == len(short) + 1 and any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
+
+
+def _is_near_co2(key: Any) -> bool:
+    """Whether a top-level config key other than "co2" is a misspelling of it: ignoring case, '_', '-' and
+    spaces, and reading a zero as the letter O, it keeps the 2 and is one typo from "co2" ("CO2", "co_2",
+    "Co-2", "c02", "c2o"). No DeepSpeed 0.19.8 config key comes within two edits of "co2" ("comm" is the
+    nearest), so none is flagged."""
+    if not isinstance(key, str) or key == "co2":
+        return False
+    word = "".join(c for c in key.lower() if c not in "_- ").replace("0", "o")
+    return "2" in word and _within_one_edit(word, "co2")
+
+
+def _refuse_misspelt_section(ds_config: Mapping[str, Any], source: str) -> None:
+    """A misspelt `co2` section ("CO2", "co_2") would be ignored by DeepSpeed, and the run would train
+    plain ZeRO without a word until `finalize()` is missing at the end: refuse it, naming the key."""
+    for key in ds_config:
+        if _is_near_co2(key):
+            raise ValueError(
+                f"co2 config: top-level key {key!r} in {source} is invalid; accepted: 'co2' (exactly: lower "
+                f"case, no separator). DeepSpeed ignores unknown top-level keys, so with {key!r} this run "
+                f"would train plain DeepSpeed, not CO2"
+            )
+
+
 def split_config(config: ConfigLike) -> tuple[dict[str, Any], Optional[CO2Config]]:
     """Split a DeepSpeed config into (the config without `co2`, the validated CO2Config or None).
 
-    Raises ValueError naming the field for a bad `co2` section, and for a ZeRO stage other than 1 or 2
-    when a `co2` section is present. Needs no process group: scripts can call it to fail early.
+    Raises ValueError naming the field for a bad `co2` section, for a top-level key that is a near miss
+    of `co2` ("CO2", "co_2", "c02"; see `_is_near_co2`), and for a ZeRO stage other than 1 or 2 when a
+    `co2` section is present. Needs no process group: scripts can call it to fail early.
+
+    Args:
+        config: a DeepSpeed config as a dict or a path to its JSON file.
+
+    Returns:
+        `(config without "co2", CO2Config or None)`.
+
+    Raises:
+        ValueError: the `co2` section is invalid (naming the field, the value and what is accepted), a
+            top-level key is a near miss of `co2`, or `zero_optimization.stage` is not 1 or 2 while a
+            `co2` section is present.
     """
     ds_config = _load_ds_config(config)
+    _refuse_misspelt_section(ds_config, _config_source(config))
     section = ds_config.pop("co2", None)
     if section is None:
         return ds_config, None
@@ -322,7 +375,9 @@ def _forget_replica_mpu() -> None:
 
     Upstream: `deepspeed.initialize` stores the mpu in `deepspeed.utils.groups.mpu` and an engine built
     without one reads that global, so a plain engine after a CO2 one would shard over a replica.
-    Delete when DeepSpeed keeps the mpu per engine.
+    Applied by `initialize` and by a patched `deepspeed.initialize`; an unpatched `deepspeed.initialize`
+    is DeepSpeed's own code, which co2_zero does not touch (the CO2 engine still reads the global, so it
+    cannot be cleared when that engine is built). Delete when DeepSpeed keeps the mpu per engine.
     """
     from deepspeed.utils import groups
 
@@ -342,6 +397,9 @@ def init_distributed(**kwargs: Any) -> None:
     For scripts that need the process group before `initialize` (to read the rank): call this instead
     of `deepspeed.init_distributed`. Joins a process group the script created itself, or starts one from
     the launcher's environment; the backend defaults to the accelerator's (gloo on CPU).
+
+    Args:
+        **kwargs: `deepspeed.init_distributed`'s keywords.
     """
     from deepspeed.accelerator import get_accelerator
 
@@ -410,6 +468,24 @@ def initialize(
     module's per-rank versions. Without `co2`, it is plain DeepSpeed. Both ways the DeepSpeed 0.19.8
     workarounds apply: no inference-only JIT build, and an absent `gradient_clipping` means no clipping
     (DeepSpeed 0.19.8 would clip at 1.0; see `_explicit_gradient_clipping`).
+
+    Args:
+        args: as for `deepspeed.initialize` (`args.deepspeed_config` may name the config).
+        model: the module.
+        optimizer: as for `deepspeed.initialize`.
+        model_parameters: the parameters to train.
+        training_data: an optional dataset, sampled over all N ranks.
+        lr_scheduler: as for `deepspeed.initialize`.
+        config: the DeepSpeed config, a dict or a path to its JSON file.
+        **kwargs: `deepspeed.initialize`'s other keywords (`config_params`, `dist_init_required`, ...).
+
+    Returns:
+        `(engine, optimizer, training_dataloader, lr_scheduler)`, as DeepSpeed returns them.
+
+    Raises:
+        ValueError: the `co2` section is invalid, the ZeRO stage is not 1 or 2, or a feature CO2 does not
+            support is configured (ZeRO-3, an `mpu`, MoE, fp16/bf16 master weights, ...).
+        CO2Error: the ranks disagree on the config, the grid or the model.
     """
     if config is None:
         config = kwargs.pop("config_params", None)
@@ -584,7 +660,20 @@ def save_checkpoint(
     """Save every rank's state as one complete checkpoint `save_dir/tag` (collective; see
     `co2_zero.checkpoint`). `tag` defaults to `global_step<N>`; `client_state` must be plain data. With
     `save_latest`, `save_dir/latest_co2` names it once it is complete. Call it after an `engine.step()`
-    at a gradient accumulation boundary. Returns the checkpoint's directory."""
+    at a gradient accumulation boundary.
+
+    Args:
+        engine: the engine `initialize` returned.
+        save_dir: the checkpoint root, on a file system every rank sees.
+        tag: the checkpoint's directory name; defaults to `global_step<N>`.
+        client_state: plain data saved with the checkpoint.
+        save_latest: write `save_dir/latest_co2` once the checkpoint is complete.
+
+    Returns:
+        The checkpoint's directory.
+
+    Raises:
+        CO2Error: on every rank, when any rank failed; the previous state of a reused tag stays loadable."""
     # Accelerate sets the boundary itself and then calls engine.step() once per window: micro_steps counts
     # optimizer steps there, and the flag it set says whether the window is complete.
     boundary = engine._is_gradient_accumulation_boundary
@@ -609,7 +698,19 @@ def load_checkpoint(
     (directory, client_state), like DeepSpeed's `load_checkpoint`; (None, {}) when there is none.
     `reshard=True` loads a checkpoint of another R x S or integration (training resumes at its last
     round start, the ZeRO inner state starts fresh). Training then continues exactly as if it had not
-    stopped; a refused load raises CO2Error on every rank and changes nothing."""
+    stopped; a refused load raises CO2Error on every rank and changes nothing.
+
+    Args:
+        engine: the engine `initialize` returned.
+        load_dir: the checkpoint root given to `save_checkpoint`.
+        tag: load this checkpoint instead of the newest complete one.
+        reshard: load a checkpoint of another R x S or integration.
+
+    Returns:
+        `(directory, client_state)`, or `(None, {})` when there is no complete checkpoint.
+
+    Raises:
+        CO2Error: on every rank, when any rank's file is missing, damaged or from another config or grid."""
     loaded = checkpoint.load_checkpoint(load_dir, ZeroCheckpointState(engine), tag=tag, reshard=reshard)
     if loaded is None:
         warnings.warn(f"co2: no complete checkpoint in {load_dir}; nothing loaded", stacklevel=2)
@@ -622,28 +723,28 @@ def load_checkpoint(
 #
 # Hugging Face Trainer and Accelerate (and Lightning) call `deepspeed.initialize` themselves, and DeepSpeed
 # ignores unknown top-level config keys: without help a "co2" section would be dropped without a word.
-# Importing this module routes DeepSpeed's `initialize` through `_dispatch`, which only warns (once) about a
-# co2 section; `patch()` makes it build CO2 instead. The routing replaces the *code* of DeepSpeed's function
-# object, not the `deepspeed.initialize` attribute: Accelerate reads the attribute at call time, but a
-# script that ran `from deepspeed import initialize` earlier holds the function object itself, and only
-# changing the object reaches it. A copy of the original function is what every call without a co2 section
-# runs, including the one co2_zero's own `initialize` makes (its config no longer has the section): the
-# routing never recurses.
+# `patch()` routes DeepSpeed's `initialize` through `_dispatch`, which builds CO2 for a config with a co2
+# section; `unpatch()` puts DeepSpeed's code back. Importing this module changes nothing in DeepSpeed.
+# The routing replaces the *code* of DeepSpeed's function object, not the `deepspeed.initialize`
+# attribute: Accelerate reads the attribute at call time, but a script that ran `from deepspeed import
+# initialize` earlier holds the function object itself, and only changing the object reaches it. A copy
+# of the original function is what every call without a co2 section runs, including the one co2_zero's
+# own `initialize` makes (its config no longer has the section): the routing never recurses.
 
 
 class _EntryPoint:
     """The routing of DeepSpeed's `initialize` in this process."""
 
     def __init__(self) -> None:
-        self.plain: Optional[types.FunctionType] = None  # DeepSpeed's initialize as shipped
+        self.plain: Optional[types.FunctionType] = None  # a copy of DeepSpeed's initialize as shipped, while patched
         self.signature: Optional[inspect.Signature] = None
         self.patched = False
-        self.warned = False
-        self.undo = contextlib.ExitStack()  # what patch() changed besides the routing
+        self.undo = contextlib.ExitStack()  # what patch() changed
 
 
 _ENTRY = _EntryPoint()
-_PLAIN_ATTRIBUTE = "__co2_zero_plain__"  # on DeepSpeed's function object: its original, once routed
+_PLAIN_ATTRIBUTE = "__co2_zero_plain__"  # on DeepSpeed's function object while routed: its original
+_ABSENT = object()
 
 
 def _routed_initialize(*args: Any, **kwargs: Any) -> Any:
@@ -654,31 +755,50 @@ def _routed_initialize(*args: Any, **kwargs: Any) -> Any:
     return _dispatch(args, kwargs)
 
 
-def _install_entry_point() -> None:
-    """Route DeepSpeed's `initialize` through `_dispatch` (once per process; a re-imported module finds
-    the original on the function object). Leaves alone a replacement that is not a plain function."""
+def _plain_copy(function: types.FunctionType) -> types.FunctionType:
+    """A new function object with `function`'s code, defaults and names (DeepSpeed's initialize as shipped)."""
+    plain = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__)
+    plain.__kwdefaults__ = function.__kwdefaults__
+    for name in ("__doc__", "__qualname__", "__module__"):
+        setattr(plain, name, getattr(function, name))
+    return plain
+
+
+@contextlib.contextmanager
+def _routed_entry_point() -> Iterator[None]:
+    """DeepSpeed's `initialize` function object runs `_dispatch` inside the block; on exit its original
+    code object, defaults and attributes are back exactly. A routing left by an earlier copy of this module
+    (removed from sys.modules while patched) is adopted: its original is on the function object."""
     function = deepspeed.initialize
-    plain = getattr(function, _PLAIN_ATTRIBUTE, None)
-    if plain is None:
-        if not isinstance(function, types.FunctionType) or function.__closure__:
-            return
-        plain = types.FunctionType(
-            function.__code__, function.__globals__, function.__name__, function.__defaults__, None
+    if not isinstance(function, types.FunctionType) or function.__closure__:
+        raise CO2Error(
+            f"co2: deepspeed.initialize is {function!r}, not DeepSpeed's function (replaced by another library?); "
+            f"co2_zero cannot route it. Call co2_zero.deepspeed.initialize directly"
         )
-        plain.__kwdefaults__ = function.__kwdefaults__
-        for name in ("__doc__", "__qualname__", "__module__"):
-            setattr(plain, name, getattr(function, name))
-        function.__code__ = _routed_initialize.__code__
-        function.__defaults__ = function.__kwdefaults__ = None
-        function.__wrapped__ = plain  # type: ignore[attr-defined]  # inspect.signature shows DeepSpeed's
-        setattr(function, _PLAIN_ATTRIBUTE, plain)
-    _ENTRY.plain = plain
-    _ENTRY.signature = inspect.signature(plain)
+    adopted = getattr(function, _PLAIN_ATTRIBUTE, None)
+    plain = adopted or _plain_copy(function)
+    wrapped = _ABSENT if adopted else function.__dict__.get("__wrapped__", _ABSENT)
+    function.__code__ = _routed_initialize.__code__
+    function.__defaults__ = function.__kwdefaults__ = None
+    function.__wrapped__ = plain  # type: ignore[attr-defined]  # inspect.signature shows DeepSpeed's
+    setattr(function, _PLAIN_ATTRIBUTE, plain)
+    _ENTRY.plain, _ENTRY.signature = plain, inspect.signature(plain)
+    try:
+        yield
+    finally:
+        function.__code__, function.__defaults__ = plain.__code__, plain.__defaults__
+        function.__kwdefaults__ = plain.__kwdefaults__
+        delattr(function, _PLAIN_ATTRIBUTE)
+        if wrapped is _ABSENT:
+            del function.__wrapped__
+        else:
+            function.__wrapped__ = wrapped  # type: ignore[attr-defined]
+        _ENTRY.plain = _ENTRY.signature = None
 
 
 def _dispatch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """DeepSpeed's `initialize(*args, **kwargs)`: CO2 for a config with a co2 section once patched,
-    DeepSpeed as shipped otherwise (with a warning about an unpatched co2 section)."""
+    """DeepSpeed's `initialize(*args, **kwargs)` while patched: CO2 for a config with a co2 section,
+    DeepSpeed as shipped otherwise; a misspelt section ("CO2") is refused."""
     plain = _ENTRY.plain
     try:
         arguments = _ENTRY.signature.bind(*args, **kwargs).arguments
@@ -688,40 +808,26 @@ def _dispatch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if arguments.get("mpu") is None:
             _forget_replica_mpu()
         return plain(*args, **kwargs)
-    if _ENTRY.patched:
-        return _initialize_for_framework(arguments)
-    _warn_unpatched()
-    return plain(*args, **kwargs)
+    return _initialize_for_framework(arguments)
 
 
 def _has_co2_section(arguments: Mapping[str, Any]) -> bool:
-    """Whether the DeepSpeed config among `initialize`'s arguments has a top-level "co2" key."""
+    """Whether the DeepSpeed config among `initialize`'s arguments has a top-level "co2" key. Raises
+    ValueError for a near miss of it ("CO2", "co_2"), which DeepSpeed would silently ignore."""
     config = arguments.get("config")
     if config is None:
         config = arguments.get("config_params")
     for name in ("deepspeed_config", "deepscale_config"):
         if config is None:
             config = getattr(arguments.get("args"), name, None)
-    if config is None or isinstance(config, Mapping):
-        return config is not None and "co2" in config
+    if config is None:
+        return False
     try:
-        return "co2" in _load_ds_config(config)
+        ds_config = config if isinstance(config, Mapping) else _load_ds_config(config)
     except (OSError, ValueError, TypeError):  # unreadable: DeepSpeed reports it in its own words
         return False
-
-
-def _warn_unpatched() -> None:
-    if _ENTRY.warned:
-        return
-    _ENTRY.warned = True
-    warnings.warn(
-        'co2: deepspeed.initialize received a config with a "co2" section, but co2_zero.deepspeed.patch() was '
-        "not called: DeepSpeed ignores the section, and this run trains plain ZeRO over all ranks, NOT CO2. "
-        "Call co2_zero.deepspeed.patch() before Trainer/Accelerate builds its engine (or call "
-        "co2_zero.deepspeed.initialize where the script calls deepspeed.initialize)",
-        UserWarning,
-        stacklevel=4,
-    )
+    _refuse_misspelt_section(ds_config, _config_source(config))
+    return "co2" in ds_config
 
 
 def _initialize_for_framework(arguments: Mapping[str, Any]) -> tuple[Any, Any, Any, Any]:
@@ -768,8 +874,8 @@ def _initialize_for_framework(arguments: Mapping[str, Any]) -> tuple[Any, Any, A
         directory, client_state = load_checkpoint(engine, load_dir, tag)
         if directory is None and _seen_on_any_rank((Path(load_dir) / "latest").is_file(), zero):
             raise CO2Error(
-                f"co2: {load_dir} holds a plain DeepSpeed checkpoint ('latest' but no '{LATEST}'): it has no CO2 "
-                f"state, and resuming from it would silently restart CO2; refused"
+                f"co2: {load_dir} holds a plain DeepSpeed checkpoint ('latest' but no '{checkpoint.LATEST}'): it has "
+                f"no CO2 state, and resuming from it would silently restart CO2; refused"
             )
         return directory, client_state
 
@@ -803,30 +909,31 @@ def patch() -> _Patch:
     For frameworks that call `deepspeed.initialize` themselves (Hugging Face Trainer, Accelerate,
     Lightning): such a call then runs `co2_zero.deepspeed.initialize`, and the engine's
     `save_checkpoint` / `load_checkpoint` (with DeepSpeed's signature) write and read CO2's per-rank
-    checkpoints. A config without a co2 section gets DeepSpeed as shipped. It reaches callers that
-    looked `deepspeed.initialize` up before or after this call. While patched, DeepSpeed's comm backend
-    is also created without its inference-only shared-memory op (a JIT build of 40-85 s on CPU), whoever
-    creates it: Accelerate calls `deepspeed.init_distributed` itself unless run with `cpu=True`.
+    checkpoints. A config without a co2 section gets DeepSpeed as shipped; one with a misspelt section
+    ("CO2", "co_2") is refused. It reaches callers that looked `deepspeed.initialize` up before or after
+    this call: it rewrites the code of DeepSpeed's function object (importing co2_zero changes nothing in
+    DeepSpeed; this call does). While patched, DeepSpeed's comm backend is also created without its
+    inference-only shared-memory op (a JIT build of 40-85 s on CPU), whoever creates it: Accelerate calls
+    `deepspeed.init_distributed` itself unless run with `cpu=True`.
 
     Idempotent. `unpatch()` undoes it; `with co2_zero.deepspeed.patch(): ...` undoes it on exit.
+
+    Returns:
+        A context manager whose exit calls `unpatch()`; ignoring it keeps the patch.
     """
-    if _ENTRY.plain is None:
-        raise CO2Error(
-            f"co2: deepspeed.initialize is {deepspeed.initialize!r}, not DeepSpeed's function (replaced by another "
-            f"library?); co2_zero cannot route it. Call co2_zero.deepspeed.initialize directly"
-        )
     was_patched = _ENTRY.patched
     if not was_patched:
-        _ENTRY.undo.enter_context(_without_shm_comm_build())
+        with contextlib.ExitStack() as changes:  # all of them or none
+            changes.enter_context(_routed_entry_point())
+            changes.enter_context(_without_shm_comm_build())
+            _ENTRY.undo = changes.pop_all()
         _ENTRY.patched = True
     return _Patch(was_patched)
 
 
 def unpatch() -> None:
-    """Undo `patch()`: `deepspeed.initialize` is DeepSpeed's again (warning about a co2 section)."""
+    """Undo `patch()`: `deepspeed.initialize` runs DeepSpeed's original code object again (a co2
+    section is then ignored by DeepSpeed, without a word). Idempotent."""
     if _ENTRY.patched:
         _ENTRY.undo.close()
         _ENTRY.patched = False
-
-
-_install_entry_point()

@@ -64,6 +64,21 @@ class CO2OSS(CO2Steps, OSS):
     (OSS's is SGD). `state_dict()` carries the CO2 state in both of its forms: OSS's consolidated one
     (one file per replica) and, where nothing was consolidated, this rank's own share (per-rank files,
     `co2_zero.checkpoint`).
+
+    Args:
+        params: the parameters (or parameter groups), as for `fairscale.optim.OSS`; fp32, on one device.
+        optim: the inner optimizer class.
+        group: this rank's replica as a process group; built from `co2.shards_per_replica` when None.
+        broadcast_buffer_size: as for OSS.
+        broadcast_fp16: as for OSS (at its usual precision cost).
+        force_broadcast_object: as for OSS.
+        co2: a `CO2Config`, a dict of its fields, or None for the defaults.
+        model: optional; its float buffers are averaged across all ranks at every round end.
+        **defaults: the inner optimizer's arguments (lr, weight_decay, ...).
+
+    Raises:
+        ValueError: a `co2` field is invalid, or `group` is not exactly this rank's replica.
+        CO2Error: the ranks disagree on the config, the grid or the model.
     """
 
     def __init__(
@@ -350,6 +365,10 @@ class ShardedDataParallel(_FairScaleSDP):
     parameter, silently: every parameter larger than `reduce_buffer_size` (an embedding, say), and all
     of them when S = 1 (a group of one has no buckets). The attribute serves nothing else, so it is
     set to the rank in the group. Same constructor as FairScale's.
+
+    Args:
+        *args: FairScale's arguments: the module and the `CO2OSS` (or OSS) optimizer(s).
+        **kwargs: FairScale's keywords; pass `process_group=opt.group`, the replica.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -365,7 +384,16 @@ def wrap(
     **defaults: Any,
 ) -> tuple[ShardedDataParallel, CO2OSS]:
     """Build `CO2OSS` over `module`'s parameters and wrap `module` in ShardedDataParallel on the
-    replica's group: the usual FairScale pair, CO2 across replicas. `defaults` go to the inner
-    optimizer (e.g. lr, weight_decay); `sdp_kwargs` to ShardedDataParallel. Call it on all ranks."""
+    replica's group: the usual FairScale pair, CO2 across replicas. Call it on all ranks.
+
+    Args:
+        module: the model (fp32, on one device).
+        co2: a `CO2Config`, a dict of its fields, or None for the defaults.
+        optim: the inner optimizer class.
+        sdp_kwargs: keywords for ShardedDataParallel.
+        **defaults: the inner optimizer's arguments (e.g. lr, weight_decay).
+
+    Returns:
+        `(model, optimizer)`: the `ShardedDataParallel` module and its `CO2OSS`."""
     opt = CO2OSS(module.parameters(), optim=optim, co2=co2, model=module, **defaults)
     return ShardedDataParallel(module, opt, process_group=opt.group, **dict(sdp_kwargs or {})), opt

@@ -35,6 +35,17 @@ def replica_mesh(config: Union[CO2Config, dict, None] = None, device_type: Optio
     other group creations. S is `config.shards_per_replica` ("node": the ranks per node). The device
     type is "cuda" when the default backend drives CUDA (nccl) and CUDA is available, else "cpu";
     pass `device_type` to override. On CUDA, set the rank's device before calling it.
+
+    Args:
+        config: a `CO2Config`, a dict of its fields, or None for the defaults (S = ranks per node).
+        device_type: the mesh's device type, to override the default.
+
+    Returns:
+        A 1-D `DeviceMesh` over this rank's replica, for `fully_shard(..., mesh=...)`.
+
+    Raises:
+        ValueError: `shards_per_replica` does not divide the world size, or a config field is invalid.
+        RuntimeError: `torch.distributed` is not initialised.
     """
     config = CO2Config.coerce(config)
     if not dist.is_available() or not dist.is_initialized():

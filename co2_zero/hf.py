@@ -1,9 +1,9 @@
 """CO2 under Hugging Face Trainer (docs/design.md §6.3).
 
 Trainer builds its DeepSpeed engine through Accelerate, which calls `deepspeed.initialize`;
-`co2_zero.deepspeed.patch()` makes that call build CO2 when the config has a "co2" section. `CO2Callback`
-calls `patch()` when it is created (adding it to a Trainer is the opt-in) and adds what only the
-training loop knows about:
+`co2_zero.deepspeed.patch()` makes that call build CO2 when the config has a "co2" section. Importing
+this module changes nothing in DeepSpeed; `CO2Callback` calls `patch()` when it is created (adding it to
+a Trainer is the opt-in) and adds what only the training loop knows about:
 
 - before training, it checks the co2 section (no `"auto"` values; the same validation as
   `co2_zero.deepspeed.initialize`) and, once the engine exists, that it really is a CO2 engine;
@@ -33,6 +33,7 @@ try:
 except ImportError as error:
     raise ImportError(f"co2_zero.hf needs DeepSpeed ({error}): pip install -e '.[hf]'") from error
 
+from . import checkpoint
 from .errors import CO2Error
 
 __all__ = ["CO2Callback", "check_co2_section"]
@@ -78,9 +79,16 @@ class CO2Callback(transformers.TrainerCallback):
     """Trainer callback for a DeepSpeed config with a "co2" section; creating it calls `patch()`.
 
     `trainer = Trainer(..., args=TrainingArguments(deepspeed="ds.json", ...), callbacks=[CO2Callback()])`.
+    The patch (which rewrites DeepSpeed's `initialize` for the whole process, see
+    `co2_zero.deepspeed.patch`) stays on after training; `co2_zero.deepspeed.unpatch()` undoes it.
     The logged figures are rank 0's: `co2/round` (the last round ended), `co2/wait_s` and `co2/round_end_s`
     (means over the rounds ended since the previous log: time blocked on the exchange, and the whole
     round end), any other number the round reports, and `co2/state_bytes` (CO2 state on rank 0).
+
+    Raises:
+        ValueError: (when the Trainer is built) `"auto"` or an invalid value inside the `co2` section, or a
+            ZeRO stage other than 1 or 2.
+        CO2Error: (when training starts) the engine is plain DeepSpeed, because `unpatch()` undid the patch.
     """
 
     def __init__(self) -> None:
@@ -90,12 +98,14 @@ class CO2Callback(transformers.TrainerCallback):
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         config = getattr(args, "hf_deepspeed_config", None)
-        if config is None or "co2" not in config.config:
+        ds_config = {} if config is None else config.config
+        if "co2" not in ds_config:
+            co2_deepspeed.split_config(ds_config)  # names a misspelt section ("CO2", "co_2")
             raise ValueError(
                 f"co2: CO2Callback needs a DeepSpeed config with a co2 section; accepted: "
                 f'TrainingArguments(deepspeed=<config with "co2": {{...}}>), got deepspeed={args.deepspeed!r}'
             )
-        check_co2_section(config.config)
+        check_co2_section(ds_config)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self.optimizer = _co2_optimizer(optimizer)
@@ -142,7 +152,7 @@ class CO2Callback(transformers.TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Rank 0 (which names the saved tag once every rank has written) checks the checkpoint is CO2's."""
         directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        latest = directory / co2_deepspeed.LATEST
+        latest = directory / checkpoint.LATEST
         if state.is_world_process_zero and not args.save_only_model and directory.is_dir() and not latest.is_file():
             warnings.warn(f"co2: {directory} holds no CO2 state ({latest.name} missing)", stacklevel=2)
 

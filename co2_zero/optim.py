@@ -53,6 +53,18 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
     gradient clipping work on either object. Requires `torch.distributed` to be initialised. Plain
     parameters: S = 1. DTensor parameters from `fully_shard` over `co2_zero.fsdp.replica_mesh(config)`:
     the mesh is the replica (S = its size), the partition the local shards.
+
+    Args:
+        optimizer: the inner optimizer over the model's fp32 parameters (all on one device).
+        config: a `CO2Config`, a dict of its fields, or None for the defaults.
+        model: optional; its float buffers (e.g. BatchNorm statistics) are averaged across the replicas
+            at every round end, and its frozen parameters are watched for `requires_grad` changes.
+
+    Raises:
+        ValueError: the model is wrapped in DDP, the inner optimizer holds no trainable parameters, a
+            config field is invalid, or `shards_per_replica` > 1 over plain (non-DTensor) parameters.
+        CO2Error: the ranks disagree on the config, the grid or the model (docs/design.md §5).
+        CO2TimeoutError: a rank did not build its optimizer within `timeout_s`.
     """
 
     def __init__(
@@ -119,6 +131,18 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         )
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+        """The inner optimizer's step; every `tau`-th applied step also ends a CO2 round.
+
+        Args:
+            closure: passed to the inner optimizer's `step`.
+
+        Returns:
+            What the inner optimizer's `step` returned (the closure's loss, if any).
+
+        Raises:
+            CO2Error: the exchange of the previous round failed, or `finalize()` was called.
+            NonFiniteError: a replica's displacement held NaN or Inf (`nonfinite: "raise"`).
+        """
         loss = self.optimizer.step(closure)
         self._count_step()
         return loss
@@ -127,14 +151,27 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def finalize(self) -> None:
-        """Wait for the round in flight and give every rank the same model (docs/design.md §3)."""
+        """Wait for the round in flight and give every rank the same model (docs/design.md §3).
+
+        Steps taken since the last round end are dropped, with a warning. The optimizer refuses to step
+        afterwards.
+
+        Raises:
+            CO2Error: the ranks took different numbers of inner steps, or the exchange failed.
+        """
         self.engine.finalize()
         self.topology.destroy(inner=True)  # the single-rank replica groups; never a given (FSDP2) group
 
     def state_dict(self) -> dict[str, Any]:
+        """`{"optimizer": the inner optimizer's state, "co2": the CO2 state}`; waits for the round in flight."""
         return {"optimizer": self.optimizer.state_dict(), "co2": self.engine.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a `state_dict()` of the same topology and config; a refused state changes nothing.
+
+        Raises:
+            CO2Error: the CO2 state is of another config, grid or partition.
+        """
         self.engine.check_state_dict(state_dict["co2"])  # before anything changes: a refused state changes nothing
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._share_inner_state()

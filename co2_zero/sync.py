@@ -20,7 +20,6 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -30,7 +29,7 @@ import torch.distributed as dist
 
 from .comm import Layout, OuterExchange, PipelineJob, largest_abs, wire_bytes
 from .config import CO2Config
-from .errors import CO2Error, CO2TimeoutError
+from .errors import CO2Error, CO2TimeoutError, NonFiniteError, collective_error
 from .outer import Segment
 from .topology import Topology, collective_device, fingerprint, gather_fingerprints
 
@@ -163,6 +162,8 @@ class RoundEngine:
         )
         self._check_agreement()
         self._common_start()
+        # One fp32 copy of the float buffers: what a round end with non-finite buffers falls back to.
+        self.agreed_buffers = self._common_buffers()
         self.exchange = OuterExchange(config, topology, self.layout, device)
         self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology)
 
@@ -221,7 +222,8 @@ class RoundEngine:
         self._set_live(new_start)  # step 3: x <- Nx; refresh
         self.start_point, self.next_start = new_start, spare
         self.rounds += 1
-        sent += self._average_buffers()
+        buffer_bytes, buffers_restored = self._average_buffers(f"round {self.rounds - 1}")
+        sent += buffer_bytes
         if reset_inner:
             warnings.warn(
                 f"co2: round {self.rounds - 1}: this rank's displacement (global rank {self.topology.rank}, "
@@ -236,6 +238,7 @@ class RoundEngine:
             "round_end_s": time.perf_counter() - began,
             "skipped_rounds": self.skipped_rounds,
             "inner_state_reset": reset_inner,
+            "buffers_restored": buffers_restored,
             "bytes_sent": sent,
         }
 
@@ -262,7 +265,7 @@ class RoundEngine:
             )
         self._wait_pending()
         self._set_live(self.next_start if self.config.overlap else self.start_point)
-        self._average_buffers()
+        self._average_buffers("finalize")
         self.finalized = True
         self.close()
 
@@ -314,18 +317,11 @@ class RoundEngine:
         where = self.topology.describe_outer()
         try:
             result, done = future.result(timeout=self.config.timeout_s)
-        except FutureTimeout:
-            self.failed = CO2TimeoutError(
-                f"co2: round {round_index}: the background exchange on the {where} did not finish "
-                f"within timeout_s={self.config.timeout_s}; a peer rank is probably dead or stuck"
-            )
-        except CO2Error as error:
+        except CO2Error as error:  # the pipeline's own verdict (NonFiniteError)
             self.failed = error
-        except Exception as error:  # the collective failed: a peer died or its group timed out
-            self.failed = CO2Error(
-                f"co2: round {round_index}: the background exchange on the {where} failed: "
-                f"{type(error).__name__}: {error}"
-            )
+        except Exception as error:  # this wait's deadline, or the collective failed: a peer died or timed out
+            what = f"round {round_index}: the background exchange on the {where}"
+            self.failed = collective_error(what, error, self.config.timeout_s)
             self.failed.__cause__ = error
         if self.failed is not None:
             self.close()
@@ -410,10 +406,8 @@ class RoundEngine:
                 work = dist.broadcast(flat, src=topo.outer_ranks[0], group=topo.outer_group, async_op=True)
                 work.wait(timeout=timedelta(seconds=timeout))
             except Exception as error:
-                raise CO2Error(
-                    f"co2: start-up broadcast of the frozen parameters on the {topo.describe_outer()} failed: "
-                    f"{type(error).__name__}: {error}"
-                ) from error
+                what = f"start-up broadcast of the frozen parameters on the {topo.describe_outer()}"
+                raise collective_error(what, error, timeout) from error
             offset = 0
             for p in params:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
@@ -438,24 +432,88 @@ class RoundEngine:
                 chunk.copy_(flat[where])
         self.refresh()
 
-    def _average_buffers(self) -> int:
-        """Average float module buffers over every rank (main thread, its own group). Returns the
-        bytes this rank sent (`comm.wire_bytes`)."""
-        if not self.buffers:
-            return 0
+    # ---- module buffers ------------------------------------------------------------------------------
+
+    def _describe_buffer_group(self) -> str:
+        return f"buffer group (global ranks {list(range(self.topology.world_size))})"
+
+    def _flat_buffers(self) -> torch.Tensor:
+        """This rank's float module buffers, concatenated as fp32 on the buffer group's device."""
         device = collective_device(self.topology.buffer_group)
-        flat = torch.cat([b.detach().reshape(-1).float().to(device) for b in self.buffers])
+        return torch.cat([b.detach().reshape(-1).float().to(device) for b in self.buffers])
+
+    @torch.no_grad()
+    def _write_buffers(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for b in self.buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+    @torch.no_grad()
+    def _common_buffers(self) -> Optional[torch.Tensor]:
+        """Every rank starts from rank 0's float module buffers (as it starts from replica 0's
+        parameters): the first agreed buffers, which a non-finite first round end falls back to.
+        Returns them flat (None without buffers)."""
+        if not self.buffers:
+            return None
+        flat = self._flat_buffers()
+        try:
+            work = dist.broadcast(flat, src=0, group=self.topology.buffer_group, async_op=True)
+            work.wait(timeout=timedelta(seconds=self.config.timeout_s))
+        except Exception as error:
+            what = f"start-up broadcast of the module buffers on the {self._describe_buffer_group()}"
+            raise collective_error(what, error, self.config.timeout_s) from error
+        self._write_buffers(flat)
+        return flat
+
+    def _average_buffers(self, where: str) -> tuple[int, bool]:
+        """Average the float module buffers over every rank (main thread, its own group). Returns the
+        bytes this rank sent (`comm.wire_bytes`) and whether the last agreed buffers were kept instead.
+
+        One all-reduce carries the buffers followed by one non-finite flag per rank (the sum is
+        element-wise: a NaN buffer cannot reach the flags), so every rank learns before writing anything
+        whether some rank's buffers hold NaN/Inf. Then `nonfinite: "raise"` raises NonFiniteError with
+        every rank's buffers untouched and "skip_round" restores the last agreed ones (docs/design.md §3).
+        """
+        if not self.buffers:
+            return 0, False
+        world = self.topology.world_size
+        values = self._flat_buffers()
+        flags = values.new_zeros(world)
+        flags[self.topology.rank] = (~torch.isfinite(values)).any()
+        flat = torch.cat([values, flags])
         try:
             dist.all_reduce(flat, group=self.topology.buffer_group)
         except Exception as error:
-            self.failed = CO2Error(f"co2: round {self.rounds - 1}: averaging module buffers failed: {error}")
-            raise self.failed from error
-        flat.div_(self.topology.world_size)
-        offset = 0
-        for b in self.buffers:
-            b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
-            offset += b.numel()
-        return wire_bytes("all_reduce", flat.numel() * flat.element_size(), self.topology.world_size)
+            what = f"{where}: averaging the module buffers on the {self._describe_buffer_group()}"
+            self._fail(collective_error(what, error, self.config.timeout_s), error)
+        sent = wire_bytes("all_reduce", flat.numel() * flat.element_size(), world)
+        bad = [rank for rank, flag in enumerate(flat[-world:].tolist()) if flag > 0]
+        if bad:
+            self._keep_agreed_buffers(bad, where)
+            return sent, True
+        self.agreed_buffers = flat[:-world].div_(world)
+        self._write_buffers(self.agreed_buffers)
+        return sent, False
+
+    def _keep_agreed_buffers(self, bad: list[int], where: str) -> None:
+        """Some ranks' buffers hold NaN/Inf: raise (`nonfinite: "raise"`), or restore the last agreed
+        buffers on this rank and say so ("skip_round")."""
+        replicas = sorted({rank // self.topology.shards for rank in bad})
+        holders = f"the float module buffers (e.g. BatchNorm statistics) of rank(s) {bad} (replica(s) {replicas})"
+        if self.config.nonfinite == "raise":
+            self._fail(
+                NonFiniteError(
+                    f"co2: {where}: {holders} hold NaN or Inf; no rank's buffers were changed. Set "
+                    f"nonfinite='skip_round' in the co2 config to keep the last agreed buffers instead."
+                )
+            )
+        self._write_buffers(self.agreed_buffers)
+        warnings.warn(
+            f"co2: {where}: {holders} held NaN or Inf; every rank keeps the last agreed buffers (those of "
+            f"the last round end that averaged them) instead of averaging (nonfinite='skip_round')",
+            stacklevel=5,
+        )
 
     # ---- agreement ---------------------------------------------------------------------------------
 
@@ -585,6 +643,8 @@ class RoundEngine:
         if state["next_start"] is not None:
             self.next_start.copy_(state["next_start"])
         self.momentum.copy_(state["momentum"])
+        if self.buffers:  # checkpoint.load wrote the module first: its buffers are now the agreed ones
+            self.agreed_buffers = self._flat_buffers()
         norms = state["previous_update_sq_norms"]
         self.previous_update_sq_norms = None if norms is None else norms.to(self.momentum.device).clone()
         if self.exchange.residuals is not None:  # a resharded state has none: the pending error restarts at 0
@@ -649,7 +709,8 @@ class CO2Steps:
     def last_round(self) -> dict[str, Any]:
         """The last round end: round, inner_step, wait_s, round_end_s, bytes_sent (what this rank sent
         since the previous report), skipped_rounds (rounds whose outer update was skipped so far),
-        inner_state_reset (this rank reset its inner state)."""
+        inner_state_reset (this rank reset its inner state), buffers_restored (some rank's float module
+        buffers held NaN/Inf, so every rank kept the last agreed buffers instead of averaging)."""
         return self.engine.last_round
 
     def finalize(self) -> None:

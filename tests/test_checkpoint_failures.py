@@ -154,7 +154,7 @@ def load_scenarios(rank: int, world: int, root: str) -> dict:
         "crafted": {},
         "latest_escape": {},
         "marker_missing": {},
-        "partial_tag": {"tag": "step00000006", "directory": "main"},
+        "partial_tag": {"tag": "step00000006"},
         "another_config": {"config": {"tau": 3}, "directory": "main"},
         "nothing": {},
     }
@@ -193,6 +193,7 @@ def _damage(root: pathlib.Path, sentinel: pathlib.Path) -> None:
     latest_co2 points outside; one whose step-4 marker is gone (only partial saves left); an empty one."""
     for name in ("empty", "truncated", "missing", "crafted", "latest_escape", "marker_missing"):
         shutil.copytree(root / "main", root / name)
+    shutil.copytree(root / "kill", root / "partial_tag")  # its step00000006 holds rank 0's file only
     path, _, _ = _rank1_file(root / "empty")
     path.write_bytes(b"")
     path, _, _ = _rank1_file(root / "truncated")
@@ -253,10 +254,15 @@ def test_full_disk_on_one_rank_fails_every_rank_and_keeps_the_previous_checkpoin
 
 
 def test_a_save_that_reached_only_rank_0_is_never_loaded(runs):
-    """Rank 0's step-6 file is durable, rank 1's is not: both ranks resume at step 4, identically."""
-    step6 = runs["root"] / "main" / "step00000006"
-    assert {p.name[:13] for p in step6.iterdir()} == {"co2_rank00000"}  # one file per failed attempt
+    """Rank 1 was killed while writing its step-6 file, rank 0's is durable (a rank that times out
+    cannot know whether the save failed everywhere, so it keeps its file): both ranks resume at step 4,
+    identically, and the load removes what no marker names. Saves that failed on every rank's word
+    left nothing behind."""
+    assert [name[:14] for name in runs["after_kill"]] == [".co2_rank00001", "co2_rank00000."], runs["after_kill"]
+    assert not (runs["root"] / "kill" / "step00000006").exists()
+    assert not (runs["root"] / "main" / "step00000006").exists()
     for rank, result in enumerate(runs["loaded"]):
+        assert result["kill"]["extra"] == {"step": 4} and result["kill"]["steps"] == 4
         got = result["main"]
         assert got["extra"] == {"step": 4} and got["steps"] == 4
         for key, value in runs["saved"][rank]["params4"].items():

@@ -660,3 +660,99 @@ def test_shipped_configs_are_valid(monkeypatch):
         # 4 ranks on one machine (LOCAL_WORLD_SIZE=4) must give CO2 more than one replica to average
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
         assert check_shards(co2.resolve_shards(4), 4) > 1, f"{path}: shards_per_replica gives R = 1 on one machine"
+
+
+# ---- a misspelt co2 section (DeepSpeed would ignore it and train plain ZeRO) -------------------------------
+
+
+@pytest.mark.parametrize("key", ["CO2", "Co2", "co_2", "Co-2", "c02"])
+def test_a_misspelt_co2_section_is_refused_naming_the_key(key):
+    config = ds_config("ds_zero2_co2")
+    config[key] = config.pop("co2")
+    with pytest.raises(
+        ValueError, match=rf"top-level key '{key}' in the DeepSpeed config dict is invalid; accepted: 'co2'"
+    ):
+        _initialize(config)
+
+
+def test_a_misspelt_co2_section_in_a_json_file_is_refused_naming_the_file(tmp_path):
+    config = ds_config("ds_zero2_co2")
+    config["CO2"] = config.pop("co2")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"top-level key 'CO2' in the DeepSpeed config '{path}' is invalid"):
+        _initialize(str(path))
+
+
+@pytest.mark.parametrize("as_path", [False, True])
+def test_patched_deepspeed_initialize_refuses_a_misspelt_co2_section(tmp_path, as_path):
+    """Under patch() DeepSpeed's own entry point refuses it too (unpatched, DeepSpeed's code runs as shipped
+    and cannot check: README, Failures)."""
+    import deepspeed
+
+    config = ds_config("ds_zero2_co2")
+    config["Co2"] = config.pop("co2")
+    if as_path:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(config))
+        config = str(path)
+    with co2_deepspeed.patch(), pytest.raises(ValueError, match=r"top-level key 'Co2' in the DeepSpeed config"):
+        deepspeed.initialize(model=models.make_model(), config=config)
+
+
+def test_no_deepspeed_config_key_is_taken_for_a_misspelt_co2():
+    """The top-level keys DeepSpeed's own config class reads (recorded while it parses a shipped config)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    class Recording(dict):
+        read: set = set()
+
+        def get(self, key, *default):
+            self.read.add(key)
+            return super().get(key, *default)
+
+        def __getitem__(self, key):
+            self.read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            self.read.add(key)
+            return super().__contains__(key)
+
+    DeepSpeedConfig(Recording(ds_config("ds_zero2_co2", plain=True, train_batch_size=8)))
+    assert {"zero_optimization", "gradient_clipping", "optimizer", "comms_logger"} <= Recording.read
+    assert "co2" not in Recording.read  # DeepSpeed ignores the section: hence the check
+    assert [key for key in sorted(Recording.read) if co2_deepspeed._is_near_co2(key)] == []
+
+
+# ---- importing changes nothing in DeepSpeed; patch() does, unpatch() undoes it ---------------------------
+
+
+def patch_check(route: str) -> dict:
+    """tests/workers/patch_check.py in a fresh interpreter (this one imported co2_zero.deepspeed already)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(root / "tests" / "workers" / "patch_check.py"), route],
+        capture_output=True, text=True, timeout=180, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+PATCH_CHECK_EXPECTED = {
+    "imported": "original",
+    "patched": "changed",
+    "patched twice, same code": True,
+    "unpatched": "original",
+    "unpatched twice": "original",
+    "in with patch()": "changed",
+    "after with patch()": "original",
+}
+
+
+def test_importing_changes_nothing_in_deepspeed_and_unpatch_restores_the_original_code():
+    assert patch_check("deepspeed") == PATCH_CHECK_EXPECTED

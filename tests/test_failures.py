@@ -60,8 +60,52 @@ def test_lost_peer_fails_within_timeout_naming_round_and_group(how):
     message = str(error)
     assert "round 0" in message and "outer group" in message and "[0, 1]" in message, message
     if how == "hang":
-        assert isinstance(error, CO2TimeoutError) or "timed out" in message.lower() or "timeout" in message.lower()
+        assert isinstance(error, CO2TimeoutError) and f"timeout_s={TIMEOUT_S:g}" in message, repr(error)
     assert result["elapsed"] < TIMEOUT_S + 6.0, result
+
+
+def peer_frozen(rank: int, world: int, where: str) -> dict:
+    """Rank 1 stops itself (SIGSTOP) in the middle of round 1: its connections stay open, so only a
+    deadline can notice. Whichever clock fires first (the group's timeout inside gloo, or the
+    library's own wait), rank 0 must raise CO2TimeoutError. `where`: "pipeline" (no buffers: round 1's
+    exchange fails in gloo while round 2 computes) or "buffers" (BatchNorm: round 1's buffer averaging
+    fails first, on the main thread)."""
+    pids = [0] * world
+    torch.distributed.all_gather_object(pids, os.getpid())
+    model = models.make_model("bn" if where == "buffers" else "mlp")
+    config = CO2Config(tau=2, timeout_s=TIMEOUT_S)
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config, model=model)
+
+    def freeze(step):
+        if rank == 1 and step == 3:
+            opt.state_dict()  # waits for round 0's exchange: the stop leaves nothing half-sent
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if rank == 0 and step == 4:  # round 2 computes a while: gloo's timeout of round 1 fires first
+            time.sleep(TIMEOUT_S / 2)
+
+    began = time.monotonic()
+    try:
+        _train(rank, opt, model, 40, before_step=freeze)
+    except CO2Error as error:
+        return {
+            "type": type(error).__name__,
+            "timeout": isinstance(error, CO2TimeoutError),
+            "message": str(error),
+            "elapsed": time.monotonic() - began,
+        }
+    finally:
+        os.kill(pids[1], signal.SIGKILL)  # end the stopped peer now rather than at the launch's deadline
+    return {"type": None, "elapsed": time.monotonic() - began}
+
+
+@pytest.mark.parametrize("where", ["pipeline", "buffers"])
+def test_frozen_peer_raises_co2_timeout_error_naming_round_group_and_timeout(where):
+    result = run_ranks(peer_frozen, 2, where, allow_exit=(1,), timeout=60)[0]
+    assert result["type"] == "CO2TimeoutError" and result["timeout"], result
+    message = result["message"]
+    group = f"{'outer group of shard 0' if where == 'pipeline' else 'buffer group'} (global ranks [0, 1])"
+    assert "round 1" in message and group in message and f"timeout_s={TIMEOUT_S:g}" in message, message
+    assert result["elapsed"] < TIMEOUT_S + 10.0, result
 
 
 def misconfigured(rank: int, world: int) -> dict:

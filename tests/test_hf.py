@@ -2,7 +2,7 @@
 
 One `torchrun --standalone --nproc_per_node 4` launch of this file (as a script) runs every distributed
 scenario on S = 2 shards x R = 2 replicas with a tiny randomly initialised GPT-2, in the order of
-`worker()`: DeepSpeed unpatched (the warning; a plain engine), the Trainer refusals, a Trainer run with
+`worker()`: DeepSpeed unpatched (untouched: no warning, a plain engine), the Trainer refusals, a Trainer run with
 `CO2Callback` (which patches; ZeRO-2, gradient accumulation 2, a save at step 3 while a round's exchange is
 in flight), the same model, data and config through `co2_zero.deepspeed.initialize` directly, a Trainer
 resume from the step-3 checkpoint, a `deepspeed.initialize` bound before co2_zero was imported, and
@@ -19,6 +19,7 @@ Accelerate's `prepare()` alone. The tests below check the recorded results:
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import signal
 import subprocess
@@ -197,20 +198,23 @@ def _error_of(call) -> str:
 
 
 def scenario_unpatched(out: Path) -> dict:
-    """Without patch(): DeepSpeed's initialize (bound before co2_zero was imported) warns once and builds
-    plain ZeRO; a Trainer whose patch was undone refuses to train; "auto" in co2 is refused at construction."""
+    """Without patch(): DeepSpeed's initialize (bound before co2_zero was imported) is DeepSpeed's own code,
+    which ignores the co2 section without a word and builds plain ZeRO; a Trainer whose patch was undone
+    refuses to train; "auto" in co2 is refused at construction."""
     from co2_zero.hf import CO2Callback
 
     ds_config = copy.deepcopy(ACCELERATE_DS_CONFIG)
     model = make_model()
+    code = early_initialize.__code__
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine, zero, _, _ = early_initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-        early_initialize(model=model, model_parameters=model.parameters(), config=ds_config)  # warned already
     engine.save_checkpoint(str(out / "plain"))  # DeepSpeed's own checkpoint, for the refusal below
     trainer = _trainer(out / "unpatched", trainer_ds_config(), [CO2Callback()])  # CO2Callback() patches
     co2_deepspeed.unpatch()
     return {
+        "deepspeeds_code": code.co_filename.endswith(os.path.join("deepspeed", "__init__.py")),
+        "restored": early_initialize.__code__ is code,  # by unpatch()
         "warnings": [str(w.message) for w in caught if "co2" in str(w.message)],
         "plain_optimizer": type(zero).__name__,
         "plain_dp_world": engine.dp_world_size,
@@ -571,10 +575,10 @@ def test_resume_that_would_drop_co2_state_is_refused(results):
 # ---- the tests: without patch(), "auto", a name bound early, Accelerate ----------------------------------
 
 
-def test_without_patch_deepspeed_warns_once_and_trainer_refuses(results):
+def test_without_patch_deepspeed_is_untouched_and_trainer_refuses(results):
     for r in results:
         got = r["unpatched"]
-        assert len(got["warnings"]) == 1 and "co2_zero.deepspeed.patch()" in got["warnings"][0]
+        assert got["deepspeeds_code"] and got["restored"] and got["warnings"] == []
         assert got["plain_optimizer"] == "DeepSpeedZeroOptimizer" and got["plain_dp_world"] == WORLD
         assert got["train_unpatched"].startswith("CO2Error: co2: Trainer built a plain DeepSpeed engine")
         assert got["patched_after"]
@@ -620,38 +624,53 @@ def test_patch_is_idempotent_undoable_and_a_context_manager():
     import deepspeed
 
     shm = importlib.import_module("deepspeed.comm.torch")
-    build = shm.build_shm_op
+    build, code = shm.build_shm_op, deepspeed.initialize.__code__
     assert not co2_deepspeed._ENTRY.patched
+    assert code.co_filename.endswith(os.path.join("deepspeed", "__init__.py"))  # importing co2_zero changed nothing
     co2_deepspeed.patch()
     co2_deepspeed.patch()
     assert co2_deepspeed._ENTRY.patched and shm.build_shm_op() is None and shm.build_shm_op is not build
+    assert deepspeed.initialize.__code__ is not code
     with co2_deepspeed.patch():  # already on: leaving the block keeps it on
         pass
-    assert co2_deepspeed._ENTRY.patched
+    assert co2_deepspeed._ENTRY.patched and deepspeed.initialize.__code__ is not code
+    assert "config_params" in inspect.signature(deepspeed.initialize).parameters  # DeepSpeed's signature
     co2_deepspeed.unpatch()
-    assert not co2_deepspeed._ENTRY.patched and shm.build_shm_op is build
+    assert not co2_deepspeed._ENTRY.patched and shm.build_shm_op is build and deepspeed.initialize.__code__ is code
     with co2_deepspeed.patch():
-        assert co2_deepspeed._ENTRY.patched
-    assert not co2_deepspeed._ENTRY.patched and shm.build_shm_op is build
-    assert "config_params" in __import__("inspect").signature(deepspeed.initialize).parameters
+        assert co2_deepspeed._ENTRY.patched and deepspeed.initialize.__code__ is not code
+    assert not co2_deepspeed._ENTRY.patched and shm.build_shm_op is build and deepspeed.initialize.__code__ is code
 
 
-def test_unpatched_warning_names_patch_once(monkeypatch):
+def test_unpatched_deepspeed_runs_its_own_code_without_a_word():
+    """The documented behaviour without patch(): DeepSpeed as shipped (co2_zero cannot see the call)."""
     import deepspeed
 
-    monkeypatch.setattr(co2_deepspeed._ENTRY, "warned", False)
-    with pytest.warns(UserWarning, match=r"co2_zero\.deepspeed\.patch\(\) was not called"):
-        with pytest.raises(AssertionError, match="requires a model"):  # DeepSpeed's own check comes next
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AssertionError, match="requires a model"):  # DeepSpeed's own first check
             deepspeed.initialize(model=None, config={"co2": {"tau": 2}})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(AssertionError):
-            deepspeed.initialize(model=None, config={"co2": {"tau": 2}})  # once per process
-    monkeypatch.setattr(co2_deepspeed._ENTRY, "warned", False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(AssertionError):
-            deepspeed.initialize(model=None, config={"zero_optimization": {"stage": 2}})  # no co2: no warning
+
+
+def test_importing_co2_zero_hf_changes_nothing_in_deepspeed_and_co2_callback_patches():
+    from tests.test_deepspeed import PATCH_CHECK_EXPECTED, patch_check
+
+    assert patch_check("hf") == PATCH_CHECK_EXPECTED
+
+
+def test_co2_callback_names_a_misspelt_co2_section():
+    from types import SimpleNamespace
+
+    from co2_zero.hf import CO2Callback
+
+    ds_config = {**ACCELERATE_DS_CONFIG}
+    ds_config["CO2"] = ds_config.pop("co2")
+    args = SimpleNamespace(hf_deepspeed_config=SimpleNamespace(config=ds_config), deepspeed=ds_config)
+    try:
+        with pytest.raises(ValueError, match=r"top-level key 'CO2' in the DeepSpeed config dict is invalid"):
+            CO2Callback().on_init_end(args, None, None)
+    finally:
+        co2_deepspeed.unpatch()
 
 
 def test_check_co2_section():

@@ -1,0 +1,128 @@
+"""MkDocs hook: the benchmark tables, generated from the JSON results under benchmarks/ at build time.
+
+A page includes a table with a marker line `<!-- benchmark: NAME -->` (NAME in `TABLES`). The README
+carries a copy of `throughput` (it is the package's long description, so nothing renders it);
+tests/test_docs.py checks that the copy equals what this module generates. The images under
+benchmarks/ are added to the site at their repository paths, so a page links them as
+`benchmarks/compression/headline.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+CELLS = ("P4_100mbit", "P8_100mbit", "P4_1gbit", "P8_1gbit")  # the current throughput runs, in table order
+WIRE_FORMATS = ("fp32", "bf16", "int8")
+THROUGHPUT_ROWS = (  # (label in the table, run label in the JSON)
+    ("`none` (compute only)", "none"),
+    ("`ddp`", "ddp"),
+    ("`co2`, fp32", "co2"),
+    ("`co2`, bf16", "co2-bf16"),
+    ("`co2`, int8", "co2-int8"),
+    ("`localsgd` (blocking, fp32)", "localsgd"),
+    ("`co2`, bf16 at its own τ", "co2-bf16 @tuned"),
+    ("`co2`, int8 at its own τ", "co2-int8 @tuned"),
+)
+MARKER = re.compile(r"^<!-- benchmark: ([a-z_]+) -->$", re.MULTILINE)
+
+
+def _load(relative: str) -> dict[str, Any]:
+    return json.loads((BENCH / relative).read_text())
+
+
+def _cell_title(cell: dict[str, Any]) -> str:
+    rate = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s"}.get(cell["rate"], cell["rate"])
+    return f"P = {cell['nodes']}, {rate}"
+
+
+def _ratio(row: dict[str, Any] | None, tuned: bool) -> str:
+    """Median ratio to `none` [range], and the share of time blocked on the exchange where it shows."""
+    if row is None:
+        return "–"
+    low, high = row["ratio_range"]
+    text = f"{row['ratio_to_none']:.3f} [{low:.2f}–{high:.2f}]"
+    blocked = round(100 * row.get("wait_fraction", 0.0))
+    if tuned:
+        return f"{text} ({blocked}% blocked, τ {row['tau']})"
+    return f"{text} ({blocked}% blocked)" if blocked >= 1 else text
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def throughput() -> str:
+    """Steady-state tokens/s over `none`'s, median of the repetitions [range], one column per cell."""
+    cells = [_load(f"throughput/throughput_{name}.json")["cells"][0] for name in CELLS]
+    taus = [f"{c['tau']} ({' / '.join(str(c['tuned_tau'][d]) for d in WIRE_FORMATS)})" for c in cells]
+    comm = [f"{c['tuners']['fp32']['recommendation']['comm_over_step']:.1f}" for c in cells]
+    rows = [["τ (fp32 / bf16 / int8 tuner)", *taus], ["comm/step (fp32)", *comm]]
+    for title, label in THROUGHPUT_ROWS:
+        rows.append([title, *(_ratio(c["summary"].get(label), label.endswith("@tuned")) for c in cells)])
+    return _table(["run", *(_cell_title(c) for c in cells)], rows)
+
+
+def compression() -> str:
+    """Convergence of ddp and co2 per wire format at their tuned τ (benchmarks/compression/)."""
+    table = _load("compression/compression.json")["table"]
+    names = {"ddp": "`ddp`", "co2": "`co2`, fp32", "co2-int8": "`co2`, int8", "co2-bf16": "`co2`, bf16"}
+    rows = []
+    for label, r in table.items():
+        ddp = label == "ddp"
+        rows.append([
+            names.get(label, f"`{label}`"),
+            "–" if ddp else str(r["tau"]),
+            f"{r['final_val_loss']:.3f} [{r['spread']:.3f}]",
+            "" if ddp else f"{100 * r['vs_ddp']:+.1f}%",
+            f"{r['train_s']:,.0f}",
+            "" if ddp else f"{r['ddp_s_to_same_loss']:,.0f} ({r['ddp_s_to_same_loss'] / r['train_s']:.2f}×)",
+        ])  # fmt: skip
+    head = ["run", "τ", "final val loss, mean [spread]", "vs ddp", "seconds on the link", "ddp's seconds to that loss"]
+    return _table(head, rows)
+
+
+def convergence() -> str:
+    """Final validation loss at τ = 4, P = 4, 1 Gbit/s, per seed and mean (benchmarks/convergence/)."""
+    seeds = [_load("convergence/convergence.json"), _load("convergence/seed1338/convergence.json")]
+    ddp = statistics.mean(s["table"]["ddp"]["final_val_loss"] for s in seeds)
+    rows = []
+    for label in seeds[0]["table"]:
+        losses = [s["table"][label]["final_val_loss"] for s in seeds if label in s["table"]]
+        mean = statistics.mean(losses)
+        per_seed = [f"{x:.3f}" for x in losses] + ["–"] * (len(seeds) - len(losses))
+        rows.append(
+            [f"`{label}`", *per_seed, f"{mean:.3f}", f"{100 * (mean / ddp - 1):+.1f}%" if len(losses) > 1 else ""]
+        )
+    head = ["run", *(f"seed {s['seeds'][0]}" for s in seeds), "mean", "mean vs ddp (both seeds)"]
+    return _table(head, rows)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "throughput": throughput,
+    "compression": compression,
+    "convergence": convergence,
+}
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    return MARKER.sub(lambda m: TABLES[m.group(1)](), markdown)
+
+
+def on_files(files: Any, config: Any) -> Any:
+    from mkdocs.structure.files import File
+
+    for image in sorted(BENCH.rglob("*.png")):
+        uri = image.relative_to(ROOT).as_posix()
+        files.append(File.generated(config, uri, abs_src_path=str(image)))
+    return files
+
+
+if __name__ == "__main__":  # the README's copy of the throughput table
+    print(throughput())
