@@ -22,8 +22,17 @@ def names() -> list[str]:
 
 
 def path(name: str) -> Path:
-    """The file of the shipped config `name` ("ds_zero2_co2.json"; "configs/ds_zero2_co2.json" and the
-    name without ".json" are accepted too). A ValueError names the shipped ones for any other name."""
+    """The file of a shipped DeepSpeed config, for `co2_zero.deepspeed.initialize(config=...)`.
+
+    Args:
+        name: "ds_zero2_co2.json"; "configs/ds_zero2_co2.json" and the name without ".json" work too.
+
+    Returns:
+        The installed file (in a checkout: co2_zero/configs/<name>, which configs/ links to).
+
+    Raises:
+        ValueError: naming the shipped configs, for any other name.
+    """
     stem = Path(name).name
     file = stem if stem.endswith(".json") else f"{stem}.json"
     if file not in names():
