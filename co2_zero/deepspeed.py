@@ -408,6 +408,46 @@ def init_distributed(**kwargs: Any) -> None:
         deepspeed.init_distributed(**kwargs)
 
 
+def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The floating-point tensors in a forward's arguments (nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _floating_tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _floating_tensors(item)
+
+
+def _warn_uncast_inputs(engine: Any) -> None:
+    """Warn once, at the first forward, when a bf16/fp16 engine gets inputs of another floating dtype.
+
+    DeepSpeed turns the model's parameters to bf16 (or fp16) but casts no inputs (its `fp16.auto_cast`
+    exists for fp16 only), so fp32 inputs fail in the first matmul with torch's bare "mat1 and mat2 must
+    have the same dtype" (the shipped configs/ds_zero2_co2_bf16.json enables bf16). The warning comes
+    first and names the cast; the hook removes itself after the first forward and costs nothing after.
+    """
+    dtype = next((p.dtype for p in engine.module.parameters() if p.is_floating_point()), None)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return
+
+    def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        handle.remove()
+        other = sorted({str(t.dtype) for t in _floating_tensors((args, kwargs)) if t.dtype != dtype})
+        if other:
+            warnings.warn(
+                f"co2: the DeepSpeed engine's parameters are {dtype} (the config's bf16/fp16 section) but the "
+                f"forward got {', '.join(other)} inputs, and DeepSpeed casts none: unless the model casts them "
+                f"itself it fails with 'mat1 and mat2 must have the same dtype'. Cast floating inputs, e.g. "
+                f"engine(x.to({dtype}))",
+                stacklevel=3,
+            )
+
+    handle = engine.module.register_forward_pre_hook(check, with_kwargs=True)
+
+
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -495,6 +535,7 @@ def initialize(
     if zero is None:
         raise ValueError("co2: DeepSpeed built no optimizer: give an optimizer in the config or as optimizer=")
     zero = CO2ZeroOptimizer.attach(zero, co2, topology, engine.module)
+    _warn_uncast_inputs(engine)
     if training_data is not None:  # the replica is DeepSpeed's data-parallel world; CO2 wants all ranks
         sampler = torch.utils.data.DistributedSampler(
             training_data, num_replicas=topology.world_size, rank=topology.rank

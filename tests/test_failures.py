@@ -196,6 +196,31 @@ def test_different_shards_per_replica_fail_naming_the_field_before_any_group(mis
         assert result["different_shards_s"] < TIMEOUT_S, result["different_shards_s"]
 
 
+def single_replica_warnings(rank: int, world: int) -> dict:
+    """Topology.build on one machine (LOCAL_WORLD_SIZE = the world): "node" (R = 1), then S = 1 (R = 2).
+    Returns, per setting, the R = 1 warnings this rank gave and the number of replicas."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    out = {}
+    for shards in ("node", 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            topology = Topology.build(CO2Config(shards_per_replica=shards, timeout_s=TIMEOUT_S))
+        out[shards] = ([str(w.message) for w in caught if "R = 1" in str(w.message)], topology.replicas)
+        topology.destroy(inner=True)
+    return out
+
+
+def test_one_replica_on_one_machine_warns_on_rank_0_only():
+    """`shards_per_replica: "node"` on one machine puts every rank in one replica: CO2 averages nothing."""
+    results = run_ranks(single_replica_warnings, 2, timeout=120)
+    (warned, replicas), (silent, _) = results[0]["node"], results[1]["node"]
+    assert replicas == 1 and len(warned) == 1 and silent == [], results
+    for phrase in ('shards_per_replica="node"', "S = 2 with world size 2", "R = 1", "1 makes every rank a replica"):
+        assert phrase in warned[0], warned[0]
+    for rank, result in enumerate(results):
+        assert result[1] == ([], 2), (rank, result[1])  # S = 1: two replicas, no warning
+
+
 def never_builds(rank: int, world: int) -> dict:
     """Rank 1 never constructs the optimizer; rank 0 must fail naming the start-up check, in time."""
     if rank == 1:
