@@ -5,8 +5,7 @@ One module-scoped build and one venv (torch first, as the README says, then the 
 The build uses the running interpreter's setuptools (`--no-isolation`, no index needed) when it is new
 enough for pyproject.toml, else an isolated build env. The venv runs from a directory outside the
 checkout with no PYTHONPATH, so everything it imports is the installed wheel's. The main job
-(`co2-train`) runs on 2 ranks once the checkout has co2_zero/train; until then that test is skipped,
-and from then on it must pass.
+(`co2-train`) runs on 2 ranks, and reads its default DeepSpeed config from the installed package.
 """
 
 from __future__ import annotations
@@ -31,8 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "co2_zero" / "version.py").read_text()).group(1)
 TORCH = f"torch=={torch.__version__.split('+')[0]}"  # the local-version-free pin: 2.13.0 matches 2.13.0+cpu
 SCRIPTS = {"co2-train": "co2_zero.train:main", "co2-tune-tau": "co2_zero.tune_tau:main"}
-HAS_TRAIN = (ROOT / "co2_zero" / "train").is_dir() or (ROOT / "co2_zero" / "train.py").is_file()
-HAS_TUNE_TAU = (ROOT / "co2_zero" / "tune_tau").is_dir() or (ROOT / "co2_zero" / "tune_tau.py").is_file()
 SDIST_MUST_HOLD = [
     "LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in", "co2_zero/py.typed",
     "co2_zero/configs/ds_zero2_co2.json", "configs/ds_zero1_co2.json", "configs/ds_zero2_co2.json",
@@ -80,14 +77,15 @@ def dist(tmp_path_factory) -> dict[str, Path]:
 def venv(dist) -> dict[str, Path]:
     """A fresh venv: torch first (the README's order), then the wheel and its declared dependencies."""
     where = dist["work"] / "venv"
-    run([sys.executable, "-m", "venv", str(where)], timeout=300)
-    pip = [str(where / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
-    run([*pip, TORCH], timeout=600)
-    run([*pip, str(dist["wheel"])], timeout=600)
     outside = dist["work"] / "elsewhere"  # no checkout on sys.path: imports come from the venv
     outside.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS", "VIRTUAL_ENV")}
-    return {"bin": where / "bin", "cwd": outside, "env": {**env, "OMP_NUM_THREADS": "1"}}
+    env = {**env, "OMP_NUM_THREADS": "1"}  # also for pip: a checkout on PYTHONPATH would read as installed
+    run([sys.executable, "-m", "venv", str(where)], timeout=300)
+    pip = [str(where / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
+    run([*pip, TORCH], timeout=600, cwd=outside, env=env)
+    run([*pip, str(dist["wheel"])], timeout=600, cwd=outside, env=env)
+    return {"bin": where / "bin", "cwd": outside, "env": env}
 
 
 def in_venv(venv: dict, command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -99,8 +97,7 @@ def test_wheel_holds_the_package_configs_and_py_typed_only(dist):
     assert all(n.startswith(("co2_zero/", f"co2_zero-{VERSION}.dist-info/")) for n in names), names
     for required in ("co2_zero/py.typed", "co2_zero/configs/ds_zero2_co2.json", "co2_zero/configs/__init__.py"):
         assert required in names, required
-    if HAS_TRAIN:
-        assert any(n.startswith("co2_zero/train") for n in names), "co2_zero.train is missing from the wheel"
+    assert "co2_zero/train/__init__.py" in names and "co2_zero/tune_tau.py" in names, "the jobs are not in the wheel"
     metadata = zipfile.ZipFile(dist["wheel"]).read(f"co2_zero-{VERSION}.dist-info/METADATA").decode()
     assert "License-Expression: BSD-3-Clause" in metadata and "Requires-Dist: torch>=2.1" in metadata
     assert "# co2_zero" in metadata  # the README is the long description
@@ -140,7 +137,6 @@ def test_console_scripts_are_declared(venv):
     assert all((venv["bin"] / name).is_file() for name in SCRIPTS)
 
 
-@pytest.mark.skipif(not HAS_TRAIN, reason="this checkout has no co2_zero/train yet (the train-pkg branch)")
 def test_co2_train_runs_the_main_job_on_two_ranks(venv):
     tiny = [
         "--max_steps", "6", "--tau", "3", "--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--block_size", "32",
@@ -151,7 +147,16 @@ def test_co2_train_runs_the_main_job_on_two_ranks(venv):
     assert "final val loss" in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-@pytest.mark.skipif(not HAS_TUNE_TAU, reason="this checkout has no co2_zero/tune_tau yet (the train-pkg branch)")
 def test_co2_tune_tau_starts(venv):
     done = in_venv(venv, [str(venv["bin"] / "co2-tune-tau"), "--help"])
     assert "usage" in done.stdout.lower(), done.stdout
+
+
+def test_co2_train_finds_its_default_deepspeed_config_in_the_installed_package(venv):
+    probe = (
+        "from co2_zero.train.args import get_args, deepspeed_config_path; "
+        "p = deepspeed_config_path(get_args(['--engine', 'deepspeed'])); print(p.resolve(), p.is_file())"
+    )
+    done = in_venv(venv, [str(venv["bin"] / "python"), "-c", probe])
+    path, exists = done.stdout.split()
+    assert exists == "True" and "site-packages" in path and path.endswith("co2_zero/configs/ds_zero2_co2.json"), path

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .. import configs
 from .data import BYTE_VOCAB, TOKEN_VOCAB
 from .model import MODEL_PRESETS
 
@@ -223,8 +224,13 @@ def json_co2_section(args: argparse.Namespace) -> dict:
 
 
 def deepspeed_config_path(args: argparse.Namespace) -> Path:
-    """--deepspeed_config as given, else relative to the source checkout co2_zero was imported from (so
-    the default works from any directory of a checkout)."""
+    """--deepspeed_config as given when that file exists, else the shipped config of that name
+    (`co2_zero.configs`: "configs/ds_zero2_co2.json" works from any directory and in an installed
+    package, not only in the checkout)."""
     path = Path(args.deepspeed_config)
-    checkout = Path(__file__).resolve().parents[2] / path
-    return checkout if not path.is_file() and not path.is_absolute() and checkout.is_file() else path
+    if path.is_file() or path.is_absolute() or path.parent.name not in ("", "configs"):
+        return path
+    try:
+        return configs.path(path.name)
+    except ValueError:
+        return path  # not a shipped name: DeepSpeed reports the missing file by its given name
