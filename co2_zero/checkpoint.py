@@ -59,7 +59,7 @@ from typing import IO, Any, Callable, NamedTuple, Optional, Protocol, Sequence, 
 import torch
 
 from .errors import CO2Error, CO2TimeoutError
-from .topology import fingerprint, gather_fingerprints
+from .topology import fingerprint, gather_fingerprints, text_words, words_text
 
 PathLike = Union[str, os.PathLike]
 
@@ -496,16 +496,6 @@ def framework_state(model: torch.nn.Module, optimizer: Any) -> FrameworkState:
 # ---- agreement: fixed-size int64 vectors, no pickling ----------------------------------------------------
 
 
-def _text_words(text: str, words: int = _TEXT_WORDS) -> list[int]:
-    """UTF-8 text as `words` int64 (truncated on a character boundary, zero-padded)."""
-    data = text.encode()[: 8 * words].decode(errors="ignore").encode()
-    return list(struct.unpack(f"<{words}q", data.ljust(8 * words, b"\0")))
-
-
-def _words_text(values: Sequence[int]) -> str:
-    return struct.pack(f"<{len(values)}q", *values).rstrip(b"\0").decode(errors="replace")
-
-
 def _id_word() -> int:
     return secrets.randbits(63)
 
@@ -538,7 +528,7 @@ class _Agreement:
     def outcome(self, problem: Optional[str], what: str) -> None:
         """Every rank reports None or a problem; if any rank has one, every rank raises CO2Error
         listing each failing rank's problem."""
-        table = self.exchange([0 if problem is None else 1, *_text_words(problem or "")], what)
+        table = self.exchange([0 if problem is None else 1, *text_words(problem or "", _TEXT_WORDS)], what)
         _raise_failed(self, [(rank, row[0], row[1:]) for rank, row in enumerate(table)])
 
 
@@ -714,7 +704,7 @@ def _agree_to_save(agreement: _Agreement, root: Path, tag: str, engine: Any) -> 
         problem = f"{root}: {_describe(error)}"
     _tidy(root, agreement.rank)  # before the exchange: no rank writes into the directory before it ends
     mine = [int(problem is not None), fingerprint(tag), engine.inner_steps, _id_word(), _id_word()]
-    table = agreement.exchange([*mine, *_text_words(problem or "")], "save: agree on tag and step")
+    table = agreement.exchange([*mine, *text_words(problem or "", _TEXT_WORDS)], "save: agree on tag and step")
     if any(row[1:3] != table[0][1:3] for row in table):
         counts = ", ".join(f"rank {r}: step {row[2]}" for r, row in enumerate(table))
         raise CO2Error(
@@ -747,7 +737,8 @@ def _write_rank_files(
         problem, cause = f"{name}: {_describe_write_error(error, where)}", error
     digest_words = list(struct.unpack("<4q", bytes.fromhex(digest)))
     table = agreement.exchange(
-        [int(problem is not None), size, *digest_words, *_text_words(problem or "")], "save: every file durable"
+        [int(problem is not None), size, *digest_words, *text_words(problem or "", _TEXT_WORDS)],
+        "save: every file durable",
     )
     _raise_failed(agreement, [(r, row[0], row[6:]) for r, row in enumerate(table)], cause)
     return [
@@ -761,7 +752,7 @@ def _raise_failed(
 ) -> None:
     """reports: (rank, failed flag, message words); raise CO2Error listing the failed ranks, if any
     (`cause`: this rank's own original error, kept as the CO2Error's cause)."""
-    failed = [(rank, _words_text(words)) for rank, flag, words in reports if flag]
+    failed = [(rank, words_text(words)) for rank, flag, words in reports if flag]
     if failed:
         lines = "\n".join(f"  rank {rank}: {text}" for rank, text in failed)
         raise CO2Error(
@@ -979,11 +970,13 @@ def _agree_on_choice(agreement: _Agreement, root: Path, tag: Optional[str]) -> O
             chosen, problem = choice.tag or "", choice.problem or ""
         except Exception as error:
             kind, problem = 2, f"{root}: {_describe(error)}"
-    table = agreement.exchange([kind, *_text_words(chosen, _TAG_WORDS), *_text_words(problem)], "load: choose")
-    kind, chosen = table[0][0], _words_text(table[0][1 : 1 + _TAG_WORDS])
+    table = agreement.exchange(
+        [kind, *text_words(chosen, _TAG_WORDS), *text_words(problem, _TEXT_WORDS)], "load: choose"
+    )
+    kind, chosen = table[0][0], words_text(table[0][1 : 1 + _TAG_WORDS])
     if kind == 2:
         raise CO2Error(
-            f"co2 checkpoint load from {root} refused: {_words_text(table[0][1 + _TAG_WORDS :])}. "
+            f"co2 checkpoint load from {root} refused: {words_text(table[0][1 + _TAG_WORDS :])}. "
             f"{agreement.consequence}"
         )
     return None if kind == 1 else chosen
@@ -995,7 +988,7 @@ def _agree_to_apply(agreement: _Agreement, plan: Optional[_Plan], problem: Optio
     otherwise resume elsewhere). Else CO2Error on every rank, before any rank changed anything."""
     seen = _UNSEEN if plan is None else plan.seen
     table = agreement.exchange(
-        [int(problem is not None), *seen.words(), *_text_words(problem or "")], "load: every rank validated"
+        [int(problem is not None), *seen.words(), *text_words(problem or "", _TEXT_WORDS)], "load: every rank validated"
     )
     _refuse_different_saves(agreement, [_SaveSeen.from_words(row[1 : 1 + _SEEN_WORDS]) for row in table])
     _raise_failed(agreement, [(r, row[0], row[1 + _SEEN_WORDS :]) for r, row in enumerate(table)])
@@ -1010,12 +1003,12 @@ class _SaveSeen(NamedTuple):
 
     def words(self) -> list[int]:
         digest = bytes.fromhex(self.digest) if self.digest else bytes(32)
-        return [self.step, *struct.unpack("<4q", digest), *_text_words(self.save_id, 2)]
+        return [self.step, *struct.unpack("<4q", digest), *text_words(self.save_id, 2)]
 
     @staticmethod
     def from_words(words: Sequence[int]) -> _SaveSeen:
         digest = _words_hex(words[1:5])
-        return _SaveSeen(_words_text(words[5:7]), words[0], "" if digest == "0" * 64 else digest)
+        return _SaveSeen(words_text(words[5:7]), words[0], "" if digest == "0" * 64 else digest)
 
 
 _SEEN_WORDS = 7

@@ -43,6 +43,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise missing_extra("DeepSpeed", "deepspeed", error) from error
 
 from . import checkpoint
+from .agreement import identify
 from .config import CO2Config
 from .outer import Segment
 from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
@@ -210,21 +211,24 @@ class ReplicaMPU:
 # ---- the partition --------------------------------------------------------------------------------------
 
 
-def zero_partition(zero: DeepSpeedZeroOptimizer) -> Partition:
+def zero_partition(zero: DeepSpeedZeroOptimizer, module: Optional[torch.nn.Module] = None) -> Partition:
     """This rank's fp32 master partition in a ZeRO-1/2 optimizer, mapped to global parameter tensors.
 
     Chunk i is `single_partition_of_fp32_groups[i]`: elements [p*size, (p+1)*size) of param group i's
     flat buffer, p = this rank's index in the replica. The flat buffer holds the group's tensors in
     `round_robin_bit16_groups` order at `round_robin_bit16_offsets` (alignment padding between and
     after them belongs to no tensor and gets no segment). Tensor ids count `bit16_groups` in order, the
-    same on every rank. The result is checked against DeepSpeed's own `params_in_partition`.
+    same on every rank. The result is checked against DeepSpeed's own `params_in_partition`. `module`
+    names the tensors for the start-up check (DeepSpeed keeps the layout of the user's param groups,
+    so ranks that list them in different orders are refused there, naming the parameters).
     """
     tensor_ids: dict[int, int] = {}
-    shapes: list[torch.Size] = []
+    params: list[torch.Tensor] = []
     for group in zero.bit16_groups:
         for p in group:
             tensor_ids[id(p)] = len(tensor_ids)
-            shapes.append(p.shape)
+            params.append(p)
+    shapes = [p.shape for p in params]
     segments: list[Segment] = []
     base = 0
     for i, chunk in enumerate(zero.single_partition_of_fp32_groups):
@@ -261,6 +265,7 @@ def zero_partition(zero: DeepSpeedZeroOptimizer) -> Partition:
         segments=segments,
         num_tensors=len(tensor_ids),
         signature=parameter_signature(shapes),
+        tensors=identify(params, module),
     )
 
 
@@ -305,7 +310,7 @@ class CO2ZeroOptimizer(CO2Steps, DeepSpeedZeroOptimizer):
         return zero
 
     def _co2_attach(self, config: CO2Config, topology: Topology, module: torch.nn.Module) -> None:
-        partition = zero_partition(self)
+        partition = zero_partition(self, module)
         self.config = config
         self.topology = topology
         self.engine = RoundEngine(partition, config, topology, refresh=self.update_lp_params, module=module)

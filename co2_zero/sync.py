@@ -20,6 +20,7 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -27,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .agreement import StepAnnouncements, TensorIdentity, agree_on_parameters, steps_mismatch
 from .comm import Layout, OuterExchange, PipelineJob, largest_abs, wire_bytes
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError, NonFiniteError, collective_error
@@ -34,6 +36,7 @@ from .outer import Segment
 from .topology import Topology, collective_device, fingerprint, gather_fingerprints
 
 STATE_VERSION = 2
+_WATCH_S = 0.05  # how often a wait for the pipeline looks at the step announcements
 
 
 @dataclass
@@ -42,13 +45,15 @@ class Partition:
 
     chunks: 1-D fp32 views of the live parameters, in partition order (one per ZeRO param group, or
     one flat buffer). segments: which global parameter tensor each piece of the concatenated chunks
-    belongs to. num_tensors: parameter tensors in the whole model.
+    belongs to. num_tensors: parameter tensors in the whole model. tensors: the identity (name, shape)
+    of each tensor id, which every rank must share (`agreement.agree_on_parameters`); empty: unnamed.
     """
 
     chunks: list[torch.Tensor]
     segments: Sequence[Segment]
     num_tensors: int
-    signature: str  # parameter_signature() of the whole model, to catch ranks with different models
+    signature: str  # parameter_signature() of the whole model (checkpoints carry it)
+    tensors: Sequence[TensorIdentity] = ()
 
     @property
     def length(self) -> int:
@@ -165,7 +170,8 @@ class RoundEngine:
         # One fp32 copy of the float buffers: what a round end with non-finite buffers falls back to.
         self.agreed_buffers = self._common_buffers()
         self.exchange = OuterExchange(config, topology, self.layout, device)
-        self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology)
+        self.announcements = StepAnnouncements(topology.buffer_group)
+        self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology, self.announcements)
 
         # The two partition buffers that trade roles every round (start point B; D, then Nx).
         self.start_point = torch.zeros(padded, dtype=torch.float32, device=device)
@@ -202,6 +208,8 @@ class RoundEngine:
         began = time.perf_counter()
         self._check_parameters_unchanged()
         wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
+        self._check_steps()  # the last round end's (arrived with its pipeline)
+        self.announcements.post(self.inner_steps, finalizing=False)
         sent = self._exchange_bytes_since_last_report()
         overlap = self.config.overlap
         if overlap:  # D overwrites the retiring start point; the update applies to x_{t+1}
@@ -222,6 +230,8 @@ class RoundEngine:
         self._set_live(new_start)  # step 3: x <- Nx; refresh
         self.start_point, self.next_start = new_start, spare
         self.rounds += 1
+        if self.buffers:  # a peer that finalized never averages them: learn it first
+            self._check_steps()
         buffer_bytes, buffers_restored = self._average_buffers(f"round {self.rounds - 1}")
         sent += buffer_bytes
         if reset_inner:
@@ -252,10 +262,12 @@ class RoundEngine:
 
         The ranks first agree that they took the same number of inner steps (a rank that took more
         would wait forever for a round its peers never run); otherwise every rank raises CO2Error
-        naming the counts.
+        naming the counts, also a rank that trained on past a round end (`agreement.StepAnnouncements`).
         """
         self.check_usable()
-        self._agree_on_steps()
+        self._check_steps()
+        self.announcements.post(self.inner_steps, finalizing=True)
+        self._check_steps(finalizing=True)
         dropped = self.inner_steps % self.config.tau
         if dropped:
             warnings.warn(
@@ -269,30 +281,25 @@ class RoundEngine:
         self.finalized = True
         self.close()
 
-    def _agree_on_steps(self) -> None:
-        """One fingerprint exchange of inner_steps on the main-thread group, with the usual deadline."""
-        group = self.topology.buffer_group
+    def _check_steps(self, finalizing: bool = False) -> None:
+        """Collect the step announcement in flight (within timeout_s) and fail, naming every rank's
+        count, if a peer finalized at another step (or this rank finalizes and a peer did not)."""
         try:
-            table = gather_fingerprints([self.inner_steps], group, self.config.timeout_s, "finalize")
+            rows = self.announcements.collect(time.monotonic() + self.config.timeout_s)
         except CO2TimeoutError as error:
+            ranks = list(range(self.topology.world_size))
+            where, what = ("co2 finalize", "called finalize()") if finalizing else ("co2", "reached this round end")
             self._fail(
                 CO2TimeoutError(
-                    f"co2 finalize: not every rank of global ranks {list(range(self.topology.world_size))} "
-                    f"called finalize() within timeout_s={self.config.timeout_s:g} (rank {self.topology.rank} "
-                    f"at inner step {self.inner_steps}); a rank died, is stuck, or skipped finalize()"
+                    f"{where}: not every rank of global ranks {ranks} {what} within timeout_s="
+                    f"{self.config.timeout_s:g} (rank {self.topology.rank} at inner step {self.inner_steps}); a "
+                    f"rank died, is stuck{', or skipped finalize()' if finalizing else ''}"
                 ),
                 error,
             )
-        steps = [row[0] for row in table]
-        if len(set(steps)) > 1:
-            counts = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
-            self._fail(
-                CO2Error(
-                    f"co2 finalize: the ranks took different numbers of inner steps ({counts}); every rank "
-                    f"must call finalize() after the same number of optimizer steps (this is rank "
-                    f"{self.topology.rank})"
-                )
-            )
+        problem = None if rows is None else steps_mismatch(rows, self.topology.rank, self.inner_steps)
+        if problem is not None:
+            self._fail(CO2Error(problem))
 
     def _fail(self, error: CO2Error, cause: Optional[BaseException] = None) -> None:
         """Mark the engine failed, release its worker and groups, raise `error`."""
@@ -316,8 +323,8 @@ class RoundEngine:
         round_index = self.pending_index
         where = self.topology.describe_outer()
         try:
-            result, done = future.result(timeout=self.config.timeout_s)
-        except CO2Error as error:  # the pipeline's own verdict (NonFiniteError)
+            result, done = self._result_watching_steps(future)
+        except CO2Error as error:  # the pipeline's own verdict (NonFiniteError), or a peer's step count
             self.failed = error
         except Exception as error:  # this wait's deadline, or the collective failed: a peer died or timed out
             what = f"round {round_index}: the background exchange on the {where}"
@@ -339,6 +346,19 @@ class RoundEngine:
                 stacklevel=5,
             )
         return time.perf_counter() - began
+
+    def _result_watching_steps(self, future: Future) -> Any:
+        """The pipeline's result within timeout_s; meanwhile, a step announcement that arrives is
+        checked: a peer that called finalize() will never run this round, so report the counts now."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            if self.announcements.ready():
+                self._check_steps()
+            try:
+                return future.result(timeout=min(_WATCH_S, max(deadline - time.monotonic(), 0.0)))
+            except FutureTimeout:
+                if time.monotonic() >= deadline:
+                    raise
 
     def check_usable(self) -> None:
         """Raise CO2Error if this engine failed or was finalized."""
@@ -522,24 +542,17 @@ class RoundEngine:
         (a fingerprint exchange at start-up instead of a hang later; the configs and the grid were
         compared when the topology was built)."""
         topo, layout = self.topology, self.layout
-        mine = [
-            fingerprint(self.partition.num_tensors),
-            fingerprint(self.partition.signature),
-            topo.shard_index,
-            layout.length,
-            fingerprint(tuple(tuple(seg) for seg in layout.segments)),
+        tensors = self.partition.tensors or [
+            TensorIdentity(f"optimizer parameter {i}", (), False) for i in range(self.partition.num_tensors)
         ]
+        agree_on_parameters(tensors, topo.norm_group, self.config.timeout_s)
+        mine = [topo.shard_index, layout.length, fingerprint(tuple(tuple(seg) for seg in layout.segments))]
         table = gather_fingerprints(mine, topo.norm_group, self.config.timeout_s, "start-up model check")
         for rank, theirs in enumerate(table):
-            if theirs[:2] != mine[:2]:
-                raise CO2Error(
-                    f"co2: rank {topo.rank} and rank {rank} disagree on the (parameter tensors, shape signature): "
-                    f"{self.partition.num_tensors} tensors here; every rank must build the same model"
-                )
-            if theirs[2] == topo.shard_index and theirs[3:] != mine[3:]:
+            if theirs[0] == topo.shard_index and theirs[1:] != mine[1:]:
                 raise CO2Error(
                     f"co2: rank {topo.rank} and rank {rank} own shard {topo.shard_index} but their "
-                    f"partitions differ ({layout.length} elements here vs {theirs[3]}, or a different split "
+                    f"partitions differ ({layout.length} elements here vs {theirs[1]}, or a different split "
                     f"into tensors); every replica must partition the model the same way"
                 )
 
@@ -732,7 +745,8 @@ def parameter_signature(shapes: Sequence[Sequence[int]]) -> str:
     return hashlib.sha256(repr([tuple(s) for s in shapes]).encode()).hexdigest()[:16]
 
 
-def _shutdown(exchange: OuterExchange, topology: Topology) -> None:
+def _shutdown(exchange: OuterExchange, topology: Topology, announcements: StepAnnouncements) -> None:
     # A worker still blocked in a collective keeps its groups: destroying them under it would crash.
-    if exchange.close():
+    # So does a step announcement a peer never answered (it is a collective on the buffer group).
+    if exchange.close() and not (announcements.in_flight and not announcements.ready()):
         topology.destroy()

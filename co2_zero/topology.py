@@ -61,6 +61,18 @@ def _describe(code: int, like: Any, choices: Sequence[Any] = ()) -> str:
     return "a different value"
 
 
+def text_words(text: str, words: int) -> list[int]:
+    """UTF-8 text as `words` int64 (truncated on a character boundary, zero-padded): text that travels
+    inside a fingerprint vector, so every rank can print what another rank said."""
+    data = text.encode()[: 8 * words].decode(errors="ignore").encode()
+    return list(struct.unpack(f"<{words}q", data.ljust(8 * words, b"\0")))
+
+
+def words_text(values: Sequence[int]) -> str:
+    """The text `text_words` encoded."""
+    return struct.pack(f"<{len(values)}q", *values).rstrip(b"\0").decode(errors="replace")
+
+
 def gather_fingerprints(values: Sequence[int], group: Any, timeout_s: float, what: str) -> list[list[int]]:
     """All-gather a fixed-size vector of int64 fingerprints over `group`, within `timeout_s`.
 
