@@ -23,6 +23,8 @@ setup(
         "deepspeed": ["deepspeed==0.19.8"],
         # Hugging Face Trainer / Accelerate on CO2 reach it through DeepSpeed (co2_zero.hf)
         "hf": ["transformers>=5.23,<6", "accelerate>=1.15,<2", "deepspeed==0.19.8"],
+        # elastic training: torchft's Lighthouse and Manager own the membership (co2_zero.elastic)
+        "elastic": ["torchft==0.2.0"],
         "test": ["pytest>=7", "ruff"],
         "bench": ["matplotlib"],
     },

@@ -60,6 +60,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         config: Union[CO2Config, Mapping[str, Any], None] = None,
         model: Optional[torch.nn.Module] = None,
+        membership: Any = None,
     ) -> None:
         config = CO2Config.coerce(config)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -94,7 +95,9 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
             partition, refresh = self._flat_partition(params, config), _nothing_to_spread
             self.topology = Topology.build(config, shards=1)
         inner_params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.engine = RoundEngine(partition, config, self.topology, refresh=refresh, module=model, params=inner_params)
+        self.engine = RoundEngine(
+            partition, config, self.topology, refresh=refresh, module=model, params=inner_params, membership=membership
+        )
         self.config = config
 
     def _flat_partition(self, params: list[torch.nn.Parameter], config: CO2Config) -> Partition:
