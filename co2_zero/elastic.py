@@ -182,10 +182,12 @@ class Membership:
                 init_sync=True,  # at step 0 every replica takes the start point of one peer
             )
         except Exception as error:
+            store = (
+                f"{self.store_addr or os.environ.get('MASTER_ADDR')}:{self.store_port or os.environ.get('MASTER_PORT')}"
+            )
             raise CO2Error(
-                f"co2 elastic: replica {self.replica_id} could not start its torchft Manager (Lighthouse "
-                f"{self.lighthouse}, store {self.store_addr or os.environ.get('MASTER_ADDR')}:"
-                f"{self.store_port or os.environ.get('MASTER_PORT')}): {type(error).__name__}: {error}"
+                f"co2 elastic: replica {self.replica_id} could not start its torchft Manager within timeout_s="
+                f"{self.timeout_s:g} (Lighthouse {self.lighthouse}, store {store}): {type(error).__name__}: {error}"
             ) from error
 
     def open_round(self, round_index: int) -> Peers:

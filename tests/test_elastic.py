@@ -69,12 +69,12 @@ def replica_main(replica: int, lighthouse: str, out: str, steps: int, plan: dict
     ("exchange", t) when its exchange of round t starts, before any collective. plan["gate"]:
     (t, path): before round t, wait for `path` to exist. plan["announce"]: a path to create once
     imported (a restarted replica tells the survivors it is about to join)."""
-    die, gate = plan.get("die"), plan.get("gate")
+    die = plan.get("die")
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from co2_zero import CO2Config, CO2Optimizer
+    from co2_zero import CO2Config, CO2Error, CO2Optimizer
     from co2_zero.elastic import ElasticExchange, Membership
 
     port = _free_port()
@@ -95,9 +95,20 @@ def replica_main(replica: int, lighthouse: str, out: str, steps: int, plan: dict
         Path(plan["announce"]).touch()
     model = models.make_model("mlp")
     membership = Membership(lighthouse, replica, start_replicas=plan.get("start_replicas", 3))
-    opt = CO2Optimizer(
-        models.make_optimizer("adam", model.parameters()), CO2Config(**CONFIG), model, membership=membership
-    )
+    config = CO2Config(**{**CONFIG, "timeout_s": plan.get("timeout_s", CONFIG["timeout_s"])})
+    try:
+        opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), config, model, membership=membership)
+        result = _train(replica, opt, model, membership, steps, plan)
+    except CO2Error as error:
+        result = {"error": str(error), "error_at": time.time()}
+    torch.save(result, f"{out}.tmp")
+    os.replace(f"{out}.tmp", out)
+    dist.destroy_process_group()
+
+
+def _train(replica: int, opt: Any, model: torch.nn.Module, membership: Any, steps: int, plan: dict) -> dict:
+    """The training loop of `replica_main`; returns what the test reads."""
+    die, gate, reached = plan.get("die"), plan.get("gate"), plan.get("reached")
     starts = {opt.engine.rounds: opt.flat_params.clone()}
     joined_at = opt.engine.rounds
     stalls = []
@@ -106,6 +117,8 @@ def replica_main(replica: int, lighthouse: str, out: str, steps: int, plan: dict
         if die is not None and die[0] == "round" and step == die[1] * TAU + TAU // 2:
             opt.engine.pending_round.result(timeout=30)
             os.kill(os.getpid(), signal.SIGKILL)
+        if reached is not None and step == reached[0] * TAU:
+            Path(reached[1]).touch()
         if gate is not None and step == gate[0] * TAU:
             deadline = time.monotonic() + 300
             while not Path(gate[1]).exists() and time.monotonic() < deadline:
@@ -121,7 +134,7 @@ def replica_main(replica: int, lighthouse: str, out: str, steps: int, plan: dict
         time.sleep(STEP_SLEEP_S)
     history = [(r.round, r.replicas, r.contributors, r.committed) for r in membership.history]
     opt.finalize()
-    result = {
+    return {
         "starts": starts,
         "final": opt.flat_params.clone(),
         "history": history,
@@ -129,9 +142,6 @@ def replica_main(replica: int, lighthouse: str, out: str, steps: int, plan: dict
         "joined_at": joined_at,
         "stalls": stalls,
     }
-    torch.save(result, f"{out}.tmp")
-    os.replace(f"{out}.tmp", out)
-    dist.destroy_process_group()
 
 
 class Job:
@@ -271,3 +281,37 @@ def test_a_killed_replica_is_survived_then_rejoins(job_factory, tmp_path, where)
     assert stall < 10.0, f"the survivors stalled {stall:.1f} s at a round end after the failure"
     expected = _reference_final(schedule, [(2, joined_at)], rounds * TAU)
     torch.testing.assert_close(results[0]["final"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_replica_that_cannot_reach_the_lighthouse_fails_within_timeout(job_factory):
+    job = job_factory(4 * TAU)
+    job.address = f"http://localhost:{_free_port()}"  # nothing listens there
+    began = time.time()
+    job.wait([job.start(0, timeout_s=5.0)], timeout=180)
+    result = job.result(0)
+    assert "error" in result, "the replica trained without a Lighthouse"
+    assert "Lighthouse" in result["error"] and "timeout_s=5" in result["error"], result["error"]
+    assert result["error_at"] - began < 5.0 + 60.0  # process start-up (imports) under load, plus timeout_s
+
+
+@pytest.mark.slow
+def test_a_dead_lighthouse_fails_the_next_round_end_within_timeout(job_factory, tmp_path):
+    job = job_factory(12 * TAU)
+    go = str(tmp_path / "go")
+    replicas = [
+        job.start(r, start_replicas=2, timeout_s=20.0, reached=(3, str(tmp_path / f"at{r}")), gate=(3, go))
+        for r in (0, 1)
+    ]
+    deadline = time.monotonic() + 300
+    while not all((tmp_path / f"at{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job.lighthouse.kill()
+    job.lighthouse.wait()
+    killed = time.time()
+    Path(go).touch()
+    job.wait(replicas, timeout=120)
+    for r in (0, 1):
+        result = job.result(r)
+        assert "error" in result, f"replica {r} went on without its Lighthouse"
+        assert "no quorum from the Lighthouse" in result["error"], result["error"]
+        assert result["error_at"] - killed < 20.0 + 5.0, result["error_at"] - killed
