@@ -52,7 +52,8 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
     `param_groups`, `state` and `defaults` are the inner optimizer's own, so LR schedulers and
     gradient clipping work on either object. Requires `torch.distributed` to be initialised. Plain
     parameters: S = 1. DTensor parameters from `fully_shard` over `co2_zero.fsdp.replica_mesh(config)`:
-    the mesh is the replica (S = its size), the partition the local shards.
+    the mesh is the replica (S = its size), the partition the local shards. `membership`
+    (`co2_zero.elastic.Membership`): elastic training, replicas that come and go (docs/elastic.md).
     """
 
     def __init__(
