@@ -131,7 +131,9 @@ def _train(replica: int, opt: Any, model: torch.nn.Module, membership: Any, step
         if opt.round_ended:
             starts[opt.engine.rounds] = opt.flat_params.clone()
             stalls.append(opt.last_round["round_end_s"])
-        time.sleep(STEP_SLEEP_S)
+        # Past the gate, wait for the restarted replica (slowly, no extra steps) until it is in the quorum.
+        waiting = gate is not None and step >= gate[0] * TAU and len(membership.history[-1].replicas) < 3
+        time.sleep(1.0 if waiting else STEP_SLEEP_S)
     history = [(r.round, r.replicas, r.contributors, r.committed) for r in membership.history]
     opt.finalize()
     return {
@@ -253,7 +255,7 @@ def test_a_killed_replica_is_survived_then_rejoins(job_factory, tmp_path, where)
     victim = job.start(2, die=(where, killed_round))
     job.wait([victim], timeout=300)
     assert victim.exitcode == -signal.SIGKILL
-    rejoined = job.start(2, tag="b", announce=joining, start_replicas=1)
+    rejoined = job.start(2, tag="b", announce=joining, start_replicas=2)  # never a job of its own
     job.wait([*survivors, rejoined], timeout=300)
     results = [job.result(0), job.result(1), job.result(2, tag="b")]
 
