@@ -60,6 +60,8 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         config: a `CO2Config`, a dict of its fields, or None for the defaults.
         model: optional; its float buffers (e.g. BatchNorm statistics) are averaged across the replicas
             at every round end, and its frozen parameters are watched for `requires_grad` changes.
+        membership: optional `co2_zero.elastic.Membership`: elastic training, replicas that come and go
+            (docs/elastic.md).
 
     Raises:
         ValueError: the model is wrapped in DDP, the inner optimizer holds no trainable parameters, a
@@ -73,6 +75,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         config: Union[CO2Config, Mapping[str, Any], None] = None,
         model: Optional[torch.nn.Module] = None,
+        membership: Any = None,
     ) -> None:
         config = CO2Config.coerce(config)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -109,7 +112,9 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
             partition, refresh = self._flat_partition(params, config, model), _nothing_to_spread
             self.topology = Topology.build(config, shards=1)
         inner_params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.engine = RoundEngine(partition, config, self.topology, refresh=refresh, module=model, params=inner_params)
+        self.engine = RoundEngine(
+            partition, config, self.topology, refresh=refresh, module=model, params=inner_params, membership=membership
+        )
         self.config = config
 
     def _flat_partition(

@@ -128,6 +128,10 @@ class RoundEngine:
 
     `module` (optional): its float buffers are averaged over all ranks at every round end, and its
     parameters are watched (see `ParameterWatch`) together with `params` (the inner optimizer's).
+    `membership` (optional, `co2_zero.elastic.Membership`): replicas that come and go; it makes the
+    exchange (which averages over each round's quorum) and, via `attach`, joins the job: True means
+    this replica joined a running job at a round end and takes part in that round's exchange with a
+    zero displacement (docs/design.md §12).
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class RoundEngine:
         buffers: Sequence[torch.Tensor] = (),
         module: Optional[torch.nn.Module] = None,
         params: Sequence[torch.Tensor] = (),
+        membership: Any = None,
     ) -> None:
         for i, chunk in enumerate(partition.chunks):
             if chunk.dtype != torch.float32 or chunk.dim() != 1:
@@ -169,7 +174,8 @@ class RoundEngine:
         self._common_start()
         # One fp32 copy of the float buffers: what a round end with non-finite buffers falls back to.
         self.agreed_buffers = self._common_buffers()
-        self.exchange = OuterExchange(config, topology, self.layout, device)
+        make_exchange = OuterExchange if membership is None else membership.make_exchange
+        self.exchange = make_exchange(config, topology, self.layout, device)
         self.announcements = StepAnnouncements(topology.buffer_group)
         self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology, self.announcements)
 
@@ -192,6 +198,8 @@ class RoundEngine:
         self.failed: Optional[BaseException] = None
         self.last_round: dict[str, Any] = {}
         self._bytes_reported = 0  # of exchange.bytes_sent, already in some last_round
+        if membership is not None and membership.attach(self):
+            self._round_end()  # joined a running job at a round end: take part in its exchange
 
     # ---- the round --------------------------------------------------------------------------------
 
