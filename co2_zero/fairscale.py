@@ -36,8 +36,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 from .agreement import identify
 from .checkpoint import InnerOptimizerState
 from .config import CO2Config
+from .engine import CO2Steps, RoundEngine
 from .outer import Segment
-from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
+from .partition import Partition, parameter_signature
 from .topology import Topology, collective_device
 
 __all__ = ["CO2OSS", "ShardedDataParallel", "wrap"]

@@ -23,7 +23,7 @@ from .agreement import identify
 from .config import CO2Config
 from .errors import CO2Error
 from .outer import Segment
-from .sync import Partition, parameter_signature
+from .partition import Partition, parameter_signature
 from .topology import new_groups, replica_ranks
 
 _USE_REPLICA_MESH = "shard the model with fully_shard(module, mesh=co2_zero.fsdp.replica_mesh(config))"

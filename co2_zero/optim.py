@@ -16,8 +16,9 @@ import torch
 
 from .agreement import identify, in_model_order
 from .config import CO2Config
+from .engine import CO2Steps, RoundEngine
 from .outer import Segment
-from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
+from .partition import Partition, parameter_signature
 from .topology import Topology
 
 
