@@ -704,6 +704,8 @@ def test_no_deepspeed_config_key_is_taken_for_a_misspelt_co2():
     """The top-level keys DeepSpeed's own config class reads (recorded while it parses a shipped config)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    from co2_zero.deepspeed.config import _is_near_co2
+
     class Recording(dict):
         read: set = set()
 
@@ -722,7 +724,7 @@ def test_no_deepspeed_config_key_is_taken_for_a_misspelt_co2():
     DeepSpeedConfig(Recording(ds_config("ds_zero2_co2", plain=True, train_batch_size=8)))
     assert {"zero_optimization", "gradient_clipping", "optimizer", "comms_logger"} <= Recording.read
     assert "co2" not in Recording.read  # DeepSpeed ignores the section: hence the check
-    assert [key for key in sorted(Recording.read) if co2_deepspeed._is_near_co2(key)] == []
+    assert [key for key in sorted(Recording.read) if _is_near_co2(key)] == []
 
 
 # ---- importing changes nothing in DeepSpeed; patch() does, unpatch() undoes it ---------------------------
