@@ -646,6 +646,19 @@ def test_stages_other_than_1_and_2_are_refused(stage):
         _initialize(config)
 
 
+@pytest.mark.parametrize("module", ["co2_zero.deepspeed", "co2_zero.deepspeed.routing"])
+def test_missing_deepspeed_names_the_extra(monkeypatch, module):
+    """Without DeepSpeed, importing the package or any of its files raises an ImportError naming the extra."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if DeepSpeed were not installed
+    for name in [name for name in sys.modules if name.startswith("co2_zero.deepspeed")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[deepspeed\]'"):
+        importlib.import_module(module)
+
+
 def test_shipped_configs_are_valid(monkeypatch):
     import co2_zero.configs
     from co2_zero.topology import check_shards
