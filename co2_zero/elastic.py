@@ -210,11 +210,7 @@ class Membership:
         group = self.manager._pg
         shards = self.engine.topology.world_size
         replicas = tuple(rank // shards for rank in (group._global_ranks or [self.replica_id * shards]))
-        peers = Peers(group, replicas, replicas.index(self.replica_id), contributes=True)
-        previous = self.history[-1].replicas if self.history else None
-        if previous is not None and len(previous) != len(replicas):
-            self.changes.append(f"replicas {len(previous)} -> {len(replicas)} at round {round_index}")
-        return peers
+        return Peers(group, replicas, replicas.index(self.replica_id), contributes=True)
 
     def _vote(self, error: Optional[BaseException]) -> bool:
         """torchft's commit vote over this replica's ranks: True iff none of them failed."""
@@ -222,10 +218,18 @@ class Membership:
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(str(error)))
         return bool(self.manager.should_commit(timeout=timedelta(seconds=self.timeout_s)))
 
+    def _record(self, record: RoundRecord) -> None:
+        """Append a round to `history` and, when its quorum has another size than the previous round's, a
+        line to `changes`: both from the same records (the background worker appends them in round order)."""
+        previous = self.history[-1].replicas if self.history else None
+        self.history.append(record)
+        if previous is not None and len(previous) != len(record.replicas):
+            self.changes.append(f"replicas {len(previous)} -> {len(record.replicas)} at round {record.round}")
+
     def settle(self, peers: Peers, round_index: int, contributors: Optional[tuple[int, ...]], error: Any) -> bool:
         """After the average (background worker): commit it, or cut the round on this replica."""
         committed = self._vote(error)
-        self.history.append(RoundRecord(round_index, peers.replicas, contributors, committed))
+        self._record(RoundRecord(round_index, peers.replicas, contributors, committed))
         if not committed:
             warnings.warn(
                 f"co2 elastic: round {round_index}: the exchange over replicas {list(peers.replicas)} was cut "

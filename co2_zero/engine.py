@@ -275,11 +275,11 @@ class RoundEngine:
         try:
             rows = self.announcements.collect(time.monotonic() + self.config.timeout_s)
         except CO2TimeoutError as error:
-            ranks = list(range(self.topology.world_size))
-            where, what = ("co2 finalize", "called finalize()") if finalizing else ("co2", "reached this round end")
+            where = "co2 finalize" if finalizing else f"co2: round {self.rounds - 1}"
+            what = "called finalize()" if finalizing else "reached this round end"
             self._fail(
                 CO2TimeoutError(
-                    f"{where}: not every rank of global ranks {ranks} {what} within timeout_s="
+                    f"{where}: not every rank of the {self.topology.describe_control()} {what} within timeout_s="
                     f"{self.config.timeout_s:g} (rank {self.topology.rank} at inner step {self.inner_steps}); a "
                     f"rank died, is stuck{', or skipped finalize()' if finalizing else ''}"
                 ),

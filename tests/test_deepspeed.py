@@ -646,6 +646,19 @@ def test_stages_other_than_1_and_2_are_refused(stage):
         _initialize(config)
 
 
+@pytest.mark.parametrize("module", ["co2_zero.deepspeed", "co2_zero.deepspeed.routing"])
+def test_missing_deepspeed_names_the_extra(monkeypatch, module):
+    """Without DeepSpeed, importing the package or any of its files raises an ImportError naming the extra."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if DeepSpeed were not installed
+    for name in [name for name in sys.modules if name.startswith("co2_zero.deepspeed")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[deepspeed\]'"):
+        importlib.import_module(module)
+
+
 def test_shipped_configs_are_valid(monkeypatch):
     import co2_zero.configs
     from co2_zero.topology import check_shards
@@ -704,6 +717,8 @@ def test_no_deepspeed_config_key_is_taken_for_a_misspelt_co2():
     """The top-level keys DeepSpeed's own config class reads (recorded while it parses a shipped config)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    from co2_zero.deepspeed.config import _is_near_co2
+
     class Recording(dict):
         read: set = set()
 
@@ -722,7 +737,7 @@ def test_no_deepspeed_config_key_is_taken_for_a_misspelt_co2():
     DeepSpeedConfig(Recording(ds_config("ds_zero2_co2", plain=True, train_batch_size=8)))
     assert {"zero_optimization", "gradient_clipping", "optimizer", "comms_logger"} <= Recording.read
     assert "co2" not in Recording.read  # DeepSpeed ignores the section: hence the check
-    assert [key for key in sorted(Recording.read) if co2_deepspeed._is_near_co2(key)] == []
+    assert [key for key in sorted(Recording.read) if _is_near_co2(key)] == []
 
 
 # ---- importing changes nothing in DeepSpeed; patch() does, unpatch() undoes it ---------------------------

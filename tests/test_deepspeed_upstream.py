@@ -1,8 +1,8 @@
 """DeepSpeed's own behaviour behind a workaround in co2_zero.deepspeed, pinned on plain DeepSpeed.
 
-co2_zero/deepspeed.py keeps its DeepSpeed workarounds in one section ("DeepSpeed 0.19.8 behaviours we
-work around"). The tests here watch the upstream behaviour itself, so that a DeepSpeed release that
-changes it turns the suite red and the workaround gets reviewed (and deleted):
+co2_zero/deepspeed/workarounds.py keeps the DeepSpeed workarounds, one entry per upstream behaviour. The
+tests here watch the upstream behaviour itself, so that a DeepSpeed release that changes it turns the suite
+red and the workaround gets reviewed (and deleted):
 
 - `gradient_clipping` absent: DeepSpeed 0.19.8 clips the global gradient norm at 1.0 (its
   GRADIENT_CLIPPING_DEFAULT, changed from 0.0 to 1.0 by deepspeedai/DeepSpeed PR #8068), so the optimizer
@@ -120,7 +120,7 @@ STAGES = pytest.mark.parametrize("stage", [1, 2])
     raises=AssertionError,
     reason="DeepSpeed 0.19.8 clips at gradient norm 1.0 when gradient_clipping is absent (GRADIENT_CLIPPING_DEFAULT "
     "= 1.0 since deepspeedai/DeepSpeed PR #8068; applied in DeepSpeedZeroOptimizer.unscale_and_clip_grads). "
-    "If this passes, review _explicit_gradient_clipping in co2_zero/deepspeed.py",
+    "If this passes, review _explicit_gradient_clipping in co2_zero/deepspeed/workarounds.py",
 )
 def test_plain_deepspeed_without_gradient_clipping_hands_the_true_gradient(results, stage):
     _assert_true_gradient(results[f"plain-absent-z{stage}"], f"plain DeepSpeed ZeRO-{stage}, no gradient_clipping")

@@ -40,6 +40,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 co2_deepspeed = pytest.importorskip("co2_zero.deepspeed")
+from co2_zero.deepspeed import routing as co2_routing  # noqa: E402  (after the importorskip)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD, SHARDS = 4, 2
@@ -220,7 +221,7 @@ def scenario_unpatched(out: Path) -> dict:
         "plain_dp_world": engine.dp_world_size,
         "train_unpatched": _error_of(trainer.train),
         "auto": _error_of(lambda: _trainer(out / "auto", trainer_ds_config(collective="auto"), [CO2Callback()])),
-        "patched_after": co2_deepspeed._ENTRY.patched,  # the "auto" Trainer's CO2Callback patched again
+        "patched_after": co2_routing._ENTRY.patched,  # the "auto" Trainer's CO2Callback patched again
     }
 
 
@@ -232,7 +233,7 @@ def scenario_trainer(out: Path) -> dict:
     recorder, model = _recorder(), make_model()
     inputs = _record_inputs(model)
     trainer = _trainer(out / "trainer", trainer_ds_config(), [CO2Callback(), recorder], model=model)
-    patched_by_callback = co2_deepspeed._ENTRY.patched
+    patched_by_callback = co2_routing._ENTRY.patched
     x0 = params(model)
     trainer.train()
     engine = trainer.model_wrapped
@@ -324,7 +325,7 @@ def scenario_accelerate(out: Path) -> dict:
     loader = torch.utils.data.DataLoader(token_rows(), batch_size=2)
     with co2_deepspeed.patch():
         model, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
-    patched_after_exit = co2_deepspeed._ENTRY.patched
+    patched_after_exit = co2_routing._ENTRY.patched
     starts = [params(model.module)]
     for step, x in enumerate(loader):
         accelerator.backward(model(input_ids=x, labels=x).loss)
@@ -625,21 +626,21 @@ def test_patch_is_idempotent_undoable_and_a_context_manager():
 
     shm = importlib.import_module("deepspeed.comm.torch")
     build, code = shm.build_shm_op, deepspeed.initialize.__code__
-    assert not co2_deepspeed._ENTRY.patched
+    assert not co2_routing._ENTRY.patched
     assert code.co_filename.endswith(os.path.join("deepspeed", "__init__.py"))  # importing co2_zero changed nothing
     co2_deepspeed.patch()
     co2_deepspeed.patch()
-    assert co2_deepspeed._ENTRY.patched and shm.build_shm_op() is None and shm.build_shm_op is not build
+    assert co2_routing._ENTRY.patched and shm.build_shm_op() is None and shm.build_shm_op is not build
     assert deepspeed.initialize.__code__ is not code
     with co2_deepspeed.patch():  # already on: leaving the block keeps it on
         pass
-    assert co2_deepspeed._ENTRY.patched and deepspeed.initialize.__code__ is not code
+    assert co2_routing._ENTRY.patched and deepspeed.initialize.__code__ is not code
     assert "config_params" in inspect.signature(deepspeed.initialize).parameters  # DeepSpeed's signature
     co2_deepspeed.unpatch()
-    assert not co2_deepspeed._ENTRY.patched and shm.build_shm_op is build and deepspeed.initialize.__code__ is code
+    assert not co2_routing._ENTRY.patched and shm.build_shm_op is build and deepspeed.initialize.__code__ is code
     with co2_deepspeed.patch():
-        assert co2_deepspeed._ENTRY.patched and deepspeed.initialize.__code__ is not code
-    assert not co2_deepspeed._ENTRY.patched and shm.build_shm_op is build and deepspeed.initialize.__code__ is code
+        assert co2_routing._ENTRY.patched and deepspeed.initialize.__code__ is not code
+    assert not co2_routing._ENTRY.patched and shm.build_shm_op is build and deepspeed.initialize.__code__ is code
 
 
 def test_unpatched_deepspeed_runs_its_own_code_without_a_word():
