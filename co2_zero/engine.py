@@ -22,7 +22,7 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 
@@ -167,7 +167,7 @@ class RoundEngine:
         if self.phase is Phase.FINALIZED:
             raise CO2Error("co2: finalize() ended training; build a new CO2 optimizer to train again")
 
-    def _fail(self, error: CO2Error, cause: Optional[BaseException] = None) -> None:
+    def _fail(self, error: CO2Error, cause: Optional[BaseException] = None) -> NoReturn:
         """Enter FAILED: record `error`, release the worker and groups, raise it (from `cause`, else
         from the cause it already carries)."""
         self._failure, self.phase = error, Phase.FAILED
@@ -308,7 +308,6 @@ class RoundEngine:
             return self.buffers.average(where)
         except CO2Error as error:
             self._fail(error)
-            raise  # unreachable: _fail raises
 
     def _set_live(self, flat: torch.Tensor) -> None:
         """live partition <- flat, then let the integration spread it over its replica."""
@@ -408,45 +407,6 @@ class RoundEngine:
 
 def _all_finite(flat: torch.Tensor) -> bool:
     return bool(torch.isfinite(largest_abs(flat)))
-
-
-class CO2Steps:
-    """What every integration's optimizer adds to its framework's optimizer, around `self.engine`."""
-
-    engine: RoundEngine
-    round_ended: bool = False  # did the last step() end a round
-
-    @property
-    def inner_optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer holding this rank's inner state (its moments)."""
-        return self.optimizer  # type: ignore[attr-defined]
-
-    def _count_step(self, applied: bool = True) -> None:
-        """After the framework's step: count it for CO2 if it was applied (not skipped on overflow)."""
-        self.round_ended = applied and self.engine.inner_step_done()
-        if self.round_ended and self.engine.last_round["inner_state_reset"]:
-            self.inner_optimizer.state.clear()  # nonfinite="skip_round": this partition's moments were NaN/Inf
-
-    @property
-    def last_round(self) -> dict[str, Any]:
-        """The last round end: round, inner_step, wait_s, round_end_s, bytes_sent (what this rank sent
-        since the previous report), skipped_rounds (rounds whose outer update was skipped so far),
-        inner_state_reset (this rank reset its inner state), buffers_restored (some rank's float module
-        buffers held NaN/Inf, so every rank kept the last agreed buffers instead of averaging)."""
-        return self.engine.last_round
-
-    def finalize(self) -> None:
-        """Wait for the round in flight and give every rank the same model (docs/design.md §3)."""
-        self.engine.finalize()
-
-    def co2_state_bytes(self) -> int:
-        """Bytes of CO2 state on this rank (docs/design.md §4)."""
-        return self.engine.state_bytes()
-
-    def add_param_group(self, param_group: dict) -> None:
-        if hasattr(self, "engine"):
-            raise RuntimeError("co2: parameters cannot be added after the CO2 partition was built")
-        super().add_param_group(param_group)  # type: ignore[misc]
 
 
 def _shutdown(exchange: OuterExchange, topology: Topology, announcements: StepAnnouncements) -> None:

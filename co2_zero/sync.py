@@ -2,7 +2,8 @@
 averages), `startup`, `buffers` and `engine_state`. Code outside the library may keep importing these
 names from here."""
 
-from .engine import CO2Steps, RoundEngine
+from .engine import RoundEngine
+from .integration import CO2Steps
 from .partition import ParameterWatch, Partition, parameter_signature
 
 __all__ = ["CO2Steps", "ParameterWatch", "Partition", "RoundEngine", "parameter_signature"]
