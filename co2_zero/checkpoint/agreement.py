@@ -15,9 +15,7 @@ from ..errors import CO2Error, CO2TimeoutError
 from ..topology import gather_fingerprints
 
 TEXT_WORDS = 64  # an error message or a path in an agreement: 512 bytes of UTF-8
-
-
-TAG_WORDS = 32
+TAG_WORDS = 32  # a tag (at most files.MAX_TAG_BYTES = 200 bytes) in the load's choice: 256 bytes
 
 
 def text_words(text: str, words: int = TEXT_WORDS) -> list[int]:
@@ -27,18 +25,27 @@ def text_words(text: str, words: int = TEXT_WORDS) -> list[int]:
 
 
 def words_text(values: Sequence[int]) -> str:
+    """The text `text_words` packed (trailing zeros dropped)."""
     return struct.pack(f"<{len(values)}q", *values).rstrip(b"\0").decode(errors="replace")
 
 
+def hex_words(digest: str) -> list[int]:
+    """A SHA-256 hex digest as 4 int64."""
+    return list(struct.unpack("<4q", bytes.fromhex(digest)))
+
+
 def words_hex(words: Sequence[int]) -> str:
+    """The SHA-256 hex digest `hex_words` packed."""
     return struct.pack("<4q", *words).hex()
 
 
 def id_word() -> int:
+    """A fresh random identifier (a save id, a run id) as one non-negative int64."""
     return secrets.randbits(63)
 
 
 def as_hex(word: int) -> str:
+    """An `id_word` as the 16 hex digits file names and identity records carry."""
     return f"{word:016x}"
 
 
@@ -112,8 +119,7 @@ class SaveSeen(NamedTuple):
     digest: str  # SHA-256 hex of the marker's bytes; "" when this rank could not read it
 
     def words(self) -> list[int]:
-        digest = bytes.fromhex(self.digest) if self.digest else bytes(32)
-        return [self.step, *struct.unpack("<4q", digest), *text_words(self.save_id, 2)]
+        return [self.step, *hex_words(self.digest or "0" * 64), *text_words(self.save_id, 2)]
 
     @staticmethod
     def from_words(words: Sequence[int]) -> SaveSeen:

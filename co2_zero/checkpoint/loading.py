@@ -69,7 +69,7 @@ def load_checkpoint(
 ) -> Optional[tuple[Path, Any]]:
     """Load one complete checkpoint on every rank (collective): returns (its directory, its extra), or
     None when `directory` holds no complete checkpoint at all. Raises CO2Error on every rank when any
-    rank cannot load it; nothing was changed then. See the module docstring."""
+    rank cannot load it; nothing was changed then. Protocol: co2_zero.checkpoint, docs/design.md §7."""
     engine = framework.engine
     root = Path(directory)
     refuse_unusable_engine(engine, "load from", root)

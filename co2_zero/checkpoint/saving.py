@@ -5,7 +5,6 @@ failing rank's file and reason; the previous complete checkpoints are untouched.
 from __future__ import annotations
 
 import json
-import struct
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -14,7 +13,16 @@ import torch
 
 from ..errors import CO2Error, CO2TimeoutError
 from ..topology import fingerprint
-from .agreement import Agreement, as_hex, id_word, raise_failed, refuse_unusable_engine, text_words, words_hex
+from .agreement import (
+    Agreement,
+    as_hex,
+    hex_words,
+    id_word,
+    raise_failed,
+    refuse_unusable_engine,
+    text_words,
+    words_hex,
+)
 from .files import (
     PathLike,
     check_tag,
@@ -65,7 +73,7 @@ def save_checkpoint(
 ) -> Path:
     """Save one complete checkpoint of every rank under `directory/tag` (collective); returns that
     directory. `tag` defaults to `step<inner steps>`. Raises CO2Error on every rank if any rank failed;
-    the previous complete checkpoints are then untouched. See the module docstring."""
+    the previous complete checkpoints are then untouched. Protocol: co2_zero.checkpoint, docs/design.md §7."""
     engine = framework.engine
     root = Path(directory)
     tag = check_tag(tag if tag is not None else f"step{engine.inner_steps:08d}")
@@ -141,9 +149,8 @@ def _write_rank_files(
         size, digest = save_atomic({"identity": identity, **rank_record(framework, extra)}, where / name)
     except Exception as error:  # a full disk (OSError, or RuntimeError from torch.save), a bad extra, ...
         problem, cause = f"{name}: {describe_write_error(error, where)}", error
-    digest_words = list(struct.unpack("<4q", bytes.fromhex(digest)))
     table = agreement.exchange(
-        [int(problem is not None), size, *digest_words, *text_words(problem or "")], "save: every file durable"
+        [int(problem is not None), size, *hex_words(digest), *text_words(problem or "")], "save: every file durable"
     )
     raise_failed(agreement, [(r, row[0], row[6:]) for r, row in enumerate(table)], cause)
     return [
