@@ -1,29 +1,5 @@
-from pathlib import Path
+"""Everything is declared in pyproject.toml; this file only lets older tools call `setup.py`."""
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
-version = {}
-exec((Path(__file__).parent / "co2_zero" / "version.py").read_text(), version)
-
-setup(
-    name="co2_zero",
-    version=version["__version__"],
-    description=(
-        "CO2: local updates with fully overlapped asynchronous outer steps, "
-        "sharded across ZeRO (DeepSpeed) and OSS (FairScale) partitions"
-    ),
-    long_description=Path("README.md").read_text(encoding="utf-8"),
-    long_description_content_type="text/markdown",
-    packages=find_packages(include=["co2_zero", "co2_zero.*"]),
-    python_requires=">=3.9",
-    # An open torch range would pull a multi-GB CUDA build on a fresh machine: install torch first.
-    install_requires=["torch>=2.1", "tqdm"],
-    extras_require={
-        "fairscale": ["fairscale==0.4.13"],
-        "deepspeed": ["deepspeed==0.19.8"],
-        # Hugging Face Trainer / Accelerate on CO2 reach it through DeepSpeed (co2_zero.hf)
-        "hf": ["transformers>=5.23,<6", "accelerate>=1.15,<2", "deepspeed==0.19.8"],
-        "test": ["pytest>=7", "ruff"],
-        "bench": ["matplotlib"],
-    },
-)
+setup()

@@ -244,7 +244,7 @@ class OuterExchange:
         """g = mean of D over the outer group, on this rank's slice."""
         if self.wire_format is not None:
             return self._average_quantized(work, g_buffer)
-        group, replicas = self.topology.outer_group, self.topology.replicas
+        group, replicas = self.outer_peers()
         reduce_scatter = self.strategy == "reduce_scatter"
         if self.comm_dtype == torch.float32:
             if reduce_scatter:
@@ -263,6 +263,12 @@ class OuterExchange:
         self._count("all_reduce", wire, replicas)
         dist.all_reduce(wire, group=group)
         return work.copy_(wire)
+
+    def outer_peers(self) -> tuple[Any, int]:
+        """The group this round's displacement is averaged over, and the number of displacements in
+        the average: the fixed outer group and R. The seam of elastic membership (`co2_zero.elastic`),
+        whose exchange averages over the replicas of each round's quorum instead."""
+        return self.topology.outer_group, self.topology.replicas
 
     def _average_quantized(self, work: torch.Tensor, g_buffer: Optional[torch.Tensor]) -> torch.Tensor:
         """The quantized reduce-scatter (docs/design.md §5): D + residual is quantized per block, each

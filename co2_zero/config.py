@@ -189,7 +189,9 @@ class CO2Config:
             "doc": "A NaN/Inf in some replica's displacement: `raise` a `NonFiniteError` naming the round and "
             "replica, or `skip_round`: skip that round's outer update on every replica (a rank whose own "
             "displacement was non-finite also resets its inner optimizer state; "
-            '`last_round["skipped_rounds"]` counts them).'
+            '`last_round["skipped_rounds"]` counts them). The same for NaN/Inf in some rank\'s float module '
+            "buffers: raise, or keep the last agreed buffers on every rank "
+            '(`last_round["buffers_restored"]`).'
         },
     )
 

@@ -43,6 +43,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise missing_extra("DeepSpeed", "deepspeed", error) from error
 
 from . import checkpoint
+from .agreement import identify
 from .config import CO2Config
 from .outer import Segment
 from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
@@ -210,21 +211,24 @@ class ReplicaMPU:
 # ---- the partition --------------------------------------------------------------------------------------
 
 
-def zero_partition(zero: DeepSpeedZeroOptimizer) -> Partition:
+def zero_partition(zero: DeepSpeedZeroOptimizer, module: Optional[torch.nn.Module] = None) -> Partition:
     """This rank's fp32 master partition in a ZeRO-1/2 optimizer, mapped to global parameter tensors.
 
     Chunk i is `single_partition_of_fp32_groups[i]`: elements [p*size, (p+1)*size) of param group i's
     flat buffer, p = this rank's index in the replica. The flat buffer holds the group's tensors in
     `round_robin_bit16_groups` order at `round_robin_bit16_offsets` (alignment padding between and
     after them belongs to no tensor and gets no segment). Tensor ids count `bit16_groups` in order, the
-    same on every rank. The result is checked against DeepSpeed's own `params_in_partition`.
+    same on every rank. The result is checked against DeepSpeed's own `params_in_partition`. `module`
+    names the tensors for the start-up check (DeepSpeed keeps the layout of the user's param groups,
+    so ranks that list them in different orders are refused there, naming the parameters).
     """
     tensor_ids: dict[int, int] = {}
-    shapes: list[torch.Size] = []
+    params: list[torch.Tensor] = []
     for group in zero.bit16_groups:
         for p in group:
             tensor_ids[id(p)] = len(tensor_ids)
-            shapes.append(p.shape)
+            params.append(p)
+    shapes = [p.shape for p in params]
     segments: list[Segment] = []
     base = 0
     for i, chunk in enumerate(zero.single_partition_of_fp32_groups):
@@ -261,6 +265,7 @@ def zero_partition(zero: DeepSpeedZeroOptimizer) -> Partition:
         segments=segments,
         num_tensors=len(tensor_ids),
         signature=parameter_signature(shapes),
+        tensors=identify(params, module),
     )
 
 
@@ -305,7 +310,7 @@ class CO2ZeroOptimizer(CO2Steps, DeepSpeedZeroOptimizer):
         return zero
 
     def _co2_attach(self, config: CO2Config, topology: Topology, module: torch.nn.Module) -> None:
-        partition = zero_partition(self)
+        partition = zero_partition(self, module)
         self.config = config
         self.topology = topology
         self.engine = RoundEngine(partition, config, topology, refresh=self.update_lp_params, module=module)
@@ -408,6 +413,46 @@ def init_distributed(**kwargs: Any) -> None:
         deepspeed.init_distributed(**kwargs)
 
 
+def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The floating-point tensors in a forward's arguments (nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _floating_tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _floating_tensors(item)
+
+
+def _warn_uncast_inputs(engine: Any) -> None:
+    """Warn once, at the first forward, when a bf16/fp16 engine gets inputs of another floating dtype.
+
+    DeepSpeed turns the model's parameters to bf16 (or fp16) but casts no inputs (its `fp16.auto_cast`
+    exists for fp16 only), so fp32 inputs fail in the first matmul with torch's bare "mat1 and mat2 must
+    have the same dtype" (the shipped configs/ds_zero2_co2_bf16.json enables bf16). The warning comes
+    first and names the cast; the hook removes itself after the first forward and costs nothing after.
+    """
+    dtype = next((p.dtype for p in engine.module.parameters() if p.is_floating_point()), None)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return
+
+    def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        handle.remove()
+        other = sorted({str(t.dtype) for t in _floating_tensors((args, kwargs)) if t.dtype != dtype})
+        if other:
+            warnings.warn(
+                f"co2: the DeepSpeed engine's parameters are {dtype} (the config's bf16/fp16 section) but the "
+                f"forward got {', '.join(other)} inputs, and DeepSpeed casts none: unless the model casts them "
+                f"itself it fails with 'mat1 and mat2 must have the same dtype'. Cast floating inputs, e.g. "
+                f"engine(x.to({dtype}))",
+                stacklevel=3,
+            )
+
+    handle = engine.module.register_forward_pre_hook(check, with_kwargs=True)
+
+
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -495,6 +540,7 @@ def initialize(
     if zero is None:
         raise ValueError("co2: DeepSpeed built no optimizer: give an optimizer in the config or as optimizer=")
     zero = CO2ZeroOptimizer.attach(zero, co2, topology, engine.module)
+    _warn_uncast_inputs(engine)
     if training_data is not None:  # the replica is DeepSpeed's data-parallel world; CO2 wants all ranks
         sampler = torch.utils.data.DistributedSampler(
             training_data, num_replicas=topology.world_size, rank=topology.rank

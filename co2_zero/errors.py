@@ -1,5 +1,12 @@
 """Errors co2_zero raises at run time (bad configuration raises ValueError)."""
 
+import re
+
+# How torch words a passed deadline: gloo "Timed out waiting 5000ms for recv operation", "Operation
+# timed out!" (Work.wait), "Application timeout caused pair closure" (the next collective on that pair);
+# NCCL's watchdog "... collective operation timeout ...". All arrive as RuntimeError / DistBackendError.
+_TIMEOUT_WORDING = re.compile(r"time[d]?\s*out", re.IGNORECASE)
+
 
 class CO2Error(RuntimeError):
     """The CO2 exchange failed: a peer died, timed out, or the ranks disagree.
@@ -15,6 +22,27 @@ class CO2TimeoutError(CO2Error, TimeoutError):
 
 class NonFiniteError(CO2Error, FloatingPointError):
     """A replica's displacement held NaN or Inf (policy `nonfinite: "raise"`)."""
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether `error` says a deadline passed: a TimeoutError, or a backend error worded as one."""
+    return isinstance(error, TimeoutError) or bool(_TIMEOUT_WORDING.search(str(error)))
+
+
+def collective_error(what: str, error: BaseException, timeout_s: float) -> CO2Error:
+    """The error to raise (`from error`) when `what` (naming the round or step and the group) failed.
+
+    The type follows the cause: CO2TimeoutError when a deadline passed, whichever clock fired first
+    (the group's own timeout inside the backend, or the library's wait), so `except CO2TimeoutError`
+    catches every timeout; CO2Error otherwise (e.g. a peer's connection closed).
+    """
+    detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    if is_timeout(error):
+        return CO2TimeoutError(
+            f"co2: {what} did not finish within timeout_s={timeout_s:g} ({detail}); a peer rank is "
+            f"probably dead or stuck"
+        )
+    return CO2Error(f"co2: {what} failed: {detail}")
 
 
 def missing_extra(package: str, extra: str, error: ImportError) -> ImportError:

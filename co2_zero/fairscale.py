@@ -33,6 +33,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise missing_extra("FairScale", "fairscale", error) from error
 
+from .agreement import identify
 from .config import CO2Config
 from .integration import InnerOptimizerState
 from .outer import Segment
@@ -107,8 +108,8 @@ class CO2OSS(CO2Steps, OSS):
         )
         self.config = config
         self.topology = topology
-        self._partition = self._find_partition()
         self._model = model
+        self._partition = self._find_partition()
         self.engine = self._new_engine()
         self._co2_states: list[Optional[dict[str, Any]]] = []
 
@@ -117,8 +118,9 @@ class CO2OSS(CO2Steps, OSS):
     def _find_partition(self) -> Partition:
         """This rank's OSS bucket, and which global parameter tensor each piece of it is.
 
-        Tensor ids count the trainable parameters of all param groups in order (identical on every
-        rank, and the convention of every adapter, so a checkpoint can be resharded across them). The
+        Tensor ids count the trainable parameters of all param groups in order (OSS lays out its buckets
+        in that order, so it cannot be changed here: the engine refuses ranks whose orders name different
+        parameters, `agreement.agree_on_parameters`; pass `model` so that it compares names). The
         pieces' places are read from the parameters' own storage offsets, not assumed from OSS's order.
         """
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -134,11 +136,12 @@ class CO2OSS(CO2Steps, OSS):
                 )
         index = {id(p): i for i, p in enumerate(params)}
         signature = parameter_signature([p.shape for p in params])
+        tensors = identify(params, self._model)
         bucket = self.buckets.get(device, {}).get(self.rank)
         if bucket is None:
             # This rank owns no trainable parameter: one private zero that never moves keeps the
             # engine's buffers on the parameters' device.
-            return Partition([torch.zeros(1, device=device)], [], len(params), signature)
+            return Partition([torch.zeros(1, device=device)], [], len(params), signature, tensors)
         buffer = bucket.buffer
         owned = [p for g in self.partition_parameters()[self.rank] for p in g["params"] if p.requires_grad]
         segments = []
@@ -152,7 +155,7 @@ class CO2OSS(CO2Steps, OSS):
             segments[-1].end != buffer.numel()
         ):
             raise CO2Error("co2: the OSS bucket is not exactly this rank's trainable parameters, back to back")
-        return Partition([buffer], segments, len(params), signature)
+        return Partition([buffer], segments, len(params), signature, tensors)
 
     def _follow_bucket(self) -> None:
         """Keep the engine's partition on OSS's current bucket (same layout, new storage).

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .agreement import identify
 from .config import CO2Config
 from .errors import CO2Error
 from .integration import TensorRows
@@ -69,11 +70,11 @@ def is_sharded(params: Sequence[torch.Tensor]) -> bool:
 
 
 def find_partition(
-    params: Sequence[torch.nn.Parameter], config: CO2Config
+    params: Sequence[torch.nn.Parameter], config: CO2Config, module: Optional[torch.nn.Module] = None
 ) -> tuple[Partition, Any, Callable[[], None]]:
     """The partition of fully_shard'ed `params` (the inner optimizer's trainable parameters, in
     order), the replica's process group (for `Topology.build(..., inner_group=...)`) and the
-    engine's `refresh` callback.
+    engine's `refresh` callback. `module` (optional) names the parameters for the start-up check.
 
     Chunks are the local shards (views of FSDP2's sharded storage, without its padding rows);
     segments map them to the parameters' flattened global elements. Nothing needs spreading after a
@@ -93,6 +94,7 @@ def find_partition(
         segments=segments,
         num_tensors=len(params),
         signature=parameter_signature([p.shape for p in params]),
+        tensors=identify(params, module),
     )
     return partition, mesh.get_group(), _check_shards_unmoved(params, chunks)
 

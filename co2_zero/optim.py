@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
+from .agreement import identify, in_model_order
 from .config import CO2Config
 from .integration import WHOLE, InnerOptimizerState
 from .outer import Segment
@@ -60,6 +61,8 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         config: a `CO2Config`, a dict of its fields, or None for the defaults.
         model: optional; its float buffers (e.g. BatchNorm statistics) are averaged across the replicas
             at every round end, and its frozen parameters are watched for `requires_grad` changes.
+        membership: optional `co2_zero.elastic.Membership`: elastic training, replicas that come and go
+            (docs/elastic.md).
 
     Raises:
         ValueError: the model is wrapped in DDP, the inner optimizer holds no trainable parameters, a
@@ -73,6 +76,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         config: Union[CO2Config, Mapping[str, Any], None] = None,
         model: Optional[torch.nn.Module] = None,
+        membership: Any = None,
     ) -> None:
         config = CO2Config.coerce(config)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -97,20 +101,26 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
                     params.append(p)
         if not params:
             raise ValueError("co2: the inner optimizer holds no trainable parameters")
+        if model is not None:  # this optimizer lays out the partition: in the model's order, not the groups'
+            params = in_model_order(params, model)
         from . import fsdp  # here, not at import: torch.distributed.tensor takes a while to import
 
         if fsdp.is_sharded(params):
             self.flat_params = None
-            partition, replica_group, refresh = fsdp.find_partition(params, config)
+            partition, replica_group, refresh = fsdp.find_partition(params, config, model)
             self.topology = Topology.build(config, inner_group=replica_group)
         else:
-            partition, refresh = self._flat_partition(params, config), _nothing_to_spread
+            partition, refresh = self._flat_partition(params, config, model), _nothing_to_spread
             self.topology = Topology.build(config, shards=1)
         inner_params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.engine = RoundEngine(partition, config, self.topology, refresh=refresh, module=model, params=inner_params)
+        self.engine = RoundEngine(
+            partition, config, self.topology, refresh=refresh, module=model, params=inner_params, membership=membership
+        )
         self.config = config
 
-    def _flat_partition(self, params: list[torch.nn.Parameter], config: CO2Config) -> Partition:
+    def _flat_partition(
+        self, params: list[torch.nn.Parameter], config: CO2Config, model: Optional[torch.nn.Module]
+    ) -> Partition:
         """S = 1: the parameters re-pointed into one flat fp32 buffer, which is the partition."""
         if config.shards_per_replica not in ("node", 1):
             raise ValueError(
@@ -129,6 +139,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
             segments=segments,
             num_tensors=len(params),
             signature=parameter_signature([p.shape for p in params]),
+            tensors=identify(params, model),
         )
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]

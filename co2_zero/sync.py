@@ -28,13 +28,15 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .agreement import StepAnnouncements, TensorIdentity, agree_on_parameters, steps_mismatch
 from .comm import Layout, OuterExchange, PipelineJob, largest_abs, wire_bytes
 from .config import CO2Config
-from .errors import CO2Error, CO2TimeoutError
+from .errors import CO2Error, CO2TimeoutError, NonFiniteError, collective_error
 from .outer import Segment
 from .topology import Topology, collective_device, fingerprint, gather_fingerprints
 
 STATE_VERSION = 2
+_WATCH_S = 0.05  # how often a wait for the pipeline looks at the step announcements
 
 
 @dataclass
@@ -43,13 +45,15 @@ class Partition:
 
     chunks: 1-D fp32 views of the live parameters, in partition order (one per ZeRO param group, or
     one flat buffer). segments: which global parameter tensor each piece of the concatenated chunks
-    belongs to. num_tensors: parameter tensors in the whole model.
+    belongs to. num_tensors: parameter tensors in the whole model. tensors: the identity (name, shape)
+    of each tensor id, which every rank must share (`agreement.agree_on_parameters`); empty: unnamed.
     """
 
     chunks: list[torch.Tensor]
     segments: Sequence[Segment]
     num_tensors: int
-    signature: str  # parameter_signature() of the whole model, to catch ranks with different models
+    signature: str  # parameter_signature() of the whole model (checkpoints carry it)
+    tensors: Sequence[TensorIdentity] = ()
 
     @property
     def length(self) -> int:
@@ -124,6 +128,10 @@ class RoundEngine:
 
     `module` (optional): its float buffers are averaged over all ranks at every round end, and its
     parameters are watched (see `ParameterWatch`) together with `params` (the inner optimizer's).
+    `membership` (optional, `co2_zero.elastic.Membership`): replicas that come and go; it makes the
+    exchange (which averages over each round's quorum) and, via `attach`, joins the job: True means
+    this replica joined a running job at a round end and takes part in that round's exchange with a
+    zero displacement (docs/design.md §12).
     """
 
     def __init__(
@@ -135,6 +143,7 @@ class RoundEngine:
         buffers: Sequence[torch.Tensor] = (),
         module: Optional[torch.nn.Module] = None,
         params: Sequence[torch.Tensor] = (),
+        membership: Any = None,
     ) -> None:
         for i, chunk in enumerate(partition.chunks):
             if chunk.dtype != torch.float32 or chunk.dim() != 1:
@@ -163,8 +172,12 @@ class RoundEngine:
         )
         self._check_agreement()
         self._common_start()
-        self.exchange = OuterExchange(config, topology, self.layout, device)
-        self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology)
+        # One fp32 copy of the float buffers: what a round end with non-finite buffers falls back to.
+        self.agreed_buffers = self._common_buffers()
+        make_exchange = OuterExchange if membership is None else membership.make_exchange
+        self.exchange = make_exchange(config, topology, self.layout, device)
+        self.announcements = StepAnnouncements(topology.buffer_group)
+        self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology, self.announcements)
 
         # The two partition buffers that trade roles every round (start point B; D, then Nx).
         self.start_point = torch.zeros(padded, dtype=torch.float32, device=device)
@@ -185,6 +198,8 @@ class RoundEngine:
         self.failed: Optional[BaseException] = None
         self.last_round: dict[str, Any] = {}
         self._bytes_reported = 0  # of exchange.bytes_sent, already in some last_round
+        if membership is not None and membership.attach(self):
+            self._round_end()  # joined a running job at a round end: take part in its exchange
 
     # ---- the round --------------------------------------------------------------------------------
 
@@ -201,6 +216,8 @@ class RoundEngine:
         began = time.perf_counter()
         self._check_parameters_unchanged()
         wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
+        self._check_steps()  # the last round end's (arrived with its pipeline)
+        self.announcements.post(self.inner_steps, finalizing=False)
         sent = self._exchange_bytes_since_last_report()
         overlap = self.config.overlap
         if overlap:  # D overwrites the retiring start point; the update applies to x_{t+1}
@@ -221,7 +238,10 @@ class RoundEngine:
         self._set_live(new_start)  # step 3: x <- Nx; refresh
         self.start_point, self.next_start = new_start, spare
         self.rounds += 1
-        sent += self._average_buffers()
+        if self.buffers:  # a peer that finalized never averages them: learn it first
+            self._check_steps()
+        buffer_bytes, buffers_restored = self._average_buffers(f"round {self.rounds - 1}")
+        sent += buffer_bytes
         if reset_inner:
             warnings.warn(
                 f"co2: round {self.rounds - 1}: this rank's displacement (global rank {self.topology.rank}, "
@@ -236,6 +256,7 @@ class RoundEngine:
             "round_end_s": time.perf_counter() - began,
             "skipped_rounds": self.skipped_rounds,
             "inner_state_reset": reset_inner,
+            "buffers_restored": buffers_restored,
             "bytes_sent": sent,
         }
 
@@ -249,10 +270,12 @@ class RoundEngine:
 
         The ranks first agree that they took the same number of inner steps (a rank that took more
         would wait forever for a round its peers never run); otherwise every rank raises CO2Error
-        naming the counts.
+        naming the counts, also a rank that trained on past a round end (`agreement.StepAnnouncements`).
         """
         self.check_usable()
-        self._agree_on_steps()
+        self._check_steps()
+        self.announcements.post(self.inner_steps, finalizing=True)
+        self._check_steps(finalizing=True)
         dropped = self.inner_steps % self.config.tau
         if dropped:
             warnings.warn(
@@ -262,34 +285,29 @@ class RoundEngine:
             )
         self._wait_pending()
         self._set_live(self.next_start if self.config.overlap else self.start_point)
-        self._average_buffers()
+        self._average_buffers("finalize")
         self.finalized = True
         self.close()
 
-    def _agree_on_steps(self) -> None:
-        """One fingerprint exchange of inner_steps on the main-thread group, with the usual deadline."""
-        group = self.topology.buffer_group
+    def _check_steps(self, finalizing: bool = False) -> None:
+        """Collect the step announcement in flight (within timeout_s) and fail, naming every rank's
+        count, if a peer finalized at another step (or this rank finalizes and a peer did not)."""
         try:
-            table = gather_fingerprints([self.inner_steps], group, self.config.timeout_s, "finalize")
+            rows = self.announcements.collect(time.monotonic() + self.config.timeout_s)
         except CO2TimeoutError as error:
+            ranks = list(range(self.topology.world_size))
+            where, what = ("co2 finalize", "called finalize()") if finalizing else ("co2", "reached this round end")
             self._fail(
                 CO2TimeoutError(
-                    f"co2 finalize: not every rank of global ranks {list(range(self.topology.world_size))} "
-                    f"called finalize() within timeout_s={self.config.timeout_s:g} (rank {self.topology.rank} "
-                    f"at inner step {self.inner_steps}); a rank died, is stuck, or skipped finalize()"
+                    f"{where}: not every rank of global ranks {ranks} {what} within timeout_s="
+                    f"{self.config.timeout_s:g} (rank {self.topology.rank} at inner step {self.inner_steps}); a "
+                    f"rank died, is stuck{', or skipped finalize()' if finalizing else ''}"
                 ),
                 error,
             )
-        steps = [row[0] for row in table]
-        if len(set(steps)) > 1:
-            counts = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
-            self._fail(
-                CO2Error(
-                    f"co2 finalize: the ranks took different numbers of inner steps ({counts}); every rank "
-                    f"must call finalize() after the same number of optimizer steps (this is rank "
-                    f"{self.topology.rank})"
-                )
-            )
+        problem = None if rows is None else steps_mismatch(rows, self.topology.rank, self.inner_steps)
+        if problem is not None:
+            self._fail(CO2Error(problem))
 
     def _fail(self, error: CO2Error, cause: Optional[BaseException] = None) -> None:
         """Mark the engine failed, release its worker and groups, raise `error`."""
@@ -313,19 +331,12 @@ class RoundEngine:
         round_index = self.pending_index
         where = self.topology.describe_outer()
         try:
-            result, done = future.result(timeout=self.config.timeout_s)
-        except FutureTimeout:
-            self.failed = CO2TimeoutError(
-                f"co2: round {round_index}: the background exchange on the {where} did not finish "
-                f"within timeout_s={self.config.timeout_s}; a peer rank is probably dead or stuck"
-            )
-        except CO2Error as error:
+            result, done = self._result_watching_steps(future)
+        except CO2Error as error:  # the pipeline's own verdict (NonFiniteError), or a peer's step count
             self.failed = error
-        except Exception as error:  # the collective failed: a peer died or its group timed out
-            self.failed = CO2Error(
-                f"co2: round {round_index}: the background exchange on the {where} failed: "
-                f"{type(error).__name__}: {error}"
-            )
+        except Exception as error:  # this wait's deadline, or the collective failed: a peer died or timed out
+            what = f"round {round_index}: the background exchange on the {where}"
+            self.failed = collective_error(what, error, self.config.timeout_s)
             self.failed.__cause__ = error
         if self.failed is not None:
             self.close()
@@ -343,6 +354,19 @@ class RoundEngine:
                 stacklevel=5,
             )
         return time.perf_counter() - began
+
+    def _result_watching_steps(self, future: Future) -> Any:
+        """The pipeline's result within timeout_s; meanwhile, a step announcement that arrives is
+        checked: a peer that called finalize() will never run this round, so report the counts now."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            if self.announcements.ready():
+                self._check_steps()
+            try:
+                return future.result(timeout=min(_WATCH_S, max(deadline - time.monotonic(), 0.0)))
+            except FutureTimeout:
+                if time.monotonic() >= deadline:
+                    raise
 
     def check_usable(self) -> None:
         """Raise CO2Error if this engine failed or was finalized."""
@@ -410,10 +434,8 @@ class RoundEngine:
                 work = dist.broadcast(flat, src=topo.outer_ranks[0], group=topo.outer_group, async_op=True)
                 work.wait(timeout=timedelta(seconds=timeout))
             except Exception as error:
-                raise CO2Error(
-                    f"co2: start-up broadcast of the frozen parameters on the {topo.describe_outer()} failed: "
-                    f"{type(error).__name__}: {error}"
-                ) from error
+                what = f"start-up broadcast of the frozen parameters on the {topo.describe_outer()}"
+                raise collective_error(what, error, timeout) from error
             offset = 0
             for p in params:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
@@ -438,24 +460,88 @@ class RoundEngine:
                 chunk.copy_(flat[where])
         self.refresh()
 
-    def _average_buffers(self) -> int:
-        """Average float module buffers over every rank (main thread, its own group). Returns the
-        bytes this rank sent (`comm.wire_bytes`)."""
-        if not self.buffers:
-            return 0
+    # ---- module buffers ------------------------------------------------------------------------------
+
+    def _describe_buffer_group(self) -> str:
+        return f"buffer group (global ranks {list(range(self.topology.world_size))})"
+
+    def _flat_buffers(self) -> torch.Tensor:
+        """This rank's float module buffers, concatenated as fp32 on the buffer group's device."""
         device = collective_device(self.topology.buffer_group)
-        flat = torch.cat([b.detach().reshape(-1).float().to(device) for b in self.buffers])
+        return torch.cat([b.detach().reshape(-1).float().to(device) for b in self.buffers])
+
+    @torch.no_grad()
+    def _write_buffers(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for b in self.buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+    @torch.no_grad()
+    def _common_buffers(self) -> Optional[torch.Tensor]:
+        """Every rank starts from rank 0's float module buffers (as it starts from replica 0's
+        parameters): the first agreed buffers, which a non-finite first round end falls back to.
+        Returns them flat (None without buffers)."""
+        if not self.buffers:
+            return None
+        flat = self._flat_buffers()
+        try:
+            work = dist.broadcast(flat, src=0, group=self.topology.buffer_group, async_op=True)
+            work.wait(timeout=timedelta(seconds=self.config.timeout_s))
+        except Exception as error:
+            what = f"start-up broadcast of the module buffers on the {self._describe_buffer_group()}"
+            raise collective_error(what, error, self.config.timeout_s) from error
+        self._write_buffers(flat)
+        return flat
+
+    def _average_buffers(self, where: str) -> tuple[int, bool]:
+        """Average the float module buffers over every rank (main thread, its own group). Returns the
+        bytes this rank sent (`comm.wire_bytes`) and whether the last agreed buffers were kept instead.
+
+        One all-reduce carries the buffers followed by one non-finite flag per rank (the sum is
+        element-wise: a NaN buffer cannot reach the flags), so every rank learns before writing anything
+        whether some rank's buffers hold NaN/Inf. Then `nonfinite: "raise"` raises NonFiniteError with
+        every rank's buffers untouched and "skip_round" restores the last agreed ones (docs/design.md §3).
+        """
+        if not self.buffers:
+            return 0, False
+        world = self.topology.world_size
+        values = self._flat_buffers()
+        flags = values.new_zeros(world)
+        flags[self.topology.rank] = (~torch.isfinite(values)).any()
+        flat = torch.cat([values, flags])
         try:
             dist.all_reduce(flat, group=self.topology.buffer_group)
         except Exception as error:
-            self.failed = CO2Error(f"co2: round {self.rounds - 1}: averaging module buffers failed: {error}")
-            raise self.failed from error
-        flat.div_(self.topology.world_size)
-        offset = 0
-        for b in self.buffers:
-            b.data.copy_(flat[offset : offset + b.numel()].view_as(b))
-            offset += b.numel()
-        return wire_bytes("all_reduce", flat.numel() * flat.element_size(), self.topology.world_size)
+            what = f"{where}: averaging the module buffers on the {self._describe_buffer_group()}"
+            self._fail(collective_error(what, error, self.config.timeout_s), error)
+        sent = wire_bytes("all_reduce", flat.numel() * flat.element_size(), world)
+        bad = [rank for rank, flag in enumerate(flat[-world:].tolist()) if flag > 0]
+        if bad:
+            self._keep_agreed_buffers(bad, where)
+            return sent, True
+        self.agreed_buffers = flat[:-world].div_(world)
+        self._write_buffers(self.agreed_buffers)
+        return sent, False
+
+    def _keep_agreed_buffers(self, bad: list[int], where: str) -> None:
+        """Some ranks' buffers hold NaN/Inf: raise (`nonfinite: "raise"`), or restore the last agreed
+        buffers on this rank and say so ("skip_round")."""
+        replicas = sorted({rank // self.topology.shards for rank in bad})
+        holders = f"the float module buffers (e.g. BatchNorm statistics) of rank(s) {bad} (replica(s) {replicas})"
+        if self.config.nonfinite == "raise":
+            self._fail(
+                NonFiniteError(
+                    f"co2: {where}: {holders} hold NaN or Inf; no rank's buffers were changed. Set "
+                    f"nonfinite='skip_round' in the co2 config to keep the last agreed buffers instead."
+                )
+            )
+        self._write_buffers(self.agreed_buffers)
+        warnings.warn(
+            f"co2: {where}: {holders} held NaN or Inf; every rank keeps the last agreed buffers (those of "
+            f"the last round end that averaged them) instead of averaging (nonfinite='skip_round')",
+            stacklevel=5,
+        )
 
     # ---- agreement ---------------------------------------------------------------------------------
 
@@ -464,24 +550,17 @@ class RoundEngine:
         (a fingerprint exchange at start-up instead of a hang later; the configs and the grid were
         compared when the topology was built)."""
         topo, layout = self.topology, self.layout
-        mine = [
-            fingerprint(self.partition.num_tensors),
-            fingerprint(self.partition.signature),
-            topo.shard_index,
-            layout.length,
-            fingerprint(tuple(tuple(seg) for seg in layout.segments)),
+        tensors = self.partition.tensors or [
+            TensorIdentity(f"optimizer parameter {i}", (), False) for i in range(self.partition.num_tensors)
         ]
+        agree_on_parameters(tensors, topo.norm_group, self.config.timeout_s)
+        mine = [topo.shard_index, layout.length, fingerprint(tuple(tuple(seg) for seg in layout.segments))]
         table = gather_fingerprints(mine, topo.norm_group, self.config.timeout_s, "start-up model check")
         for rank, theirs in enumerate(table):
-            if theirs[:2] != mine[:2]:
-                raise CO2Error(
-                    f"co2: rank {topo.rank} and rank {rank} disagree on the (parameter tensors, shape signature): "
-                    f"{self.partition.num_tensors} tensors here; every rank must build the same model"
-                )
-            if theirs[2] == topo.shard_index and theirs[3:] != mine[3:]:
+            if theirs[0] == topo.shard_index and theirs[1:] != mine[1:]:
                 raise CO2Error(
                     f"co2: rank {topo.rank} and rank {rank} own shard {topo.shard_index} but their "
-                    f"partitions differ ({layout.length} elements here vs {theirs[3]}, or a different split "
+                    f"partitions differ ({layout.length} elements here vs {theirs[1]}, or a different split "
                     f"into tensors); every replica must partition the model the same way"
                 )
 
@@ -585,6 +664,8 @@ class RoundEngine:
         if state["next_start"] is not None:
             self.next_start.copy_(state["next_start"])
         self.momentum.copy_(state["momentum"])
+        if self.buffers:  # checkpoint.load wrote the module first: its buffers are now the agreed ones
+            self.agreed_buffers = self._flat_buffers()
         norms = state["previous_update_sq_norms"]
         self.previous_update_sq_norms = None if norms is None else norms.to(self.momentum.device).clone()
         if self.exchange.residuals is not None:  # a resharded state has none: the pending error restarts at 0
@@ -649,7 +730,8 @@ class CO2Steps:
     def last_round(self) -> dict[str, Any]:
         """The last round end: round, inner_step, wait_s, round_end_s, bytes_sent (what this rank sent
         since the previous report), skipped_rounds (rounds whose outer update was skipped so far),
-        inner_state_reset (this rank reset its inner state)."""
+        inner_state_reset (this rank reset its inner state), buffers_restored (some rank's float module
+        buffers held NaN/Inf, so every rank kept the last agreed buffers instead of averaging)."""
         return self.engine.last_round
 
     def finalize(self) -> None:
@@ -671,7 +753,8 @@ def parameter_signature(shapes: Sequence[Sequence[int]]) -> str:
     return hashlib.sha256(repr([tuple(s) for s in shapes]).encode()).hexdigest()[:16]
 
 
-def _shutdown(exchange: OuterExchange, topology: Topology) -> None:
+def _shutdown(exchange: OuterExchange, topology: Topology, announcements: StepAnnouncements) -> None:
     # A worker still blocked in a collective keeps its groups: destroying them under it would crash.
-    if exchange.close():
+    # So does a step announcement a peer never answered (it is a collective on the buffer group).
+    if exchange.close() and not (announcements.in_flight and not announcements.ready()):
         topology.destroy()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Sequence
@@ -60,6 +61,18 @@ def _describe(code: int, like: Any, choices: Sequence[Any] = ()) -> str:
     return "a different value"
 
 
+def text_words(text: str, words: int) -> list[int]:
+    """UTF-8 text as `words` int64 (truncated on a character boundary, zero-padded): text that travels
+    inside a fingerprint vector, so every rank can print what another rank said."""
+    data = text.encode()[: 8 * words].decode(errors="ignore").encode()
+    return list(struct.unpack(f"<{words}q", data.ljust(8 * words, b"\0")))
+
+
+def words_text(values: Sequence[int]) -> str:
+    """The text `text_words` encoded."""
+    return struct.pack(f"<{len(values)}q", *values).rstrip(b"\0").decode(errors="replace")
+
+
 def gather_fingerprints(values: Sequence[int], group: Any, timeout_s: float, what: str) -> list[list[int]]:
     """All-gather a fixed-size vector of int64 fingerprints over `group`, within `timeout_s`.
 
@@ -90,6 +103,26 @@ def check_shards(shards: int, world: int) -> int:
             f"accepted: a divisor of {world} (ranks per replica)"
         )
     return world // shards
+
+
+def warn_single_replica(config: CO2Config, shards: int, world: int) -> None:
+    """Warn, on global rank 0 only, when several ranks form one replica (R = 1).
+
+    CO2 then has no other replica to average with: every round's outer step sees only this replica's
+    own displacement. It is what `shards_per_replica: "node"` (the default) gives on one machine, where
+    the node is the whole world; one process (world size 1) is left alone.
+    """
+    if world == 1 or shards != world or dist.get_rank() != 0:
+        return
+    given = '"node" (LOCAL_WORLD_SIZE)' if config.shards_per_replica == "node" else str(shards)
+    divisors = [d for d in range(1, world) if world % d == 0]
+    warnings.warn(
+        f"co2: shards_per_replica={given} makes S = {shards} with world size {world}: R = 1 replica, so CO2 "
+        f"has nothing to average (the outer step sees one replica's displacement). To run CO2 on one machine set "
+        f"shards_per_replica to a divisor of {world} below it ({', '.join(map(str, divisors))}; 1 makes every "
+        f'rank a replica); "node" is meant for several nodes (one replica per node)',
+        stacklevel=3,
+    )
 
 
 def replica_ranks(shards: int, world: int) -> list[list[int]]:
@@ -170,6 +203,7 @@ class Topology:
         shards = config.resolve_shards(world) if shards is None else shards
         agree_on_config(config, shards)
         replicas = check_shards(shards, world)
+        warn_single_replica(config, shards, world)
         rank_lists_of_replicas = replica_ranks(shards, world)
         shard_ranks = [list(range(s, world, shards)) for s in range(shards)]
         # every rank creates every group, in this fixed order (dist.new_group is collective)

@@ -3,6 +3,8 @@
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 examples/hf_trainer.py
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 examples/hf_trainer.py --resume   # from the last checkpoint
 
+It writes to runs/hf_trainer/ (--output_dir): Trainer's checkpoints every 30 steps and the final model.
+
 A plain Trainer script plus the two lines marked (1) and (2). The DeepSpeed config is
 examples/ds_zero2_co2_hf.json: "auto" for what Trainer fills in, a "co2" section with explicit values.
 Its `shards_per_replica: 1` makes every rank its own replica, so two ranks on one machine have something
@@ -11,11 +13,15 @@ standard library's source, read as bytes; the model is randomly initialised (no 
 """
 
 import argparse
+import json
+import os
 import sysconfig
 from pathlib import Path
+from typing import Optional
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+from transformers.trainer_utils import get_last_checkpoint
 
 from co2_zero.hf import CO2Callback  # (1)
 
@@ -39,12 +45,32 @@ class StdlibBytes(torch.utils.data.Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
 
-def main() -> None:
+def finished_at(output_dir: str, max_steps: int) -> Optional[int]:
+    """The step of the last checkpoint in `output_dir` if it already reached `max_steps`, else None.
+
+    Trainer resumed from a checkpoint at max_steps still trains one more step (and CO2Callback's
+    finalize() then drops it, as it ends no round): a finished run is not resumed at all.
+    """
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if last is None:
+        return None
+    step = json.loads((Path(last) / "trainer_state.json").read_text())["global_step"]
+    return step if step >= max_steps else None
+
+
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output_dir", default="hf_trainer_out")
+    parser.add_argument("--output_dir", default=str(Path("runs") / "hf_trainer"))
     parser.add_argument("--max_steps", type=int, default=60, help="a multiple of the config's tau")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output_dir")
-    cli = parser.parse_args()
+    cli = parser.parse_args(argv)
+    done = finished_at(cli.output_dir, cli.max_steps) if cli.resume else None
+    if done is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"nothing to train: {cli.output_dir} holds a checkpoint at step {done} >= --max_steps {cli.max_steps}"
+            )
+        return
 
     config = GPT2Config(
         vocab_size=256, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0

@@ -14,7 +14,7 @@ Writes <out_dir>/compression.json (every curve, command, host load, the throughp
 compression.md (final validation loss per run: mean over seeds, spread, gap to ddp, wall-clock) and
 headline.png (validation loss vs wall-clock, mean over seeds, every seed faint).
 
-    python scripts/bench_compression.py --throughput benchmarks/throughput/throughput_compress.json \\
+    python -m scripts.bench_compression --throughput benchmarks/throughput/throughput_compress.json \\
         --nodes 4 --rate 100mbit --seeds 1337 1338 1339
 """
 
@@ -31,10 +31,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_convergence as bc  # noqa: E402
-import bench_throughput as bt  # noqa: E402
-import emulated_cluster as ec  # noqa: E402
+from scripts import bench_convergence as bc
+from scripts import bench_throughput as bt
+from scripts import emulated_cluster as ec
 
 ROOT = Path(__file__).resolve().parent.parent
 

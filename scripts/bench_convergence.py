@@ -17,7 +17,7 @@ gap_penalty none / constant (λ = --gap_value) against the default adaptive, and
 (φ = --clip_value) / norm (φ = --clip_norm) against none. Every run is repeated for each --seeds.
 τ: --tau, or what scripts/tune_tau.py picks in the cluster (0, the default).
 
-    python scripts/bench_convergence.py --seeds 1337 1338
+    python -m scripts.bench_convergence --seeds 1337 1338
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_throughput as bt  # noqa: E402
-import emulated_cluster as ec  # noqa: E402
+from scripts import bench_throughput as bt
+from scripts import emulated_cluster as ec
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ outer step (penalty, momentum, update over every parameter) runs every round: th
         # bf16 autocast, fused AdamW, batch 16 x 1024 (issue 12: tau=1 <= 1.03x, tau=4 <= 1.01x of plain)
 
 The model is defined here (nanoGPT's GPT-2 shapes: 12 tensors per block, tied head), not imported
-from train_lm.py, so the benchmark stays fixed while the training script evolves.
+from the training job (co2_zero.train), so the benchmark stays fixed while the training script evolves.
 """
 
 import argparse

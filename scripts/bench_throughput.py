@@ -22,8 +22,8 @@ host before it, the self-check, the tuner's measurements and the exact command) 
 meaningless: by default it waits for the 1-minute load average to fall below --max_load before a
 cell, and for the host's CPUs to be idle (busy < --max_busy over 1 s) before every run.
 
-    python scripts/bench_throughput.py --cells 4:1gbit 2:1gbit --reps 3        # the 1 Gbit/s table
-    python scripts/bench_throughput.py --cells 4:100mbit --methods none ddp co2 co2-bf16 co2-int8 localsgd \
+    python -m scripts.bench_throughput --cells 4:1gbit 2:1gbit --reps 3        # the 1 Gbit/s table
+    python -m scripts.bench_throughput --cells 4:100mbit --methods none ddp co2 co2-bf16 co2-int8 localsgd \
         --reps 3 --rounds 3 --min_intervals 2 --max_seconds 75 --tag P4_100mbit \
         --model "--n_layer 4 --n_embd 320 --n_head 4 --block_size 64 --batch_size 4"   # compressed exchange
 """
@@ -40,8 +40,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import emulated_cluster as ec  # noqa: E402
+from scripts import emulated_cluster as ec
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "scripts" / "train_lm.py")

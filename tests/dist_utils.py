@@ -9,13 +9,14 @@ stuck suite. gloo on the CPU by default; the GPU suite passes `backend="nccl"` (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,21 @@ def _entry(fn: Callable, rank: int, world_size: int, workdir: str, args: tuple, 
     dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _environment(extra: Mapping[str, str]) -> Iterator[None]:
+    """os.environ with `extra` set (a spawned child inherits it), restored afterwards."""
+    saved = {key: os.environ.get(key) for key in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 class Outcome(NamedTuple):
     exitcode: Optional[int]  # None: still running at the deadline (then killed)
     result: Any  # what fn returned (None if it did not return)
@@ -54,9 +70,16 @@ class Outcome(NamedTuple):
 
 
 def launch_ranks(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, backend: str = "gloo", device: str = "cpu"
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+    device: str = "cpu",
+    rank_env: Sequence[Mapping[str, str]] = (),
 ) -> list[Outcome]:
-    """Run fn on world_size ranks and report how each one ended, whatever happened."""
+    """Run fn on world_size ranks and report how each one ended, whatever happened. `rank_env[r]`: extra
+    environment variables rank r starts with (e.g. PYTHONHASHSEED, read only at interpreter start)."""
     if backend == "nccl" and device != "cuda":
         raise ValueError(f"backend='nccl' needs device='cuda', got device={device!r}")
     with tempfile.TemporaryDirectory(prefix="co2test") as workdir:
@@ -65,8 +88,9 @@ def launch_ranks(
             ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args, backend, device))
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        for r, p in enumerate(procs):
+            with _environment(rank_env[r] if r < len(rank_env) else {}):
+                p.start()
         ended_at: dict[int, float] = {}
         deadline = time.monotonic() + timeout
         while len(ended_at) < world_size and time.monotonic() < deadline:
@@ -99,11 +123,12 @@ def run_ranks(
     allow_exit: tuple = (),
     backend: str = "gloo",
     device: str = "cpu",
+    rank_env: Sequence[Mapping[str, str]] = (),
 ) -> list[Any]:
     """Run fn on world_size ranks and return their results; any failure or hang fails the call.
 
-    Ranks in `allow_exit` may exit without a result (None)."""
-    outcomes = launch_ranks(fn, world_size, *args, timeout=timeout, backend=backend, device=device)
+    Ranks in `allow_exit` may exit without a result (None); `rank_env` as in `launch_ranks`."""
+    outcomes = launch_ranks(fn, world_size, *args, timeout=timeout, backend=backend, device=device, rank_env=rank_env)
     errors = []
     for r, o in enumerate(outcomes):
         if o.error is not None:

@@ -32,9 +32,23 @@ def _model(kind: str) -> nn.Module:
         return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     if kind == "bn":
         return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    if kind == "square":  # every tensor the same shape: a mixed-up parameter order keeps every shape in place
+        square = [nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False), nn.Tanh()]
+        return nn.Sequential(*square, nn.Linear(4, 4, bias=False), FirstColumns(3))
     if kind == "uneven":  # parameters of very different sizes, for uneven shard partitions
         return nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 3), nn.Tanh(), nn.Linear(3, 3))
     raise ValueError(kind)
+
+
+class FirstColumns(nn.Module):
+    """The first `n` columns of the input (a square model's output fitted to 3 targets)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, : self.n]
 
 
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:

@@ -10,7 +10,7 @@ any of the tricks (flattening, sharding, collectives) of the real library.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -147,6 +147,8 @@ def simulate(
     step_record: list[list[Params]] | None = None,
     exchange: Any = None,
     fresh_inner_at: int | None = None,
+    schedule: Sequence[Collection[int] | None] | None = None,
+    joins: Collection[tuple[int, int]] = (),
 ) -> list[Params]:
     """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
 
@@ -163,6 +165,13 @@ def simulate(
     the next start point (tests/reference_compress.py: int8/fp8 with error feedback).
     ``fresh_inner_at`` (if given): before that inner step every replica's inner
     optimizer is built anew, as a resharded checkpoint load leaves it (state fresh).
+    ``schedule`` (if given; elastic membership, docs/design.md §12): entry t is the
+    set of replicas whose displacement round t averages, or None when round t's
+    exchange was cut: then every replica skips it (the next start point is the
+    base, the momentum is unchanged and the update counts as zero for the next
+    gap). Replicas outside the set still train (their result is simply unused).
+    ``joins``: (replica, round) pairs: the replica (re)joined at the end of round
+    - 1, so its inner optimizer is built anew before that round's first step.
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
@@ -191,6 +200,9 @@ def simulate(
     for k in range(steps):
         if k == fresh_inner_at:
             opts = [make_optimizer(list(model.parameters())) for model in models]
+        for r, first_round in joins:
+            if k == first_round * tau:
+                opts[r] = make_optimizer(list(models[r].parameters()))
         for r, (model, opt) in enumerate(zip(models, opts)):
             if shards == 1:
                 micro = [batch(r, k)]
@@ -200,8 +212,11 @@ def simulate(
             _inner_step(model, opt, loss_fn, micro, bufs[r])
         if (k + 1) % tau == 0:
             xs = [_params(model) for model in models]
-            if exchange is None:
-                g = {n: torch.stack([start[n] - x[n] for x in xs]).mean(0) for n in start}
+            members = range(replicas) if schedule is None else schedule[(k + 1) // tau - 1]
+            if members is None:  # a cut exchange: skipped everywhere
+                g = None
+            elif exchange is None:
+                g = {n: torch.stack([start[n] - xs[r][n] for r in sorted(members)]).mean(0) for n in start}
             else:
                 g = exchange.average(start, xs)
             if overlap and u_prev is not None:
@@ -209,8 +224,12 @@ def simulate(
             else:
                 gap = {n: torch.tensor(0.0) for n in start}
             base = pending if overlap else start
-            result, u, lam = outer_step(base, g, gap, m, cfg)
-            if exchange is not None:
+            if g is None:
+                result = {n: v.clone() for n, v in base.items()}
+                u, lam = {n: torch.zeros_like(v) for n, v in base.items()}, {}
+            else:
+                result, u, lam = outer_step(base, g, gap, m, cfg)
+            if exchange is not None and g is not None:
                 result = exchange.publish(base, result)
             if trace is not None:
                 trace.append(

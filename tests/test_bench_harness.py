@@ -1,18 +1,12 @@
-"""The benchmark harness's own arithmetic and measurements (scripts/bench_throughput.py, tune_tau.py).
+"""The benchmark harness's own arithmetic and measurements (scripts/bench_throughput.py, co2_zero.tune_tau).
 
 The benchmarks are not part of the suite; what decides their numbers is: which runs a cell plans, how
 a run's steady state is cut out of its log, and what the tuner times as "one round's exchange".
 """
 
-import sys
-from pathlib import Path
-
+from co2_zero import tune_tau
+from scripts import bench_throughput as bt
 from tests.dist_utils import run_ranks
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import bench_throughput as bt  # noqa: E402
 
 
 def _log(intervals: int, seconds_each: float = 2.0, tokens_each: int = 1000) -> list[dict]:
@@ -58,8 +52,6 @@ def test_ratios_to_none_are_per_repetition():
 
 
 def _exchange_bytes(rank: int, world: int) -> dict:
-    import tune_tau
-
     from co2_zero import CO2Config
 
     return {
@@ -78,3 +70,21 @@ def test_tuner_times_the_exchange_in_its_wire_format():
         assert bf16["bytes_sent"] < 0.76 * fp32["bytes_sent"]
         assert int8["bytes_sent"] <= 0.27 * fp32["bytes_sent"]
         assert all(x["t_comm"] > 0 and len(x["samples"]) == 2 for x in (fp32, bf16, int8))
+
+
+def _check(tau: int, efficiency: float, passes: bool) -> dict:
+    return {"tau": tau, "efficiency": efficiency, "passes": passes}
+
+
+def test_tuner_recommends_the_smallest_passing_tau_else_the_best_measured():
+    """Verified: the smallest τ that met the targets. None met them: the τ measured best (highest
+    efficiency), not the last one tried, and the report says that nothing met the targets."""
+    passed = [_check(4, 0.90, False), _check(16, 0.97, True), _check(8, 0.96, True), _check(6, 0.93, False)]
+    assert tune_tau.choose_tau(passed) == {"tau": 8, "verified": True}
+    assert tune_tau.recommendation_line({"tau": 8, "verified": True}) == "recommended tau = 8"
+    failed = [_check(1, 0.91, False), _check(20, 0.85, False), _check(64, 0.88, False)]
+    rec = tune_tau.choose_tau(failed)
+    assert rec == {"tau": 1, "verified": False, "best_efficiency": 0.91}
+    line = tune_tau.recommendation_line(rec)
+    assert line.startswith("recommended tau = 1: NO tau tried met the targets") and "efficiency 0.910" in line
+    assert tune_tau.choose_tau([_check(12, 0.9, False), _check(6, 0.9, False)])["tau"] == 6  # tie: the smaller

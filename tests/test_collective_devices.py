@@ -252,12 +252,7 @@ def _deepspeed_path(rank: int, directory: str) -> dict:
 
 
 def _tuner(rank: int) -> dict:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import tune_tau
-
-    from co2_zero import CO2Config
+    from co2_zero import CO2Config, tune_tau
 
     tune_tau.measure_exchange_time(1000, CO2Config(collective="reduce_scatter"), reps=1)
     tune_tau.measure_exchange_time(1000, CO2Config(collective="all_reduce", comm_dtype="bf16"), reps=1)

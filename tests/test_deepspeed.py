@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -290,9 +291,12 @@ def _run_bf16(rank: int, sc: dict) -> dict:
     model = models.make_model()
     engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(sc["config"]))
     shards = sc["config"]["co2"]["shards_per_replica"]
-    starts, losses = _train(engine, opt, rank, shards, sc["steps"], 1, torch.bfloat16, batches=models.teacher_batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        starts, losses = _train(engine, opt, rank, shards, sc["steps"], 1, torch.bfloat16, batches=models.teacher_batch)
     opt.finalize()
     return {
+        "cast_warnings": [str(w.message) for w in caught if "casts none" in str(w.message)],
         "starts": starts,
         "final": _params(engine.module),
         "losses": losses,
@@ -300,6 +304,25 @@ def _run_bf16(rank: int, sc: dict) -> dict:
         "master_dtypes": {c.dtype for c in opt.single_partition_of_fp32_groups},
         "rounds": opt.engine.rounds,
     }
+
+
+def _run_bf16_uncast(rank: int, sc: dict) -> dict:
+    """The bf16 config fed fp32 inputs, as a user who does not cast them: a warning naming the cast,
+    then torch's own dtype error."""
+    from co2_zero.deepspeed import initialize
+
+    model = models.make_model()
+    engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(sc["config"]))
+    x, _ = models.teacher_batch(*divmod(rank, 2), 0, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            engine(x.float())
+            error = None
+        except RuntimeError as raised:
+            error = str(raised)
+    opt.finalize()
+    return {"warnings": [str(w.message) for w in caught if "casts none" in str(w.message)], "error": error}
 
 
 def _run_refused(rank: int, shards: int) -> str:
@@ -341,6 +364,7 @@ def run_all(rank: int, world: int, shards: int, directory: str) -> dict:
     results["resume"] = _run_resume(rank, shards, _resume_scenario(shards), directory)
     if world == 4:
         results["bf16"] = _run_bf16(rank, BF16)
+        results["bf16_uncast"] = _run_bf16_uncast(rank, BF16)
     results["refused"] = _run_refused(rank, shards)
     results["plain"] = _run_plain(rank, PLAIN)  # after the co2 engines: nothing of theirs may leak
     results["shm_comm_op"] = getattr(ds_comm.cdb, "shm_comm_op", "missing")
@@ -527,6 +551,15 @@ def test_bf16_trains_and_loss_falls(results):
         assert torch.isfinite(losses).all()
         first, last = losses[:tau].mean(), losses[-tau:].mean()
         assert last < 0.5 * first, (rank, first.item(), last.item())
+        assert bf16["cast_warnings"] == [], bf16["cast_warnings"]  # bf16 inputs: nothing to say
+
+
+def test_bf16_engine_fed_fp32_inputs_warns_naming_the_cast(results):
+    for rank, got in enumerate(results[4]):
+        uncast = got["bf16_uncast"]
+        assert uncast["error"] is not None and "same dtype" in uncast["error"], (rank, uncast)
+        assert len(uncast["warnings"]) == 1, (rank, uncast)
+        assert "torch.float32 inputs" in uncast["warnings"][0] and "x.to(torch.bfloat16)" in uncast["warnings"][0]
 
 
 def test_without_co2_section_it_is_plain_deepspeed_at_every_step(results):
@@ -613,11 +646,20 @@ def test_stages_other_than_1_and_2_are_refused(stage):
         _initialize(config)
 
 
-def test_shipped_configs_are_valid():
-    for path in sorted(CONFIGS.glob("ds_*co2*.json")):
+def test_shipped_configs_are_valid(monkeypatch):
+    import co2_zero.configs
+    from co2_zero.topology import check_shards
+
+    paths = sorted(CONFIGS.glob("ds_*co2*.json"))
+    assert [p.name for p in paths] == co2_zero.configs.names(), "configs/ must be the package's configs"
+    for path in paths:
+        assert co2_zero.configs.path(path.name).read_bytes() == path.read_bytes(), path
         ds, co2 = co2_deepspeed.split_config(str(path))
         assert co2 is not None and "co2" not in ds, path
         assert ds["optimizer"]["params"]["torch_adam"] is True, f"{path}: FusedAdam would JIT-build on CPU"
+        # 4 ranks on one machine (LOCAL_WORLD_SIZE=4) must give CO2 more than one replica to average
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        assert check_shards(co2.resolve_shards(4), 4) > 1, f"{path}: shards_per_replica gives R = 1 on one machine"
 
 
 # ---- a misspelt co2 section (DeepSpeed would ignore it and train plain ZeRO) -------------------------------

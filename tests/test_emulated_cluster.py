@@ -7,15 +7,14 @@ the reason. The benchmarks themselves are not part of the suite.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from co2_zero import tune_tau
+from scripts import emulated_cluster as ec
 
-import emulated_cluster as ec  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TINY = [
     "--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--block_size", "32", "--batch_size", "4",
@@ -92,9 +91,7 @@ def test_failure_still_removes_namespaces(tmp_path, namespaces):
 
 
 def test_recommend_tau_formula():
-    """scripts/tune_tau.py's arithmetic: tau_comm = ceil(margin * t_comm / t_step), the largest candidate wins."""
-    import tune_tau
-
+    """co2_zero.tune_tau's arithmetic: tau_comm = ceil(margin * t_comm / t_step), the largest candidate wins."""
     rec = tune_tau.recommend_tau(t_comm=0.26, t_step=0.11, margin=1.5)
     assert rec["tau_comm"] == 4 and rec["tau"] == 4  # ceil(1.5 * 2.36) = ceil(3.55)
     rec = tune_tau.recommend_tau(0.26, 0.11, 1.5, t_book=0.011, max_overhead=0.02, round_overhead=0.1,

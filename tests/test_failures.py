@@ -60,8 +60,52 @@ def test_lost_peer_fails_within_timeout_naming_round_and_group(how):
     message = str(error)
     assert "round 0" in message and "outer group" in message and "[0, 1]" in message, message
     if how == "hang":
-        assert isinstance(error, CO2TimeoutError) or "timed out" in message.lower() or "timeout" in message.lower()
+        assert isinstance(error, CO2TimeoutError) and f"timeout_s={TIMEOUT_S:g}" in message, repr(error)
     assert result["elapsed"] < TIMEOUT_S + 6.0, result
+
+
+def peer_frozen(rank: int, world: int, where: str) -> dict:
+    """Rank 1 stops itself (SIGSTOP) in the middle of round 1: its connections stay open, so only a
+    deadline can notice. Whichever clock fires first (the group's timeout inside gloo, or the
+    library's own wait), rank 0 must raise CO2TimeoutError. `where`: "pipeline" (no buffers: round 1's
+    exchange fails in gloo while round 2 computes) or "buffers" (BatchNorm: round 1's buffer averaging
+    fails first, on the main thread)."""
+    pids = [0] * world
+    torch.distributed.all_gather_object(pids, os.getpid())
+    model = models.make_model("bn" if where == "buffers" else "mlp")
+    config = CO2Config(tau=2, timeout_s=TIMEOUT_S)
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config, model=model)
+
+    def freeze(step):
+        if rank == 1 and step == 3:
+            opt.state_dict()  # waits for round 0's exchange: the stop leaves nothing half-sent
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if rank == 0 and step == 4:  # round 2 computes a while: gloo's timeout of round 1 fires first
+            time.sleep(TIMEOUT_S / 2)
+
+    began = time.monotonic()
+    try:
+        _train(rank, opt, model, 40, before_step=freeze)
+    except CO2Error as error:
+        return {
+            "type": type(error).__name__,
+            "timeout": isinstance(error, CO2TimeoutError),
+            "message": str(error),
+            "elapsed": time.monotonic() - began,
+        }
+    finally:
+        os.kill(pids[1], signal.SIGKILL)  # end the stopped peer now rather than at the launch's deadline
+    return {"type": None, "elapsed": time.monotonic() - began}
+
+
+@pytest.mark.parametrize("where", ["pipeline", "buffers"])
+def test_frozen_peer_raises_co2_timeout_error_naming_round_group_and_timeout(where):
+    result = run_ranks(peer_frozen, 2, where, allow_exit=(1,), timeout=60)[0]
+    assert result["type"] == "CO2TimeoutError" and result["timeout"], result
+    message = result["message"]
+    group = f"{'outer group of shard 0' if where == 'pipeline' else 'buffer group'} (global ranks [0, 1])"
+    assert "round 1" in message and group in message and f"timeout_s={TIMEOUT_S:g}" in message, message
+    assert result["elapsed"] < TIMEOUT_S + 10.0, result
 
 
 def misconfigured(rank: int, world: int) -> dict:
@@ -79,9 +123,12 @@ def misconfigured(rank: int, world: int) -> dict:
         model = models.make_model("mlp")
         CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), CO2Config(tau=2 + rank))
 
-    def different_model():
-        model = models.make_model("mlp" if rank == 0 else "uneven")
-        CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), CO2Config())
+    def different_model(named: bool):
+        def build():
+            model = models.make_model("mlp" if rank == 0 else "uneven")
+            CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), CO2Config(), model=model if named else None)
+
+        return build
 
     def shards_do_not_divide():
         Topology.build(CO2Config(shards_per_replica=3))
@@ -111,7 +158,8 @@ def misconfigured(rank: int, world: int) -> dict:
         return run
 
     attempt("different_tau", different_tau)
-    attempt("different_model", different_model)
+    attempt("different_model", different_model(named=False))
+    attempt("different_model_named", different_model(named=True))
     attempt("shards_do_not_divide", shards_do_not_divide)
     attempt("different_shards", different_shards)
     attempt("nonfinite_raise", nonfinite("raise"))  # gloo: all_reduce
@@ -132,10 +180,23 @@ def test_ranks_with_different_configs_fail_naming_the_field(misconfigured_result
         assert isinstance(error, CO2Error) and f"tau={mine} here vs {theirs}" in str(error), error
 
 
-def test_ranks_with_different_models_fail_at_start(misconfigured_results):
-    for result in misconfigured_results:
-        error = result["different_model"]
-        assert isinstance(error, CO2Error) and "shape signature" in str(error), error
+@pytest.mark.parametrize(
+    ("case", "first", "second"),
+    [
+        ("different_model", "'optimizer parameter 0' (shape (8, 4))", "'optimizer parameter 0' (shape (64, 4))"),
+        ("different_model_named", "'0.weight' (shape (8, 4))", "'0.weight' (shape (64, 4))"),
+    ],
+)
+def test_ranks_with_different_models_fail_at_start_naming_the_first_tensor(misconfigured_results, case, first, second):
+    """The same message on every rank: the position, and each rank's name and shape there."""
+    errors = [result[case] for result in misconfigured_results]
+    assert all(isinstance(error, CO2Error) for error in errors), errors
+    message = str(errors[0])
+    assert str(errors[1]) == message, errors
+    assert "position 0 of the CO2 partition order" in message, message
+    assert f"rank 0 has {first} where rank 1 has {second}" in message, message
+    assert "rank 0: 4, rank 1: 6" in message, message  # the tensor counts (mlp: 4, uneven: 6)
+    assert ("Pass the model" in message) == (case == "different_model"), message
 
 
 def test_shards_that_do_not_divide_the_world_are_rejected(misconfigured_results):
@@ -150,6 +211,31 @@ def test_different_shards_per_replica_fail_naming_the_field_before_any_group(mis
         assert isinstance(error, CO2Error), error
         assert f"shards_per_replica={1 + rank} here vs {2 - rank}" in str(error), error
         assert result["different_shards_s"] < TIMEOUT_S, result["different_shards_s"]
+
+
+def single_replica_warnings(rank: int, world: int) -> dict:
+    """Topology.build on one machine (LOCAL_WORLD_SIZE = the world): "node" (R = 1), then S = 1 (R = 2).
+    Returns, per setting, the R = 1 warnings this rank gave and the number of replicas."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    out = {}
+    for shards in ("node", 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            topology = Topology.build(CO2Config(shards_per_replica=shards, timeout_s=TIMEOUT_S))
+        out[shards] = ([str(w.message) for w in caught if "R = 1" in str(w.message)], topology.replicas)
+        topology.destroy(inner=True)
+    return out
+
+
+def test_one_replica_on_one_machine_warns_on_rank_0_only():
+    """`shards_per_replica: "node"` on one machine puts every rank in one replica: CO2 averages nothing."""
+    results = run_ranks(single_replica_warnings, 2, timeout=120)
+    (warned, replicas), (silent, _) = results[0]["node"], results[1]["node"]
+    assert replicas == 1 and len(warned) == 1 and silent == [], results
+    for phrase in ('shards_per_replica="node"', "S = 2 with world size 2", "R = 1", "1 makes every rank a replica"):
+        assert phrase in warned[0], warned[0]
+    for rank, result in enumerate(results):
+        assert result[1] == ([], 2), (rank, result[1])  # S = 1: two replicas, no warning
 
 
 def never_builds(rank: int, world: int) -> dict:
@@ -434,7 +520,7 @@ def test_changing_requires_grad_after_construction_is_refused_at_the_next_round_
 def test_finalize_after_different_step_counts_fails_on_every_rank_naming_them(round_results):
     for result in round_results:
         got = result["finalize"]
-        assert got["error"] is not None and "rank 0: 6, rank 1: 4" in got["error"], got
+        assert got["error"] is not None and "rank 0: 6" in got["error"] and "rank 1: 4" in got["error"], got
         assert got["elapsed"] < TIMEOUT_S + 3.0, got
 
 
@@ -447,3 +533,43 @@ def test_a_huge_but_finite_displacement_is_averaged_not_reported_as_nan(round_re
     # the mean displacement of the two replicas, applied with outer_lr 1 (no gap in the first round)
     assert moved[0, 0].item() == pytest.approx(HUGE / 2, rel=1e-6)
     assert torch.equal(moved.flatten()[1:], torch.zeros_like(moved.flatten()[1:]))
+
+
+# ---- finalize after step counts two round ends apart --------------------------------------------------------
+
+
+def finalize_far_apart(rank: int, world: int) -> dict:
+    """Rank 0 takes 6 steps and rank 1 takes 10 (tau 2), then both call finalize(): rank 1's round ends at
+    8 and 10 run rounds rank 0 never joins (a pipeline, and with BatchNorm a buffer average). Each
+    variant must end in a CO2Error naming the counts on both ranks, not in a timeout."""
+    out = {}
+    for variant in ("overlap", "blocking", "buffers"):
+        model = models.make_model("bn" if variant == "buffers" else "mlp")
+        config = CO2Config(tau=2, overlap=variant != "blocking", timeout_s=10)
+        opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config, model=model)
+        try:
+            _train(rank, opt, model, 6 if rank == 0 else 10)
+            opt.finalize()
+            out[variant] = None
+        except CO2Error as error:
+            out[variant] = (type(error).__name__, str(error))
+        # rank 1's unmatched round ends when its group times out; a gloo thread must not outlive the process
+        opt.engine.exchange.worker.close(timeout=3 * config.timeout_s)
+        torch.distributed.barrier()  # and the next variant's start-up check waits for nobody
+    return out
+
+
+@pytest.fixture(scope="module")
+def far_apart_results():
+    return run_ranks(finalize_far_apart, 2, timeout=240)
+
+
+@pytest.mark.parametrize("variant", ["overlap", "blocking", "buffers"])
+def test_finalize_two_round_ends_apart_names_the_counts_instead_of_timing_out(far_apart_results, variant):
+    for rank, result in enumerate(far_apart_results):
+        got = result[variant]
+        assert got is not None and got[0] == "CO2Error", f"rank {rank}: {got}"
+        message = got[1]
+        assert "different numbers of inner steps" in message and "rank 0: 6" in message, message
+        assert "rank 1: 8" in message or "rank 1: 10" in message, message
+        assert "Rank(s) [1] had not called finalize()" in message, message

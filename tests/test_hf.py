@@ -692,3 +692,17 @@ def test_missing_transformers_names_the_extra(monkeypatch):
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
+
+
+def test_example_does_not_resume_a_finished_run(tmp_path):
+    """examples/hf_trainer.py --resume on a run whose last checkpoint reached --max_steps trains nothing
+    and says so (Trainer would train one more step, which finalize() then drops)."""
+    out = tmp_path / "run"
+    (out / "checkpoint-30").mkdir(parents=True)
+    (out / "checkpoint-30" / "trainer_state.json").write_text('{"global_step": 30}')
+    command = [sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--output_dir", str(out), "--max_steps", "30"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"nothing to train: {out} holds a checkpoint at step 30 >= --max_steps 30" in done.stdout, done.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-30"]  # no step 31, no final model rewritten

@@ -10,12 +10,13 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "co2_zero" / "checkpoint"
 PACKAGE = ["co2_zero", "checkpoint"]
-INTEGRATIONS = ("fsdp", "fairscale", "deepspeed", "hf", "optim", "integration")
+INTEGRATIONS = ("fsdp", "fairscale", "deepspeed", "hf", "optim", "integration", "elastic", "train", "tune_tau")
 FRAMEWORKS = (
     "fairscale",
     "deepspeed",
     "transformers",
     "accelerate",
+    "torchft",
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
 )

@@ -1,4 +1,4 @@
-"""The code style gate: `ruff check` and `ruff format --check` over the repository (ruff.toml)."""
+"""The code style gate: `ruff check` and `ruff format --check` over the repository (pyproject.toml [tool.ruff])."""
 
 import shutil
 import subprocess

@@ -1,23 +1,30 @@
-"""Smoke tests of scripts/train_lm.py: real launches (torchrun with 2 ranks, or one process), tiny models.
+"""Smoke tests of the training job, co2_zero.train (scripts/train_lm.py, `python -m co2_zero.train`):
+real launches (torchrun with 2 ranks, or one process), tiny models.
 
-The default byte corpus with CO2; a uint16 token file (--data); gradient accumulation against one big
-batch; checkpoints of every engine resumed mid-run continue the uninterrupted run exactly; the model
-presets and the precedence of the CO2 settings (in process, no launch).
+The default byte corpus with CO2, and what it prints (header, summary line, no progress bar into a
+pipe); a uint16 token file (--data); gradient accumulation against one big batch; checkpoints of every
+engine resumed mid-run continue the uninterrupted run exactly and say where they resumed; a resume with
+another R x S (--reshard); the model presets, --help's defaults and the precedence of the CO2 settings
+(in process, no launch).
 """
 
 from __future__ import annotations
 
 import array
-import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from co2_zero.train import args as train_args
+from co2_zero.train import data as train_data
+from co2_zero.train.model import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "train_lm.py"
@@ -29,24 +36,29 @@ TINY = [
 TOKENS = ["--vocab_size", "400"]  # token ids 300..349 (above a byte: the file really is read as uint16)
 
 
-def load_script():
-    """scripts/train_lm.py as a module (registered as `train_lm`, as scripts/tune_tau.py imports it)."""
-    if "train_lm" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
-        sys.modules["train_lm"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["train_lm"])
-    return sys.modules["train_lm"]
-
-
-def launch(workdir: Path, flags: list[str], ranks: int = 2, timeout: float = 240) -> list[dict]:
-    """Run train_lm.py (torchrun with `ranks` ranks, or one plain process) -> its JSON records."""
+def run_job(workdir: Path, flags: list[str], ranks: int = 2, timeout: float = 240, module: bool = False,
+            ok: bool = True) -> tuple[list[dict], str]:  # fmt: skip
+    """Run the job (torchrun with `ranks` ranks, or one plain process; scripts/train_lm.py, or with
+    `module` `-m co2_zero.train`), stderr piped -> (its JSON records, its stderr). `ok`: it must succeed
+    (else: it must fail, and the records are [])."""
     out = workdir / f"log{len(list(workdir.glob('log*.jsonl')))}.jsonl"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-    cmd = [*(launcher if ranks > 1 else [sys.executable]), str(SCRIPT), *flags, "--out_json", str(out)]
+    job = ["-m", "co2_zero.train"] if module else [str(SCRIPT)]
+    cmd = [*(launcher if ranks > 1 else [sys.executable]), *job, *flags, "--out_json", str(out)]
     proc = subprocess.run(cmd, check=False, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    assert (proc.returncode == 0) == ok, proc.stdout[-4000:] + proc.stderr[-4000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()] if ok else []
+    return records, proc.stderr
+
+
+def launch(workdir: Path, flags: list[str], ranks: int = 2, timeout: float = 240) -> list[dict]:
+    """Run the job (see run_job) -> its JSON records."""
+    return run_job(workdir, flags, ranks, timeout)[0]
+
+
+def summary_line(stderr: str) -> str:
+    return next(line for line in stderr.splitlines() if line.startswith("final val loss"))
 
 
 def write_tokens(directory: Path) -> Path:
@@ -67,7 +79,8 @@ def by_step(records: list[dict]) -> dict[int, dict]:
 
 
 def test_train_lm_co2_two_ranks(tmp_path):
-    recs = launch(tmp_path, ["--method", "co2", "--max_steps", "40", "--tau", "2", *TINY])
+    with_bar = [f for f in TINY if f != "--no_progress"]  # the bar is on unless stderr is no terminal
+    recs, stderr = run_job(tmp_path, ["--method", "co2", "--max_steps", "40", "--tau", "2", *with_bar])
     summary = [r for r in recs if r.get("summary")]
     rounds = [r for r in recs if not r.get("summary") and r["step"] > 0]
     assert len(summary) == 1 and len(rounds) >= 1
@@ -80,19 +93,31 @@ def test_train_lm_co2_two_ranks(tmp_path):
     assert summary[0]["steps"] == 40 and summary[0]["world_size"] == 2
     assert summary[0]["co2_state_bytes"] > 0
     assert summary[0]["args"]["model"] == "tiny" and summary[0]["args"]["vocab_size"] == 256
+    # what it printed: no progress bar into a pipe, the R x S the plain engine really uses (S = 1 although
+    # torchrun's LOCAL_WORLD_SIZE = 2 is what the config's shards_per_replica="node" means), the summary
+    assert "\r" not in stderr and "it/s" not in stderr, stderr[-2000:]
+    head = next(line for line in stderr.splitlines() if line.startswith("method=co2"))
+    assert "R x S = 2 x 1" in head and "shards_per_replica=1" in head and "'node'" not in head, head
+    pattern = (r"final val loss [0-9.]+ \(initial [0-9.]+\) \| 40 steps in [0-9.]+s \| [0-9,]+ tok/s \| "
+               r"R x S = 2 x 1 \| 20 rounds \| rank 0: [0-9.]+ [kMG]?B sent, [0-9.]+s blocked")  # fmt: skip
+    assert re.fullmatch(pattern, summary_line(stderr)), summary_line(stderr)
+    s = summary[0]
+    assert (s["steps_run"], s["resumed_at"], s["replicas"], s["shards"], s["rounds"]) == (40, None, 2, 1, 20)
+    assert s["bytes_sent"] > 0 and s["wait_s"] >= 0
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """DDP in one process on the token file: 24 steps of 8 windows (saving at step 8), the same as 2
-    micro-batches of 4, and a run resumed from the step-8 checkpoint (no CO2 state: the script's own file)."""
+    micro-batches of 4 (run as `python -m co2_zero.train`), and a run resumed from the step-8 checkpoint
+    (no CO2 state: the job's own file)."""
     work = tmp_path_factory.mktemp("one_process")
     data = write_tokens(work / "tokens")
     flags = [*TINY, *TOKENS, "--data", str(data), "--method", "ddp", "--max_steps", "24", "--log_every", "8",
              "--eval_every", "1"]  # fmt: skip
     one = launch(work, [*flags, "--batch_size", "8", "--save_dir", "ckpt", "--save_every", "8"], ranks=1)
-    accumulated = launch(work, [*flags, "--batch_size", "4", "--grad_accum", "2"], ranks=1)
-    again = launch(work, [*flags, "--batch_size", "8", "--resume", "ckpt/step0000008"], ranks=1)
+    accumulated = run_job(work, [*flags, "--batch_size", "4", "--grad_accum", "2"], ranks=1, module=True)[0]
+    again = launch(work, [*flags, "--batch_size", "8", "--resume", "ckpt/step00000008"], ranks=1)
     return one, accumulated, again
 
 
@@ -140,8 +165,8 @@ def resumed(tmp_path_factory):
         work = root / name
         work.mkdir()
         straight = launch(work, [*common, *flags, "--save_dir", "ckpt", "--save_every", "4"])
-        again = launch(work, [*common, *flags, "--save_dir", "ckpt2", "--resume", "ckpt/step0000004"])
-        runs[name] = (work, straight, again)
+        again, stderr = run_job(work, [*common, *flags, "--save_dir", "ckpt2", "--resume", "ckpt/step00000004"])
+        runs[name] = (work, straight, again, stderr)
     return runs
 
 
@@ -149,10 +174,10 @@ def resumed(tmp_path_factory):
 def test_resume_continues_exactly(resumed, case):
     """Every engine's checkpoint, taken mid-run with a CO2 round in flight, continues the same run bit for
     bit: the data sampler, the LR schedule, the inner optimizer and the CO2 state all come back."""
-    work, straight, again = resumed[case]
-    assert (work / "ckpt" / "latest").read_text() == "step0000008"
-    assert sorted(p.name for p in (work / "ckpt").iterdir()) == ["latest", "step0000004", "step0000008"]
-    assert len(list((work / "ckpt" / "step0000004").iterdir())) >= 2  # a file per rank
+    work, straight, again, _ = resumed[case]
+    assert (work / "ckpt" / "latest").read_text() == "step00000008"
+    assert sorted(p.name for p in (work / "ckpt").iterdir()) == ["latest", "step00000004", "step00000008"]
+    assert len(list((work / "ckpt" / "step00000004").glob("*rank*"))) == 2  # a file per rank, no nesting
     first, rest = by_step(straight), by_step(again)
     assert min(rest) == 4 and rest[4]["val_loss"] == first[4]["val_loss"]  # the resumed model
     assert [s for s in first if s > 4] == [s for s in rest if s > 4] and max(rest) == 8
@@ -162,6 +187,32 @@ def test_resume_continues_exactly(resumed, case):
     assert again[-1]["val_loss"] == straight[-1]["val_loss"]
     assert again[-1]["steps"] == straight[-1]["steps"] == 8
     assert straight[-1]["val_loss"] < straight[0]["val_loss"]
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resumed_summary_counts_only_its_own_steps(resumed, case):
+    """A run resumed at step 4 of 8 ran 4 steps: its summary says so, and where it resumed."""
+    _, straight, again, stderr = resumed[case]
+    assert " | 4 steps (resumed at step 4) in " in summary_line(stderr), summary_line(stderr)
+    assert (again[-1]["steps_run"], again[-1]["resumed_at"]) == (4, 4)
+    assert (straight[-1]["steps_run"], straight[-1]["resumed_at"]) == (8, None)
+    assert again[-1]["tokens_per_s"] > 0
+
+
+def test_resume_with_another_grid_needs_and_takes_reshard(resumed, tmp_path):
+    """fairscale's checkpoint of R x S = 2 x 1 on R x S = 1 x 2: refused without --reshard (saying which
+    flag loads it), loaded with it; training goes on from step 4 and learns."""
+    work, straight = resumed["fairscale-co2"][:2]
+    data = write_tokens(tmp_path / "tokens")
+    flags = [*TINY, *TOKENS, "--data", str(data), "--batch_size", "4", "--grad_accum", "2", "--tau", "2",
+             "--max_steps", "8", "--eval_every", "1", "--engine", "fairscale", "--shards_per_replica", "2",
+             "--resume", str(work / "ckpt" / "step00000004")]  # fmt: skip
+    _, refused = run_job(tmp_path, flags, ok=False)
+    assert "with this job: --reshard" in refused, refused[-3000:]
+    records, stderr = run_job(tmp_path, [*flags, "--reshard"])
+    assert "at step 4 (resharded)" in stderr and "R x S = 1 x 2" in stderr, stderr[-3000:]
+    assert min(by_step(records)) == 4 and records[-1]["steps_run"] == 4 and records[-1]["shards"] == 2
+    assert math.isfinite(records[-1]["val_loss"]) and records[-1]["val_loss"] < straight[0]["val_loss"]
 
 
 def test_engines_agree_when_every_rank_is_a_replica(resumed):
@@ -175,57 +226,68 @@ def test_engines_agree_when_every_rank_is_a_replica(resumed):
 
 
 def test_model_presets_and_overrides():
-    train_lm = load_script()
-    default = train_lm.get_args([])
+    default = train_args.get_args([])
     shape = (default.model, default.n_layer, default.n_head, default.n_embd, default.block_size, default.vocab_size)
     assert shape == ("tiny", 3, 4, 128, 64, 256)
     assert (default.device, default.dtype, default.grad_accum) == ("cpu", "float32", 1)
     expected = {"gpt2": (12, 768, 12, 124e6), "gpt2-medium": (24, 1024, 16, 355e6),
                 "gpt2-large": (36, 1280, 20, 774e6), "gpt2-xl": (48, 1600, 25, 1558e6)}  # fmt: skip
     for name, (layers, width, heads, params) in expected.items():
-        args = train_lm.get_args(["--model", name, "--data", "somewhere"])
+        args = train_args.get_args(["--model", name, "--data", "somewhere"])
         shape = (args.n_layer, args.n_embd, args.n_head, args.block_size, args.vocab_size)
         assert shape == (layers, width, heads, 1024, 50304), name
         with torch.device("meta"):
-            model = train_lm.GPT(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd, 0.0)
+            model = GPT(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd, 0.0)
         assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.01), name
-    args = train_lm.get_args(["--model", "gpt2", "--n_layer", "2", "--block_size", "128", "--device", "cuda"])
+    args = train_args.get_args(["--model", "gpt2", "--n_layer", "2", "--block_size", "128", "--device", "cuda"])
     assert (args.n_layer, args.n_embd, args.block_size, args.vocab_size, args.dtype) == (2, 768, 128, 256, "bfloat16")
     with pytest.raises(SystemExit):
-        train_lm.get_args(["--n_embd", "30", "--n_head", "4"])
+        train_args.get_args(["--n_embd", "30", "--n_head", "4"])
+    for refused in (["--reshard"], ["--resume", "x", "--reshard", "--method", "ddp"]):
+        with pytest.raises(SystemExit):
+            train_args.get_args(refused)
+
+
+def test_help_shows_every_default():
+    """Every flag of --help says its default: the value, or in words where it depends on other flags."""
+    parser = train_args.build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help" and action.help != "==SUPPRESS==":
+            text = formatter._get_help_string(action) % {"default": action.default}
+            assert action.help and "default" in text and "default: None" not in text, (action.dest, text)
+    assert "(default: 300)" in " ".join(parser.format_help().split())  # --max_steps, as printed
 
 
 def test_co2_settings_precedence(tmp_path):
     """CO2Config's defaults < the deepspeed config's co2 section < the --method preset < the flags."""
-    train_lm = load_script()
     config = json.loads((ROOT / "configs" / "ds_zero2_co2.json").read_text())
     config["co2"] = {"tau": 5, "outer_momentum": 0.3, "gap_penalty": {"mode": "constant", "value": 2.0}}
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
     ds = ["--engine", "deepspeed", "--deepspeed_config", str(path)]
-    c = train_lm.co2_config(train_lm.get_args(ds))
+    c = train_args.co2_config(train_args.get_args(ds))
     assert (c.tau, c.outer_momentum, c.gap_penalty.mode, c.gap_penalty.value, c.timeout_s) == (
         5, 0.3, "constant", 2.0, 600.0
     )  # fmt: skip
-    c = train_lm.co2_config(train_lm.get_args([*ds, "--method", "slowmo", "--gap_value", "3"]))
+    c = train_args.co2_config(train_args.get_args([*ds, "--method", "slowmo", "--gap_value", "3"]))
     assert (c.tau, c.outer_momentum, c.overlap, c.gap_penalty.mode, c.gap_penalty.value) == (5, 0.5, False, "none", 3)
-    c = train_lm.co2_config(train_lm.get_args([*ds, "--tau", "7", "--gap_penalty", "adaptive", "--clip", "norm"]))
+    c = train_args.co2_config(train_args.get_args([*ds, "--tau", "7", "--gap_penalty", "adaptive", "--clip", "norm"]))
     assert (c.tau, c.outer_momentum, c.gap_penalty.mode, c.clip.mode) == (7, 0.3, "adaptive", "norm")
-    c = train_lm.co2_config(train_lm.get_args(["--deepspeed_config", str(path)]))  # engine plain: file unused
+    c = train_args.co2_config(train_args.get_args(["--deepspeed_config", str(path)]))  # engine plain: file unused
     assert (c.tau, c.outer_momentum) == (12, 0.0)
 
 
 def test_token_files_are_read_as_uint16(tmp_path):
-    train_lm = load_script()
     data = write_tokens(tmp_path)
-    train, val = train_lm.load_tokens(data)
+    train, val = train_data.load_tokens(data)
     assert train.dtype == torch.uint16 and (len(train), len(val)) == (50_000, 10_000)
     assert train[:4].tolist() == [300, 307, 314, 321] and val[0].item() == 300 + (7 * 50_000) % 50
-    x, y = train_lm.get_batch(train, 3, 16, torch.Generator().manual_seed(0))
+    x, y = train_data.get_batch(train, 3, 16, torch.Generator().manual_seed(0))
     assert x.dtype == torch.int64 and x.shape == (3, 16) and torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal((y - 300) % 50, (x - 300 + 7) % 50)  # the next id of the cycle
     with pytest.raises(ValueError, match="--vocab_size=256 is too small"):
-        train_lm.check_vocab(x, y, 256)
+        train_data.check_vocab(x, y, 256)
     (data / "val.bin").unlink()
     with pytest.raises(FileNotFoundError, match="no val.bin"):
-        train_lm.load_tokens(data)
+        train_data.load_tokens(data)

@@ -12,21 +12,15 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence
 
 from ..errors import CO2Error, CO2TimeoutError
-from ..topology import gather_fingerprints
+from ..topology import gather_fingerprints, text_words, words_text
 
 TEXT_WORDS = 64  # an error message or a path in an agreement: 512 bytes of UTF-8
 TAG_WORDS = 32  # a tag (at most files.MAX_TAG_BYTES = 200 bytes) in the load's choice: 256 bytes
 
 
-def text_words(text: str, words: int = TEXT_WORDS) -> list[int]:
-    """UTF-8 text as `words` int64 (truncated on a character boundary, zero-padded)."""
-    data = text.encode()[: 8 * words].decode(errors="ignore").encode()
-    return list(struct.unpack(f"<{words}q", data.ljust(8 * words, b"\0")))
-
-
-def words_text(values: Sequence[int]) -> str:
-    """The text `text_words` packed (trailing zeros dropped)."""
-    return struct.pack(f"<{len(values)}q", *values).rstrip(b"\0").decode(errors="replace")
+def problem_words(problem: Optional[str]) -> list[int]:
+    """A rank's problem (None: none) as the TEXT_WORDS int64 that end its row of an exchange."""
+    return text_words(problem or "", TEXT_WORDS)
 
 
 def hex_words(digest: str) -> list[int]:
@@ -73,7 +67,7 @@ class Agreement:
     def outcome(self, problem: Optional[str], what: str) -> None:
         """Every rank reports None or a problem; if any rank has one, every rank raises CO2Error
         listing each failing rank's problem."""
-        table = self.exchange([0 if problem is None else 1, *text_words(problem or "")], what)
+        table = self.exchange([0 if problem is None else 1, *problem_words(problem)], what)
         raise_failed(self, [(rank, row[0], row[1:]) for rank, row in enumerate(table)])
 
 

@@ -11,18 +11,18 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from ..errors import CO2Error
+from ..topology import text_words, words_text
 from .agreement import (
     SEEN_WORDS,
     TAG_WORDS,
     UNSEEN,
     Agreement,
     SaveSeen,
+    problem_words,
     raise_failed,
     refuse_different_saves,
     refuse_unusable_engine,
     seen_in,
-    text_words,
-    words_text,
 )
 from .files import PathLike, check_tag, describe, file_digest, load_file
 from .format import LATEST, MARKER, RANK_FILE, clean_temp_files, complete_checkpoints, parse_marker, tidy
@@ -141,7 +141,7 @@ def _agree_on_choice(agreement: Agreement, root: Path, tag: Optional[str]) -> Op
             chosen, problem = choice.tag or "", choice.problem or ""
         except Exception as error:
             kind, problem = 2, f"{root}: {describe(error)}"
-    table = agreement.exchange([kind, *text_words(chosen, TAG_WORDS), *text_words(problem)], "load: choose")
+    table = agreement.exchange([kind, *text_words(chosen, TAG_WORDS), *problem_words(problem)], "load: choose")
     kind, chosen = table[0][0], words_text(table[0][1 : 1 + TAG_WORDS])
     if kind == 2:
         raise CO2Error(
@@ -156,7 +156,7 @@ def _agree_to_apply(agreement: Agreement, plan: Optional[_Plan], problem: Option
     otherwise resume elsewhere). Else CO2Error on every rank, before any rank changed anything."""
     seen = UNSEEN if plan is None else plan.seen
     table = agreement.exchange(
-        [int(problem is not None), *seen.words(), *text_words(problem or "")], "load: every rank validated"
+        [int(problem is not None), *seen.words(), *problem_words(problem)], "load: every rank validated"
     )
     refuse_different_saves(agreement, [SaveSeen.from_words(row[1 : 1 + SEEN_WORDS]) for row in table])
     raise_failed(agreement, [(r, row[0], row[1 + SEEN_WORDS :]) for r, row in enumerate(table)])

@@ -18,9 +18,9 @@ from .agreement import (
     as_hex,
     hex_words,
     id_word,
+    problem_words,
     raise_failed,
     refuse_unusable_engine,
-    text_words,
     words_hex,
 )
 from .files import (
@@ -107,7 +107,7 @@ def _agree_to_save(agreement: Agreement, root: Path, tag: str, engine: Any) -> s
         problem = f"{root}: {describe(error)}"
     tidy(root, agreement.rank)  # before the exchange: no rank writes into the directory before it ends
     mine = [int(problem is not None), fingerprint(tag), engine.inner_steps, id_word(), id_word()]
-    table = agreement.exchange([*mine, *text_words(problem or "")], "save: agree on tag and step")
+    table = agreement.exchange([*mine, *problem_words(problem)], "save: agree on tag and step")
     if any(row[1:3] != table[0][1:3] for row in table):
         counts = ", ".join(f"rank {r}: step {row[2]}" for r, row in enumerate(table))
         raise CO2Error(
@@ -150,7 +150,7 @@ def _write_rank_files(
     except Exception as error:  # a full disk (OSError, or RuntimeError from torch.save), a bad extra, ...
         problem, cause = f"{name}: {describe_write_error(error, where)}", error
     table = agreement.exchange(
-        [int(problem is not None), size, *hex_words(digest), *text_words(problem or "")], "save: every file durable"
+        [int(problem is not None), size, *hex_words(digest), *problem_words(problem)], "save: every file durable"
     )
     raise_failed(agreement, [(r, row[0], row[6:]) for r, row in enumerate(table)], cause)
     return [

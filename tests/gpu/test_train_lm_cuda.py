@@ -73,7 +73,7 @@ def test_checkpoint_resume(engine, tokens, tmp_path):
     common = flags(tokens, *ENGINES[engine], "--dtype", "float32", "--max_steps", "8", "--tau", "2",
                    "--batch_size", "4", "--grad_accum", "2", "--eval_every", "1")  # fmt: skip
     straight = launch(tmp_path, [*common, "--save_dir", "ckpt", "--save_every", "4"], ranks=nccl_world())
-    again = launch(tmp_path, [*common, "--save_dir", "ckpt2", "--resume", "ckpt/step0000004"], ranks=nccl_world())
+    again = launch(tmp_path, [*common, "--save_dir", "ckpt2", "--resume", "ckpt/step00000004"], ranks=nccl_world())
     first, rest = by_step(straight), by_step(again)
     assert sorted(rest) == [4, 6, 8]
     for step in (6, 8):

@@ -1,0 +1,236 @@
+"""The training job's flags, grouped as `--help` shows them, and the CO2 configuration they resolve to."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .. import configs
+from .data import BYTE_VOCAB, TOKEN_VOCAB
+from .model import MODEL_PRESETS
+
+# The baselines are CO2 configurations; "co2" is the library's defaults (CO2Config). Precedence, low to
+# high: CO2Config's defaults, the "co2" section of --deepspeed_config (engine deepspeed), the method's
+# preset, the flags given.
+METHOD_PRESETS = {
+    "co2": {},
+    "localsgd": {"overlap": False, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False,
+                 "gap_penalty": {"mode": "none"}},
+    "slowmo": {"overlap": False, "outer_lr": 1.0, "outer_momentum": 0.5, "nesterov": False,
+               "gap_penalty": {"mode": "none"}},
+    "diloco": {"overlap": False, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
+               "gap_penalty": {"mode": "none"}},
+}  # fmt: skip
+CO2_METHODS = tuple(METHOD_PRESETS)
+METHODS = CO2_METHODS + ("ddp", "none")
+ENGINES = ("plain", "fairscale", "deepspeed", "fsdp")
+
+# CO2 flag -> the CO2Config field it sets (a pair: a field of a nested section).
+CO2_FLAGS = {
+    "tau": "tau", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum", "nesterov": "nesterov",
+    "overlap": "overlap", "gap_penalty": ("gap_penalty", "mode"), "gap_strength": ("gap_penalty", "strength"),
+    "gap_value": ("gap_penalty", "value"), "clip": ("clip", "mode"), "clip_threshold": ("clip", "threshold"),
+    "shards_per_replica": "shards_per_replica", "collective": "collective", "comm_dtype": "comm_dtype",
+    "timeout_s": "timeout_s", "nonfinite": "nonfinite",
+}  # fmt: skip
+PRESET = "default: the --method preset, else the config's co2 section, else CO2Config's"
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("run").add_argument
+    a("--method", default="co2", choices=METHODS, help="co2, a blocking CO2-family baseline, ddp or none")
+    a("--engine", default="plain", choices=ENGINES, help="plain: CO2Optimizer (or DDP); the others shard")
+    a("--deepspeed_config", default="configs/ds_zero2_co2.json", help="--engine deepspeed: ZeRO config")
+    a("--max_steps", type=int, default=300, help="optimizer steps per rank (CO2: rounded up to whole rounds)")
+    a("--max_seconds", type=float, default=0.0, help="stop at the next round end after this (0: off)")
+    a("--seed", type=int, default=1337, help="model init and held-out batches; rank r samples with seed + r")
+    a("--threads", type=int, default=1, help="torch.set_num_threads per process")
+    a("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's; LOCAL_RANK is used
+
+
+def _device_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("device").add_argument
+    a("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU per rank (LOCAL_RANK)")
+    a("--backend", default=None, choices=("gloo", "nccl"), help="default: nccl on cuda, gloo on cpu")
+    a("--dtype", default=None, choices=("float32", "bfloat16"),
+      help="autocast dtype; default bfloat16 on cuda, float32 on cpu, deepspeed: what its config says")  # fmt: skip
+    a("--compile", action="store_true", help="torch.compile the model (deepspeed: engine.compile())")
+    a("--peak_flops", type=float, default=989e12, help="peak FLOP/s of one GPU for the MFU (H100 SXM bf16 dense)")
+
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("data").add_argument
+    a("--data", default=None, help="directory with train.bin/val.bin of uint16 token ids; default: stdlib bytes")
+    a("--vocab_size", type=int, default=None, help=f"default {BYTE_VOCAB} (bytes), {TOKEN_VOCAB} with --data")
+    a("--data_bytes", type=int, default=4_000_000, help="stdlib bytes: cap on corpus bytes read (train + val)")
+    a("--val_every", type=int, default=20, help="stdlib bytes: every N-th file (sorted) is held out")
+    a("--block_size", type=int, default=None, help="context length; default: the --model preset's")
+    a("--batch_size", type=int, default=16, help="sequences per rank per micro-batch")
+    a("--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("model").add_argument
+    a("--model", default="tiny", choices=tuple(MODEL_PRESETS), help="size preset")
+    for name in ("n_layer", "n_head", "n_embd"):
+        a(f"--{name}", type=int, default=None, help="default: the --model preset's")
+    a("--dropout", type=float, default=0.0, help="dropout probability")
+
+
+def _optimizer_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("inner optimizer", "AdamW; LR: linear warmup, then cosine decay to --min_lr").add_argument
+    a("--lr", type=float, default=3e-3, help="peak learning rate")
+    a("--min_lr", type=float, default=3e-4, help="learning rate at --max_steps")
+    a("--warmup_steps", type=int, default=20, help="steps of linear warmup")
+    a("--weight_decay", type=float, default=0.1, help="AdamW weight decay")
+    a("--beta1", type=float, default=0.9, help="AdamW beta1")
+    a("--beta2", type=float, default=0.95, help="AdamW beta2")
+    a("--grad_clip", type=float, default=1.0, help="inner grad-norm clip (0: off)")
+
+
+def _co2_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("CO2", f"each flag given overrides the CO2Config field ({PRESET})").add_argument
+    a("--tau", type=int, default=None, help=f"local steps per round; {PRESET} 12")
+    a("--outer_lr", type=float, default=None, help=f"{PRESET} 1.0")
+    a("--outer_momentum", type=float, default=None, help=f"{PRESET} 0.0")
+    a("--nesterov", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} off")
+    a("--overlap", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} on")
+    a("--gap_penalty", default=None, choices=("none", "constant", "adaptive"), help=f"{PRESET} adaptive")
+    a("--gap_strength", type=float, default=None, help=f"adaptive: 1 + strength*|gap|/|g|; {PRESET} 2.0")
+    a("--gap_value", type=float, default=None, help=f"constant: divide by this; {PRESET} 1.0")
+    a("--clip", default=None, choices=("none", "value", "norm"), help=f"outer momentum clip; {PRESET} none")
+    a("--clip_threshold", type=float, default=None, help=f"{PRESET} 1.0")
+    a("--shards_per_replica", type=int, default=None,
+      help=f"S of the fairscale/deepspeed/fsdp engines (plain: always 1); {PRESET} the ranks per node")  # fmt: skip
+    a("--collective", default=None, help=f"{PRESET} auto")
+    a("--comm_dtype", default=None, help=f"wire format of the exchange; {PRESET} fp32")
+    a("--timeout_s", type=float, default=None, help=f"deadline of every wait; {PRESET} 600")
+    a("--nonfinite", default=None, choices=("raise", "skip_round"), help=f"on a NaN/inf round; {PRESET} raise")
+
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("checkpoints").add_argument
+    a(
+        "--save_dir",
+        default=None,
+        help="write checkpoints to DIR/step<N>/, the newest named in DIR/latest; default: none",
+    )
+    a("--save_every", type=int, default=0, help="optimizer steps between checkpoints (0: none)")
+    a("--resume", nargs="?", const="latest", default=None,
+      help="continue from --save_dir's latest checkpoint, or from the checkpoint directory given; "
+           "default: start afresh")  # fmt: skip
+    a("--reshard", action="store_true",
+      help="--resume from a checkpoint of another R x S, world size or engine (CO2 methods): the CO2 state "
+           "is re-cut, training resumes at its last round start, the inner optimizer state starts fresh")  # fmt: skip
+
+
+def _log_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("logging and validation").add_argument
+    a("--log_every", type=int, default=12, help="steps between log lines (ddp, none; CO2: every round)")
+    a("--eval_every", type=int, default=5, help="log lines between validations (0: start/end only)")
+    a("--eval_batches", type=int, default=16, help="held-out batches per validation")
+    a("--out_json", default=None, help="JSON-lines log (rank 0); default: none")
+    a("--no_progress", action="store_true", help="no progress bar (there is none anyway unless stderr is a terminal)")
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    """The parser of every training flag (also the model/CO2 flags of `co2-tune-tau`)."""
+    prog = "python -m co2_zero.train" if sys.argv[0].endswith("__main__.py") else None  # not "__main__.py"
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpWithDefaults)
+    for add in (_run_flags, _device_flags, _data_flags, _model_flags, _optimizer_flags, _co2_flags,
+                _checkpoint_flags, _log_flags):  # fmt: skip
+        add(p)
+    return p
+
+
+def get_args(argv: Optional[Sequence[str]] = None, description: str = "") -> argparse.Namespace:
+    """Parse and complete the flags: the model preset, the vocabulary and dtype defaults; refuse
+    inconsistent ones with the flag, its value and what is accepted."""
+    p = build_parser(description)
+    args = p.parse_args(argv)
+    for name, value in MODEL_PRESETS[args.model].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.vocab_size is None:
+        args.vocab_size = TOKEN_VOCAB if args.data else BYTE_VOCAB
+    if args.dtype is None and args.engine != "deepspeed":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    problem = _inconsistency(args)
+    if problem:
+        p.error(problem)
+    return args
+
+
+def _inconsistency(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with a combination of flags, or None."""
+    for name in ("grad_accum", "batch_size", "n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        if getattr(args, name) < 1:
+            return f"--{name}={getattr(args, name)} is invalid; accepted: an integer >= 1"
+    if args.n_embd % args.n_head:
+        return f"--n_embd={args.n_embd} is not a multiple of --n_head={args.n_head}"
+    if args.save_every and not args.save_dir:
+        return f"--save_every={args.save_every} needs --save_dir"
+    if args.resume == "latest" and not args.save_dir:
+        return "--resume without a checkpoint directory needs --save_dir (its 'latest' is loaded)"
+    if args.reshard and not args.resume:
+        return "--reshard applies to --resume; accepted: --reshard together with --resume"
+    if args.reshard and args.method not in CO2_METHODS:
+        return f"--reshard with --method {args.method}: only the CO2 methods ({', '.join(CO2_METHODS)}) reshard"
+    return None
+
+
+def co2_config(args: argparse.Namespace):
+    """The CO2Config of this run: CO2Config's defaults, under the --deepspeed_config "co2" section
+    (engine deepspeed), under the --method preset, under the CO2 flags that were given."""
+    from co2_zero import CO2Config
+
+    fields: dict[str, Any] = {}
+
+    def put(name, value):  # `name`: a field, or (section, field) of a nested section (gap_penalty, clip)
+        if isinstance(name, tuple):
+            name, value = name[0], {name[1]: value}
+        if isinstance(value, dict) and isinstance(fields.get(name), dict):
+            value = {**fields[name], **value}
+        fields[name] = value
+
+    for layer in (json_co2_section(args), METHOD_PRESETS[args.method]):
+        for name, value in layer.items():
+            put(name, value)
+    for flag, name in CO2_FLAGS.items():
+        if getattr(args, flag, None) is not None:
+            put(name, getattr(args, flag))
+    return CO2Config.from_dict(fields)
+
+
+def json_co2_section(args: argparse.Namespace) -> dict:
+    """The "co2" section of --deepspeed_config (engine deepspeed), or {}."""
+    if getattr(args, "engine", "plain") != "deepspeed":
+        return {}
+    section = json.loads(deepspeed_config_path(args).read_text()).get("co2") or {}
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in section.items()}
+
+
+def deepspeed_config_path(args: argparse.Namespace) -> Path:
+    """--deepspeed_config as given when that file exists, else the shipped config of that name
+    (`co2_zero.configs`: "configs/ds_zero2_co2.json" works from any directory and in an installed
+    package, not only in the checkout)."""
+    path = Path(args.deepspeed_config)
+    if path.is_file() or path.is_absolute() or path.parent.name not in ("", "configs"):
+        return path
+    try:
+        return configs.path(path.name)
+    except ValueError:
+        return path  # not a shipped name: DeepSpeed reports the missing file by its given name

@@ -1,0 +1,225 @@
+"""The engines the training job runs on, each behind one small interface, `Trainer`.
+
+plain: torch AdamW; CO2Optimizer around it (CO2 methods), DDP (--method ddp), or alone (--method none).
+fairscale: CO2OSS + ShardedDataParallel inside a replica. deepspeed: ZeRO-1/2 from --deepspeed_config.
+fsdp: PyTorch's fully_shard over each replica's ranks, CO2Optimizer across replicas. The optional
+frameworks are imported only by the engine that needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .args import deepspeed_config_path
+
+
+@dataclass
+class Trainer:
+    """What an engine builds.
+
+    `train_step(micro_batches)` runs forward and backward on each (x, y) micro-batch, one optimizer step
+    and the LR schedule, and returns the mean loss as a detached tensor (no host sync). `opt` carries
+    the CO2 bookkeeping for the CO2 methods (round_ended, last_round, finalize(), co2_state_bytes());
+    `co2` says whether it does. `model` is the bare module (evaluation, checkpoints); `ds_engine` the
+    DeepSpeed engine, whose checkpoints hold the LR schedule; otherwise `sched` is the job's scheduler.
+    """
+
+    train_step: Callable[[list], torch.Tensor]
+    opt: Any
+    lr: Callable[[], float]
+    model: nn.Module
+    co2: bool
+    ds_engine: Any = None
+    sched: Any = None
+
+    def grid(self, world: int) -> tuple[int, int]:
+        """(R, S) actually used: the CO2 topology's replicas and shards; ddp/none: every rank a replica."""
+        if not self.co2:
+            return world, 1
+        topology = self.opt.engine.topology
+        return topology.replicas, topology.shards
+
+
+def adamw_kwargs(args) -> dict:
+    kwargs = dict(lr=args.lr, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay)
+    if args.device == "cuda":
+        kwargs["fused"] = True  # one kernel for the whole step
+    return kwargs
+
+
+def autocast(args):
+    return torch.autocast(device_type=args.device, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+
+
+def maybe_compile(module: nn.Module, args) -> nn.Module:
+    return torch.compile(module) if args.compile else module
+
+
+def lr_lambda(args) -> Callable[[int], float]:
+    """The multiplier on --lr at inner step `step` (0-based): linear warmup, then cosine to --min_lr."""
+
+    def f(step):
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        t = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+        return (args.min_lr + 0.5 * (1 + math.cos(math.pi * t)) * (args.lr - args.min_lr)) / args.lr
+
+    return f
+
+
+def accumulating_step(args, module, opt, sched, clip, no_sync=None, set_to_none=True):
+    """train_step of the engines that run the backward themselves: the gradient of the mean loss over
+    the micro-batches (no gradient exchange before the last one when `no_sync` is given), clipping,
+    the optimizer step and the LR schedule."""
+
+    def train_step(micro):
+        opt.zero_grad(set_to_none=set_to_none)
+        total = 0.0
+        for k, (x, y) in enumerate(micro):
+            hold = no_sync() if no_sync is not None and k < len(micro) - 1 else contextlib.nullcontext()
+            with hold:
+                with autocast(args):
+                    loss = module(x, y)
+                (loss / len(micro)).backward()
+            total = total + loss.detach()
+        if args.grad_clip > 0:
+            clip(args.grad_clip)
+        opt.step()
+        sched.step()
+        return total / len(micro)
+
+    return train_step
+
+
+def _scheduled(args, opt) -> tuple[Any, Callable[[], float]]:
+    """The LR schedule on `opt` and a reader of its current LR."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
+    return sched, lambda: sched.get_last_lr()[0]
+
+
+def build_plain(args, model, co2) -> Trainer:
+    """torch AdamW; CO2Optimizer around it for the CO2 methods, DDP for ddp, nothing for none."""
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(args))
+    module, no_sync = model, None
+    if args.method == "ddp":
+        module = nn.parallel.DistributedDataParallel(model)
+        no_sync = module.no_sync
+    elif co2 is not None:
+        from co2_zero import CO2Optimizer
+
+        opt = CO2Optimizer(opt, co2, model=model)
+    sched, lr = _scheduled(args, opt)
+
+    def clip(max_norm):
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    step = accumulating_step(args, maybe_compile(module, args), opt, sched, clip, no_sync)
+    return Trainer(step, opt, lr, model, co2=co2 is not None, sched=sched)
+
+
+def build_fairscale(args, model, co2) -> Trainer:
+    """CO2OSS (OSS shards AdamW over the replica) + the fixed ShardedDataParallel inside the replica."""
+    from co2_zero.fairscale import CO2OSS, ShardedDataParallel  # FairScale's SDP, fixed for replica groups
+
+    if co2 is None:
+        raise ValueError("--engine fairscale runs the CO2-family methods; use --engine plain for ddp/none")
+    opt = CO2OSS(model.parameters(), optim=torch.optim.AdamW, co2=co2, **adamw_kwargs(args))
+    module = ShardedDataParallel(maybe_compile(model, args), opt, process_group=opt.group)
+    sched, lr = _scheduled(args, opt)
+    # the gradients are sharded: opt.clip_grad_norm takes the norm over the replica, as OSS computes it;
+    # OSS + SDP keep their gradient buckets, so gradients are zeroed in place
+    step = accumulating_step(args, module, opt, sched, opt.clip_grad_norm, module.no_sync, set_to_none=False)
+    return Trainer(step, opt, lr, model, co2=True, sched=sched)
+
+
+def _deepspeed_config(args, co2) -> dict:
+    """--deepspeed_config with this job's batch, accumulation, clipping, AdamW, precision and co2 section."""
+    config = json.loads(deepspeed_config_path(args).read_text())
+    for key in ("co2", "scheduler", "train_batch_size"):  # replaced by co2_config and the flags below
+        config.pop(key, None)
+    config.update(train_micro_batch_size_per_gpu=args.batch_size, gradient_accumulation_steps=args.grad_accum,
+                  gradient_clipping=args.grad_clip)  # fmt: skip
+    config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"].update(
+        torch_adam=True, **{k: list(v) if k == "betas" else v for k, v in adamw_kwargs(args).items()}
+    )
+    if args.dtype is not None:
+        config["bf16"] = {"enabled": args.dtype == "bfloat16"}
+        config.pop("fp16", None)
+    if co2 is not None:
+        config["co2"] = co2.to_dict()
+    return config
+
+
+def build_deepspeed(args, model, co2) -> Trainer:
+    """DeepSpeed from --deepspeed_config: its ZeRO stage and precision (unless --dtype), this job's
+    batch, accumulation, clipping, AdamW and LR schedule, and the co2 section `co2_config` resolved
+    (--method ddp: none, i.e. plain DeepSpeed data parallelism)."""
+    os.environ["DS_ACCELERATOR"] = args.device  # DeepSpeed's accelerator is this job's device
+    import co2_zero.deepspeed
+
+    if co2 is None and args.method != "ddp":
+        raise ValueError("--engine deepspeed runs the CO2-family methods or ddp")
+    engine, opt, _, sched = co2_zero.deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=_deepspeed_config(args, co2),
+        lr_scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(args)),
+    )
+    if args.compile:
+        engine.compile()
+
+    def train_step(micro):  # DeepSpeed scales the loss for accumulation and steps at the boundary
+        total = 0.0
+        for x, y in micro:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()  # zero_grad, gradient clipping, the LR schedule: DeepSpeed's
+            total = total + loss.detach()
+        return total / len(micro)
+
+    return Trainer(train_step, opt, lambda: sched.get_last_lr()[0], model, co2=co2 is not None, ds_engine=engine)
+
+
+def build_fsdp(args, model, co2) -> Trainer:
+    """PyTorch's FSDP2 inside each replica (fully_shard per block and the root over the replica's 1-D
+    mesh), CO2Optimizer across replicas on the local shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    from co2_zero import CO2Optimizer
+    from co2_zero.fsdp import replica_mesh
+
+    if co2 is None:
+        raise ValueError("--engine fsdp runs the CO2-family methods; use --engine plain for ddp/none")
+    mesh = replica_mesh(co2)  # this rank's replica: S = --shards_per_replica ranks
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # embeddings, final norm and the tied head in the root group
+    opt = CO2Optimizer(torch.optim.AdamW(model.parameters(), **adamw_kwargs(args)), co2, model=model)
+    sched, lr = _scheduled(args, opt)
+
+    def clip(max_norm):  # DTensor gradients: the norm is taken over the replica
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    step = accumulating_step(args, maybe_compile(model, args), opt, sched, clip)
+    return Trainer(step, opt, lr, model, co2=True, sched=sched)
+
+
+BUILDERS: dict[str, Callable[[Any, nn.Module, Optional[Any]], Trainer]] = {
+    "plain": build_plain,
+    "fairscale": build_fairscale,
+    "deepspeed": build_deepspeed,
+    "fsdp": build_fsdp,
+}
+
+
+def build_trainer(args, model: nn.Module, co2) -> Trainer:
+    """The --engine's Trainer around `model`; `co2`: the CO2Config, None for ddp / none."""
+    return BUILDERS[args.engine](args, model, co2)

@@ -1,0 +1,354 @@
+"""The training job, top to bottom: build the run, validate, train, finish.
+
+The run's state is a few small named objects: `Job` (what `build` made, fixed for the run) and, in
+state.py, `Clock` (training time, validation and checkpoints excluded), `Tally` (losses since the last
+log line, the round ends since the start) and `Console` (rank 0's log lines, progress bar, JSON records).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoints
+from .args import CO2_METHODS, co2_config, get_args
+from .data import Batches
+from .engines import Trainer, autocast, build_trainer
+from .model import flops_per_token, gpt_from_args
+from .state import Clock, Console, RoundEnd, Tally
+
+DESCRIPTION = "Train a GPT with CO2 or a baseline: a tiny byte-level model on CPUs, GPT-2 sizes on GPUs."
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`co2-train` / `python -m co2_zero.train` / scripts/train_lm.py: one training job; returns 0."""
+    job = build(get_args(argv, DESCRIPTION))
+    clock, tally = Clock(), Tally()
+    initial = start(job, clock)
+    step = train(job, clock, tally)
+    finish(job, clock, tally, step, initial)
+    return 0
+
+
+# ---- the run's state ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """What `build` made: fixed for the whole run."""
+
+    args: Any
+    rank: int
+    world: int
+    device: torch.device
+    config: Any  # CO2Config, or None for ddp / none
+    trainer: Trainer
+    batches: Batches
+    console: Console
+    n_params: int
+    tokens_per_step: int  # global, per optimizer step
+    start_step: int  # 0, or the step a resumed run starts at
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if dist.get_backend() == "nccl":  # NCCL's barrier must know the rank's GPU
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def memory_gib(self) -> Optional[float]:
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+
+
+# ---- build -------------------------------------------------------------------------------------------
+
+
+def setup_dist(device: str = "cpu", backend: Optional[str] = None) -> tuple[int, int]:
+    """Join the launcher's process group (or make a world of one); on CUDA pick this rank's GPU."""
+    if "WORLD_SIZE" not in os.environ:  # one plain process: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if device == "cuda":
+        _pick_gpu(backend)
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _pick_gpu(backend: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA device here; accepted: --device cpu")
+    gpus, local = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)  # torchrun, deepspeed
+    if backend == "nccl" and per_node > gpus:
+        raise RuntimeError(
+            f"--device cuda --backend nccl needs one GPU per rank: {per_node} ranks on this node but "
+            f"{gpus} GPU(s) visible; accepted: at most {gpus} ranks per node, or --backend gloo to share GPUs"
+        )
+    torch.cuda.set_device(local % gpus)
+
+
+def build(args) -> Job:
+    """Process group, data, model and engine; resume if asked; the header line."""
+    torch.set_num_threads(args.threads)
+    rank, world = setup_dist(args.device, args.backend)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    config = co2_config(args) if args.method in CO2_METHODS else None
+    if config is not None and args.max_steps % config.tau:  # finalize() drops a partial last round
+        args.max_steps += config.tau - args.max_steps % config.tau
+    batches = Batches(args, rank, device)
+    torch.manual_seed(args.seed)  # identical init on every rank
+    with device:
+        model = gpt_from_args(args)
+    trainer = build_trainer(args, model, config)
+    console = Console(rank == 0, args.out_json, progress=not args.no_progress)
+    start_step = resume(args, trainer, batches, console) if args.resume else 0
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world
+    n_params = sum(p.numel() for p in model.parameters())
+    job = Job(args, rank, world, device, config, trainer, batches, console, n_params, tokens_per_step, start_step)
+    console.line(header(job))
+    if not args.resume:
+        console.new_json()
+    return job
+
+
+def resume(args, trainer: Trainer, batches: Batches, console: Console) -> int:
+    """Load the --resume checkpoint into the trainer and the data sampler; returns the step to go on from."""
+    directory = checkpoints.resume_directory(args)
+    extra = checkpoints.load(trainer, directory, reshard=args.reshard)
+    checkpoints.set_rng_state(batches.gen, extra["rng"])
+    step = extra["step"]
+    if args.reshard:  # resharding resumes at the saved run's last round start
+        step = trainer.opt.engine.inner_steps
+    console.line(f"resumed from {directory} at step {step}" + (" (resharded)" if args.reshard else ""))
+    return step
+
+
+def header(job: Job) -> str:
+    """The run's first line: what runs where, on which data, and the R x S and CO2 config really used."""
+    a = job.args
+    replicas, shards = job.trainer.grid(job.world)
+    b = job.batches
+    data = f"--data {a.data}" if a.data else "stdlib bytes"
+    line = (
+        f"method={a.method} engine={a.engine} world={job.world} R x S = {replicas} x {shards} device={a.device} "
+        f"dtype={a.dtype} model={a.model} params={job.n_params / 1e6:.2f}M data={data} "
+        f"train={len(b.train) / 1e6:.2f}M val={b.val_tokens / 1e6:.2f}M tokens tokens/step={job.tokens_per_step} "
+        f"max_steps={a.max_steps}"
+    )
+    if job.config is not None:  # the plain engine's CO2Optimizer uses S = 1 whatever the config says
+        line += f" {dataclasses.replace(job.config, shards_per_replica=shards)}"
+    return line
+
+
+# ---- validate, train, finish -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model, batches, rank, world, alone, args=None, shards=1) -> float:
+    """Mean loss over the fixed held-out batches. Ranks split the batches and all-reduce
+    (all hold the same model); alone=True: this rank evaluates every batch by itself. `shards` > 1
+    (FSDP2: every forward is a collective over the replica): the ranks of a replica evaluate the same
+    batches, which scales the sum and the count alike."""
+    was_training = model.training
+    model.eval()
+    mine = batches if alone else batches[rank // shards :: world // shards]
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with autocast(args) if args is not None else contextlib.nullcontext():
+        for x, y in mine:
+            total += model(x, y).double()
+    s = torch.stack([total, torch.tensor(float(len(mine)), dtype=torch.float64, device=device)])
+    if not alone and world > 1:
+        dist.all_reduce(s)
+    model.train(was_training)
+    return (s[0] / s[1]).item()
+
+
+def validate(job: Job, clock: Clock) -> Optional[float]:
+    """The held-out loss (`none`: rank 0's own model, evaluated by rank 0 alone; None elsewhere)."""
+    with clock.paused():
+        alone = job.args.method == "none"
+        v = None
+        if job.master or not alone:
+            shards = job.trainer.grid(job.world)[1] if job.args.engine == "fsdp" else 1
+            v = evaluate(job.trainer.model, job.batches.val, job.rank, job.world, alone, job.args, shards)
+        job.barrier()  # nobody trains while rank 0 evaluates alone: the pause is every rank's
+    return v
+
+
+def start(job: Job, clock: Clock) -> Optional[float]:
+    """The first validation and record; then every rank starts the clock together. Returns the loss."""
+    a, step = job.args, job.start_step
+    v0 = validate(job, clock)
+    if job.master:
+        job.console.line(f"step {step} | val {v0:.4f}")
+    job.console.record(method=a.method, step=step, tokens=step * job.tokens_per_step, elapsed_s=0.0, loss=None,
+                       tokens_per_s=None, wait_s=None, round_end_s=None, val_loss=v0)  # fmt: skip
+    clock.start(step)  # after validate's barrier
+    return v0
+
+
+def train(job: Job, clock: Clock, tally: Tally) -> int:
+    """The loop: one optimizer step per iteration; a log point at every round end (CO2 methods) or
+    every --log_every steps; checkpoints every --save_every steps. Returns the step it stopped at."""
+    a, trainer = job.args, job.trainer
+    step = job.start_step
+    job.console.open_bar(a.max_steps, step)
+    trainer.model.train()
+    while step < a.max_steps:
+        tally.add_loss(trainer.train_step(job.batches.micro_batches()))
+        step += 1
+        job.console.advance()
+        if a.save_every and step % a.save_every == 0:
+            save(job, clock, step)
+        end = round_end(job, step)
+        if end is not None and log_point(job, clock, tally, step, end):
+            job.console.line(f"--max_seconds {a.max_seconds} reached at step {step}")
+            break
+    job.console.close_bar()
+    return step
+
+
+def round_end(job: Job, step: int) -> Optional[RoundEnd]:
+    """What this step's log point reports, or None when `step` is no log point: a CO2 round end (or
+    the last step), else every --log_every steps and the last."""
+    a, opt = job.args, job.trainer.opt
+    if job.trainer.co2:
+        if not opt.round_ended:
+            return RoundEnd(0.0, 0.0) if step >= a.max_steps else None
+        info = opt.last_round
+        return RoundEnd(info.get("wait_s", 0.0), info.get("round_end_s", 0.0), info.get("bytes_sent", 0.0))
+    if step % a.log_every and step != a.max_steps:
+        return None
+    return RoundEnd(0.0 if a.method == "none" else None, None)  # ddp: overlapped inside backward, unmeasured
+
+
+def save(job: Job, clock: Clock, step: int) -> None:
+    """A checkpoint of every rank, then DIR/latest names it."""
+    with clock.paused():
+        t = time.perf_counter()
+        save_dir = Path(job.args.save_dir)
+        extra = {"step": step, "rng": checkpoints.rng_state(job.batches.gen)}
+        directory = checkpoints.save(job.trainer, save_dir, step, extra)
+        job.barrier()  # every rank's part is written before `latest` names it
+        if job.master:
+            checkpoints.write_latest(save_dir, directory)
+        job.console.line(f"step {step} | checkpoint {directory} ({time.perf_counter() - t:.1f}s)")
+
+
+def mean_loss_and_stop(job: Job, tally: Tally, out_of_time: bool) -> tuple[float, bool]:
+    """The loss averaged over ranks and the steps since the last log line, and rank 0's --max_seconds
+    verdict, in one all-reduce (the loop's only default-group collective): all ranks stop together."""
+    d = job.device
+    s = torch.stack([torch.as_tensor(tally.loss_sum, dtype=torch.float64, device=d).reshape(()),
+                     torch.tensor(float(tally.loss_n), dtype=torch.float64, device=d),
+                     torch.tensor(float(out_of_time), dtype=torch.float64, device=d)])  # fmt: skip
+    dist.all_reduce(s)
+    loss_sum, loss_n, stop = s.tolist()
+    tally.loss_sum, tally.loss_n = 0.0, 0
+    return loss_sum / loss_n, stop > 0
+
+
+def log_point(job: Job, clock: Clock, tally: Tally, step: int, end: RoundEnd) -> bool:
+    """Average the loss over ranks, log, validate every --eval_every points. Returns True when rank 0
+    says --max_seconds is up."""
+    a = job.args
+    tally.add_round_end(end, co2=job.trainer.co2 and job.trainer.opt.round_ended)
+    out_of_time = job.master and a.max_seconds > 0 and clock.training_s() >= a.max_seconds
+    loss, stop = mean_loss_and_stop(job, tally, out_of_time)
+    # After the all-reduce (and its .tolist() sync): the interval ends when the slowest rank got here,
+    # so the time rank 0 waits for the others is counted in this interval, not lost between two.
+    now = time.perf_counter()
+    tally.log_lines += 1
+    tps = (step - clock.step_last) * job.tokens_per_step / max(now - clock.t_last, 1e-9)
+    mfu = job_mfu(job, tps)
+    tally.last_mfu = mfu
+    v = None
+    if a.eval_every > 0 and tally.log_lines % a.eval_every == 0 and step < a.max_steps and not stop:
+        v = validate(job, clock)
+    msg = f"step {step} | loss {loss:.4f} | {tps:,.0f} tok/s"
+    msg += f" | wait {end.wait_s:.3f}s" if end.wait_s is not None else ""
+    msg += f" | round_end {end.round_end_s:.3f}s" if end.round_end_s is not None else ""
+    msg += f" | mfu {100 * mfu:.1f}% | mem {job.memory_gib():.1f} GiB" if mfu is not None else ""
+    msg += f" | val {v:.4f}" if v is not None else ""
+    job.console.line(msg + f" | lr {job.trainer.lr():.2e}")
+    job.console.record(method=a.method, step=step, tokens=step * job.tokens_per_step,
+                       elapsed_s=clock.training_s(now), loss=loss, tokens_per_s=tps, wait_s=end.wait_s,
+                       round_end_s=end.round_end_s, val_loss=v, mfu=mfu, max_memory_gib=job.memory_gib())  # fmt: skip
+    clock.mark(step)
+    return stop
+
+
+def job_mfu(job: Job, tokens_per_s: float) -> Optional[float]:
+    """Model FLOPs utilisation against --peak_flops per GPU (CUDA only)."""
+    if job.device.type != "cuda":
+        return None
+    return flops_per_token(job.n_params, job.args) * tokens_per_s / (job.world * job.args.peak_flops)
+
+
+def finish(job: Job, clock: Clock, tally: Tally, step: int, initial: Optional[float]) -> None:
+    """One model everywhere (CO2: finalize), the final validation and the summary line and record."""
+    a, trainer = job.args, job.trainer
+    if trainer.co2:  # waits for the round in flight: part of the training time
+        t_fin = time.perf_counter()
+        trainer.opt.finalize()
+        job.console.line(f"finalize {time.perf_counter() - t_fin:.3f}s")
+    train_s = clock.training_s()
+    steps_run = step - job.start_step  # by this process (a resumed run: since the resume)
+    tokens_per_s = steps_run * job.tokens_per_step / train_s
+    final = validate(job, clock)
+    replicas, shards = trainer.grid(job.world)
+    if job.master:
+        resumed_at = job.start_step if a.resume else None
+        job.console.line(summary_line(final, initial, steps_run, resumed_at, train_s, tokens_per_s,
+                                      (replicas, shards), tally if trainer.co2 else None))  # fmt: skip
+    job.console.record(summary=True, method=a.method, engine=a.engine, world_size=job.world, steps=step,
+                       steps_run=steps_run, resumed_at=job.start_step if a.resume else None,
+                       tokens=step * job.tokens_per_step, elapsed_s=train_s, tokens_per_s=tokens_per_s,
+                       wait_s=tally.wait_s if trainer.co2 or a.method == "none" else None,
+                       round_end_s=tally.round_end_s if trainer.co2 else None, initial_val_loss=initial,
+                       val_loss=final, replicas=replicas, shards=shards,
+                       rounds=tally.rounds if trainer.co2 else None,
+                       bytes_sent=tally.bytes_sent if trainer.co2 else None,
+                       co2_state_bytes=trainer.opt.co2_state_bytes() if trainer.co2 else 0, n_params=job.n_params,
+                       mfu=tally.last_mfu, max_memory_gib=job.memory_gib(), args=vars(a))  # fmt: skip
+    job.barrier()
+    dist.destroy_process_group()
+
+
+def summary_line(final: float, initial: float, steps_run: int, resumed_at: Optional[int], train_s: float,
+                 tokens_per_s: float, grid: tuple[int, int], co2: Optional[Tally]) -> str:  # fmt: skip
+    """The run's last line. Parsers read its start, "final val loss X (initial Y)"; new fields go at
+    the end. `co2`: the tally of a CO2 run (rounds, rank 0's bytes sent and seconds blocked)."""
+    resumed = f" (resumed at step {resumed_at})" if resumed_at is not None else ""
+    line = (
+        f"final val loss {final:.4f} (initial {initial:.4f}) | {steps_run} steps{resumed} in {train_s:.1f}s | "
+        f"{tokens_per_s:,.0f} tok/s | R x S = {grid[0]} x {grid[1]}"
+    )
+    if co2 is not None:
+        line += f" | {co2.rounds} rounds | rank 0: {_bytes(co2.bytes_sent)} sent, {co2.wait_s:.2f}s blocked"
+    return line
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
