@@ -181,6 +181,7 @@ def load_removes_leftovers(rank: int, world: int, root: str) -> dict:
     that never got a marker, and a rank-1 file of an earlier save of step00000002's tag. A load follows."""
     model, opt = _trained(rank, 2)
     checkpoint.save(root, model, opt, extra={"step": 2})
+    dist.barrier()  # every rank's save has ended, its own tidying included, before rank 0 plants leftovers
     if rank == 0:
         directory = f"{root}/step00000002"
         with open(f"{directory}/{checkpoint.MARKER}") as f:
