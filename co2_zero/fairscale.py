@@ -34,8 +34,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise missing_extra("FairScale", "fairscale", error) from error
 
 from .agreement import identify
-from .checkpoint import InnerOptimizerState
 from .config import CO2Config
+from .integration import InnerOptimizerState
 from .outer import Segment
 from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
 from .topology import Topology, collective_device

@@ -16,6 +16,7 @@ import torch
 
 from .agreement import identify, in_model_order
 from .config import CO2Config
+from .integration import WHOLE, InnerOptimizerState
 from .outer import Segment
 from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
 from .topology import Topology
@@ -193,12 +194,18 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         ones, or an LR scheduler built on this optimizer would no longer reach the inner one."""
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
-    def checkpoint_state(self, model: torch.nn.Module) -> Any:
-        """This optimizer's part of a `co2_zero.checkpoint` file: the inner optimizer's state."""
-        from .checkpoint import InnerOptimizerState
+    def checkpoint_state(self, model: torch.nn.Module) -> InnerOptimizerState:
+        """This optimizer's part of a `co2_zero.checkpoint` file: the inner optimizer's state (for an
+        FSDP2 model, this rank's rows of its moments and of the module's entries)."""
+        if self.flat_params is not None:
+            integration, rows = "plain", WHOLE
+        else:
+            from . import fsdp
 
-        integration = "plain" if self.flat_params is not None else "fsdp2"
-        return InnerOptimizerState(integration, self.engine, model, self.optimizer, after_load=self._share_inner_state)
+            integration, rows = "fsdp2", fsdp.DTENSOR_ROWS
+        return InnerOptimizerState(
+            integration, self.engine, model, self.optimizer, after_load=self._share_inner_state, rows=rows
+        )
 
     def __repr__(self) -> str:
         return f"CO2Optimizer({self.config}, inner={self.optimizer!r})"
