@@ -154,7 +154,7 @@ def test_a_job_of_three_replicas_resumes_from_a_job_of_two(replicas):
     after = second.wait()
     for name in names:
         records, stderr = after[name]
-        assert f"resumed from {ckpt / 'replica0' / 'step00000008'} at step 8" in stderr, stderr[-2000:]
+        assert f"resumed from {Path('ckpt', 'replica0', 'step00000008')} at step 8" in stderr, stderr[-2000:]
         assert _by_step(records)[8]["val_loss"] == val_at_8, name
         assert _summary(records)["replicas"] == 3 and _summary(records)["membership_changes"] == []
     assert len({_summary(after[name][0])["val_loss"] for name in names}) == 1
