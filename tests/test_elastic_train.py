@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,9 @@ import torch
 from co2_zero.train import args as train_args
 from co2_zero.train import checkpoints as train_checkpoints
 from co2_zero.train import data as train_data
+from co2_zero.train import engines as train_engines
+from co2_zero.train import loop as train_loop
+from co2_zero.train import state as train_state
 from tests.test_elastic import _lighthouse
 from tests.test_train_lm_smoke import ROOT, TINY
 
@@ -236,3 +240,24 @@ def test_a_restart_resumes_from_the_newest_checkpoint_of_any_replica(tmp_path):
     assert train_checkpoints.newest_replica_checkpoint(tmp_path) == tmp_path / "replica1" / "step00000016"
     with pytest.raises(FileNotFoundError, match="replica<N>/latest"):
         train_checkpoints.newest_replica_checkpoint(tmp_path / "nothing")
+
+
+def test_a_joined_replica_starts_at_the_jobs_step_with_its_lr_schedule():
+    """A replica that received the job's state (inner_steps = 12) starts at step 12, and its LR schedule
+    is where 12 steps put it; a fresh replica (inner_steps = 0) starts at 0 and loads --resume."""
+    args = train_args.get_args([*TINY, *ELASTIC_FLAGS, "--max_steps", "40"])
+    model = torch.nn.Linear(2, 2)
+    stepped = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    sched, _ = train_engines._scheduled(args, stepped)
+    for _ in range(12):
+        stepped.step()
+        sched.step()
+    jumped, _ = train_engines._scheduled(args, torch.optim.AdamW(model.parameters(), lr=args.lr))
+    train_engines._fast_forward(jumped, 12)
+    assert jumped.get_last_lr() == sched.get_last_lr() and jumped.last_epoch == 12
+    console = train_state.Console(master=False, out_json=None, progress=False)
+    for inner_steps, expected in ((12, 12), (0, None)):
+        trainer = SimpleNamespace(
+            membership=object(), opt=SimpleNamespace(engine=SimpleNamespace(inner_steps=inner_steps))
+        )
+        assert train_loop.joined_step(args, trainer, console) == expected
