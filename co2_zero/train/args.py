@@ -154,7 +154,7 @@ def _elastic_flags(p: argparse.ArgumentParser) -> None:
     )
     a("--replica_id", type=int, default=None, metavar="N",
       help="this launch's replica number, unique in the job, kept across restarts; it picks the data stream "
-           "and the checkpoint subdirectory; required with --lighthouse")  # fmt: skip
+           "and the checkpoint subdirectory; required with --lighthouse (default: none)")  # fmt: skip
     a("--start_replicas", type=int, default=1, help="a starting job waits (up to --timeout_s) for this many replicas")
 
 
