@@ -108,6 +108,7 @@ class Membership:
         self.store_port = store_port
         self.history: list[RoundRecord] = []
         self.changes: list[str] = []  # "replicas 3 -> 2 at round 17", one per change of the quorum
+        self.quorum: tuple[int, ...] = ()  # the replica ids of the latest quorum (the job's R now)
         self.manager: Any = None
         self.exchange: Optional[ElasticExchange] = None
         self.engine: Optional[RoundEngine] = None
@@ -210,6 +211,7 @@ class Membership:
         group = self.manager._pg
         shards = self.engine.topology.world_size
         replicas = tuple(rank // shards for rank in (group._global_ranks or [self.replica_id * shards]))
+        self.quorum = replicas
         return Peers(group, replicas, replicas.index(self.replica_id), contributes=True)
 
     def _vote(self, error: Optional[BaseException]) -> bool:

@@ -33,11 +33,11 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise missing_extra("FairScale", "fairscale", error) from error
 
+from . import integration as contract  # the checks every adapter shares
 from .agreement import identify
-from .checkpoint import InnerOptimizerState
 from .config import CO2Config
 from .engine import RoundEngine
-from .integration import CO2Steps, Integration, check_fp32_parameters, one_device, trainable_parameters
+from .integration import CO2Steps, InnerOptimizerState, Integration
 from .outer import Segment
 from .partition import Partition, parameter_signature
 from .topology import Topology, collective_device
@@ -127,9 +127,9 @@ class CO2OSS(CO2Steps, OSS):
         parameters, `agreement.agree_on_parameters`; pass `model` so that it compares names). The
         pieces' places are read from the parameters' own storage offsets, not assumed from OSS's order.
         """
-        params = trainable_parameters(g["params"] for g in self.param_groups)
-        device = one_device(p for g in self.param_groups for p in g["params"])
-        check_fp32_parameters(
+        params = contract.trainable_parameters(g["params"] for g in self.param_groups)
+        device = contract.one_device(p for g in self.param_groups for p in g["params"])
+        contract.check_fp32_parameters(
             params, "CO2OSS needs fp32 parameters (OSS keeps no fp32 master copy: use autocast with fp32 parameters)"
         )
         index = {id(p): i for i, p in enumerate(params)}

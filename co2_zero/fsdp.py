@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .agreement import identify
 from .config import CO2Config
 from .errors import CO2Error
-from .integration import check_fp32_parameters
+from .integration import TensorRows, check_fp32_parameters
 from .outer import Segment
 from .partition import Partition, parameter_signature
 from .topology import new_groups, replica_ranks
@@ -145,6 +145,21 @@ def sharded_like(local: torch.Tensor, param: DTensor) -> DTensor:
     return DTensor.from_local(
         local.to(device), param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
+
+
+class DTensorRows(TensorRows):
+    """How FSDP2 holds tensors, for checkpoints (`co2_zero.integration.TensorRows`): module entries and
+    optimizer moments of `fully_shard`'ed parameters are DTensors; a file holds this rank's rows of
+    each (`local_rows`), made a DTensor like its parameter again on load (`sharded_like`)."""
+
+    def local_rows(self, value: Any) -> Optional[tuple[int, torch.Tensor]]:
+        return local_rows(value)
+
+    def like(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        return sharded_like(local, param)
+
+
+DTENSOR_ROWS = DTensorRows()
 
 
 def _check_shards_unmoved(params: Sequence[DTensor], chunks: Sequence[torch.Tensor]) -> Callable[[], None]:

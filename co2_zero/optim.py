@@ -17,7 +17,15 @@ import torch
 from .agreement import identify, in_model_order
 from .config import CO2Config
 from .engine import RoundEngine
-from .integration import CO2Steps, Integration, check_fp32_parameters, one_device, trainable_parameters
+from .integration import (
+    WHOLE,
+    CO2Steps,
+    InnerOptimizerState,
+    Integration,
+    check_fp32_parameters,
+    one_device,
+    trainable_parameters,
+)
 from .outer import Segment
 from .partition import Partition, parameter_signature
 from .topology import Topology
@@ -207,12 +215,16 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         ones, or an LR scheduler built on this optimizer would no longer reach the inner one."""
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
-    def checkpoint_state(self, model: torch.nn.Module) -> Any:
-        """This optimizer's part of a `co2_zero.checkpoint` file: the inner optimizer's state."""
-        from .checkpoint import InnerOptimizerState
+    def checkpoint_state(self, model: torch.nn.Module) -> InnerOptimizerState:
+        """This optimizer's part of a `co2_zero.checkpoint` file: the inner optimizer's state (for an
+        FSDP2 model, this rank's rows of its moments and of the module's entries)."""
+        rows = WHOLE
+        if self.integration == Integration.FSDP2:
+            from . import fsdp
 
+            rows = fsdp.DTENSOR_ROWS
         return InnerOptimizerState(
-            self.integration, self.engine, model, self.optimizer, after_load=self._share_inner_state
+            self.integration, self.engine, model, self.optimizer, after_load=self._share_inner_state, rows=rows
         )
 
     def __repr__(self) -> str:

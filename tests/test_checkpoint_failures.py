@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from co2_zero import CO2Config, CO2Error, CO2Optimizer, checkpoint
+from co2_zero.checkpoint import loading
 from tests import models
 from tests.compare import param_copies, same
 from tests.dist_utils import launch_ranks, run_ranks
@@ -140,12 +141,12 @@ def load_scenarios(rank: int, world: int, root: str) -> dict:
     out["reused"] = {"extra": extra, "steps": opt.engine.inner_steps, "params": param_copies(model)}
 
     # Only rank 0 reads latest_co2 and the markers to choose; the others receive its choice.
-    choose = checkpoint._choose
+    choose = loading._choose
     if rank == 1:
-        checkpoint._choose = lambda *args: pytest.fail("rank 1 chose a checkpoint itself")
+        loading._choose = lambda *args: pytest.fail("rank 1 chose a checkpoint itself")
     model, opt = _build()
     out["chosen_by_rank_0"] = checkpoint.load(f"{root}/main", model, opt)
-    checkpoint._choose = choose
+    loading._choose = choose
 
     refused = {
         "empty": {},

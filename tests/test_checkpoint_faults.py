@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from co2_zero import CO2Config, CO2Optimizer, checkpoint
+from co2_zero.checkpoint import saving
 from tests import models
 from tests.compare import clone_state, param_copies, same
 from tests.dist_utils import run_ranks
@@ -82,8 +83,8 @@ def _torch_save_fails(error: BaseException, active: bool):
 
 @contextlib.contextmanager
 def _text_write_fails(name: str, active: bool):
-    """checkpoint.write_text_atomic raises a full disk's OSError for files called `name`, in this process."""
-    original = checkpoint.write_text_atomic
+    """The save's write_text_atomic raises a full disk's OSError for files called `name`, in this process."""
+    original = saving.write_text_atomic
 
     def failing(path, text):
         if str(path).endswith(name):
@@ -91,11 +92,11 @@ def _text_write_fails(name: str, active: bool):
         original(path, text)
 
     if active:
-        checkpoint.write_text_atomic = failing
+        saving.write_text_atomic = failing
     try:
         yield
     finally:
-        checkpoint.write_text_atomic = original
+        saving.write_text_atomic = original
 
 
 def _enospc_in_chain() -> RuntimeError:
@@ -180,6 +181,7 @@ def load_removes_leftovers(rank: int, world: int, root: str) -> dict:
     that never got a marker, and a rank-1 file of an earlier save of step00000002's tag. A load follows."""
     model, opt = _trained(rank, 2)
     checkpoint.save(root, model, opt, extra={"step": 2})
+    dist.barrier()  # every rank's save has ended, its own tidying included, before rank 0 plants leftovers
     if rank == 0:
         directory = f"{root}/step00000002"
         with open(f"{directory}/{checkpoint.MARKER}") as f:

@@ -28,8 +28,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from co2_zero import CO2Error, CO2Optimizer, checkpoint
+from co2_zero import CO2Error, CO2Optimizer, checkpoint, fsdp
 from co2_zero.checkpoint import consolidate, cut_rows
+from co2_zero.integration import local_optimizer_state
 from tests import models
 from tests.compare import same
 from tests.dist_utils import run_ranks
@@ -160,7 +161,7 @@ class Run:
 
     def snapshot(self) -> dict:
         """Everything a load could change: local weights, inner optimizer state, CO2 state (copies)."""
-        inner = checkpoint.local_optimizer_state(self.opt.optimizer.state_dict())[0]
+        inner = local_optimizer_state(self.opt.optimizer.state_dict(), fsdp.DTENSOR_ROWS)[0]
         co2 = self.engine.state_dict()
         return copy.deepcopy(
             {

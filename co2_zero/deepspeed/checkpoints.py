@@ -37,6 +37,10 @@ class ZeroCheckpointState:
         self.ds_engine, self.zero = engine, _co2_optimizer(engine)
         self.engine, self.module = self.zero.engine, engine.module
 
+    def local_rows(self, value: torch.Tensor) -> None:
+        """DeepSpeed's module holds every entry whole (ZeRO partitions only the optimizer's flat copy)."""
+        return None
+
     def module_excluded(self) -> set[str]:
         trainable = {id(p) for group in self.zero.bit16_groups for p in group}
         return {name for name, p in self.module.named_parameters(remove_duplicate=False) if id(p) in trainable}

@@ -37,6 +37,11 @@ CO2_FLAGS = {
     "timeout_s": "timeout_s", "nonfinite": "nonfinite",
 }  # fmt: skip
 PRESET = "default: the --method preset, else the config's co2 section, else CO2Config's"
+ELASTIC_SUPPORTED = (
+    "--lighthouse runs the plain engine (--engine plain: CO2Optimizer) with a CO2 method that overlaps "
+    "(--method co2, or localsgd/slowmo/diloco with --overlap), one rank per launch (S = 1): each replica is "
+    "its own launch with its own --replica_id (docs/elastic.md)"
+)
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -137,6 +142,22 @@ def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
            "is re-cut, training resumes at its last round start, the inner optimizer state starts fresh")  # fmt: skip
 
 
+def _elastic_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group(
+        "elastic", "replicas that come and go (docs/elastic.md); " + ELASTIC_SUPPORTED
+    ).add_argument
+    a(
+        "--lighthouse",
+        default=None,
+        metavar="URL",
+        help="torchft Lighthouse address, http://host:port; default: not elastic",
+    )
+    a("--replica_id", type=int, default=None, metavar="N",
+      help="this launch's replica number, unique in the job, kept across restarts; it picks the data stream "
+           "and the checkpoint subdirectory; required with --lighthouse (default: none)")  # fmt: skip
+    a("--start_replicas", type=int, default=1, help="a starting job waits (up to --timeout_s) for this many replicas")
+
+
 def _log_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("logging and validation").add_argument
     a("--log_every", type=int, default=12, help="steps between log lines (ddp, none; CO2: every round)")
@@ -151,7 +172,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     prog = "python -m co2_zero.train" if sys.argv[0].endswith("__main__.py") else None  # not "__main__.py"
     p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpWithDefaults)
     for add in (_run_flags, _device_flags, _data_flags, _model_flags, _optimizer_flags, _co2_flags,
-                _checkpoint_flags, _log_flags):  # fmt: skip
+                _checkpoint_flags, _elastic_flags, _log_flags):  # fmt: skip
         add(p)
     return p
 
@@ -189,6 +210,28 @@ def _inconsistency(args: argparse.Namespace) -> Optional[str]:
         return "--reshard applies to --resume; accepted: --reshard together with --resume"
     if args.reshard and args.method not in CO2_METHODS:
         return f"--reshard with --method {args.method}: only the CO2 methods ({', '.join(CO2_METHODS)}) reshard"
+    return _elastic_inconsistency(args)
+
+
+def _elastic_inconsistency(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the elastic flags, or None: --lighthouse only where the job can run elastically."""
+    if args.lighthouse is None:
+        given = {"--replica_id": args.replica_id is not None, "--start_replicas": args.start_replicas != 1}
+        flags = " and ".join(flag for flag, set_ in given.items() if set_)
+        return f"{flags}: elastic training's; accepted: together with --lighthouse" if flags else None
+    if args.engine != "plain":
+        return f"--lighthouse with --engine {args.engine} is not supported; {ELASTIC_SUPPORTED}"
+    if args.method not in CO2_METHODS:
+        return f"--lighthouse with --method {args.method} is not supported; {ELASTIC_SUPPORTED}"
+    overlap = args.overlap if args.overlap is not None else METHOD_PRESETS[args.method].get("overlap", True)
+    if not overlap:
+        return f"--lighthouse with --method {args.method} (overlap off) is not supported; {ELASTIC_SUPPORTED}"
+    if args.replica_id is None or args.replica_id < 0:
+        return (
+            f"--lighthouse needs --replica_id (given: {args.replica_id}); accepted: an integer >= 0, unique in the job"
+        )
+    if args.start_replicas < 1:
+        return f"--start_replicas={args.start_replicas} is invalid; accepted: an integer >= 1"
     return None
 
 

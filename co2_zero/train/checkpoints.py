@@ -3,10 +3,17 @@
 The CO2 engines write through the library's checkpoints (co2_zero.checkpoint; co2_zero.deepspeed's for
 --engine deepspeed), ddp / none one atomic file per rank. Each holds the job's `extra`: the step, the
 data sampler's and torch's random state and (not deepspeed) the LR schedule.
+
+Elastic (--lighthouse): every replica is its own launch and saves its own checkpoints under
+DIR/replica<N>/ (the same layout, its own `latest`), so checkpoints go on while any replica lives. They
+all hold the same CO2 state at a step (every replica keeps the whole outer state), so a whole-job
+restart, with any number of replicas, resumes from the newest one any replica completed
+(`newest_replica_checkpoint`).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -75,10 +82,37 @@ def _rank_file() -> str:
     return f"rank{dist.get_rank():05d}.pt"
 
 
+def save_root(args) -> Path:
+    """Where this launch's checkpoints go: --save_dir; elastic, --save_dir/replica<N>/ (its own)."""
+    root = Path(args.save_dir)
+    return root / f"replica{args.replica_id}" if args.lighthouse else root
+
+
+def newest_replica_checkpoint(save_dir: Path) -> Path:
+    """The newest checkpoint any replica of an elastic job completed: the highest step that a
+    save_dir/replica<N>/latest names, the lowest N among equal steps; every replica of a restarted job
+    that reads the same directory picks the same one."""
+    found = []
+    for latest in save_dir.glob("replica*/latest"):
+        replica, name = re.fullmatch(r"replica(\d+)", latest.parent.name), latest.read_text().strip()
+        step = re.fullmatch(r"step(\d+)", name)
+        if replica and step:
+            found.append((-int(step.group(1)), int(replica.group(1)), latest.parent / name))
+    if not found:
+        raise FileNotFoundError(
+            f"--resume: no {save_dir}/replica<N>/latest; give a checkpoint directory, or the --save_dir of an "
+            f"earlier elastic run"
+        )
+    return min(found)[2]
+
+
 def resume_directory(args) -> Path:
-    """The checkpoint --resume names: the one DIR/latest names (--resume alone), or the directory given."""
+    """The checkpoint --resume names: the one DIR/latest names (--resume alone; elastic: the newest of
+    every replica's), or the directory given."""
     if args.resume != "latest":
         return Path(args.resume)
+    if args.lighthouse:
+        return newest_replica_checkpoint(Path(args.save_dir))
     latest = Path(args.save_dir) / "latest"
     if not latest.is_file():
         raise FileNotFoundError(f"--resume: no {latest}; give a checkpoint directory, or --save_dir of an earlier run")

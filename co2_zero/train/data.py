@@ -55,11 +55,16 @@ def load_tokens(directory) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
-def get_batch(data: torch.Tensor, batch_size: int, block_size: int, gen: torch.Generator):
-    """`batch_size` random windows of `data` -> (inputs, next-token targets), int64, on the CPU."""
+def window_starts(data: torch.Tensor, batch_size: int, block_size: int, gen: torch.Generator) -> list[int]:
+    """Where `batch_size` random windows of `data` start: one draw from `gen`."""
     if len(data) <= block_size + 1:
         raise ValueError(f"--block_size={block_size} needs at least {block_size + 2} tokens; the data has {len(data)}")
-    ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=gen).tolist()
+    return torch.randint(len(data) - block_size - 1, (batch_size,), generator=gen).tolist()
+
+
+def get_batch(data: torch.Tensor, batch_size: int, block_size: int, gen: torch.Generator):
+    """`batch_size` random windows of `data` -> (inputs, next-token targets), int64, on the CPU."""
+    ix = window_starts(data, batch_size, block_size, gen)
     x = torch.stack([data[i : i + block_size].to(torch.int64) for i in ix])
     y = torch.stack([data[i + 1 : i + 1 + block_size].to(torch.int64) for i in ix])
     return x, y
@@ -81,14 +86,16 @@ def check_vocab(x: torch.Tensor, y: torch.Tensor, vocab_size: int) -> None:
 
 
 class Batches:
-    """This rank's batches: random training windows from its own stream (seed + rank), and the fixed
-    held-out batches every rank shares (seed), already on the device."""
+    """This rank's batches: random training windows from its own stream (seed + `stream`, the global
+    rank; elastic: `elastic_stream`), and the fixed held-out batches every rank shares (seed), already
+    on the device."""
 
-    def __init__(self, args, rank: int, device: torch.device) -> None:
+    def __init__(self, args, stream: int, device: torch.device) -> None:
         self.args, self.device = args, device
         self.train, val = load_tokens(args.data) if args.data else load_corpus(args.data_bytes, args.val_every)
         self.val_tokens = len(val)
-        self.gen = torch.Generator().manual_seed(args.seed + rank)
+        self.stream = stream
+        self.gen = torch.Generator().manual_seed(args.seed + stream)
         val_gen = torch.Generator().manual_seed(args.seed)  # same held-out batches everywhere, every time
         self.val = [self._on_device(*get_batch(val, args.batch_size, args.block_size, val_gen))
                     for _ in range(args.eval_batches)]  # fmt: skip
@@ -102,3 +109,18 @@ class Batches:
         a = self.args
         x, y = self._on_device(*get_batch(self.train, a.batch_size * a.grad_accum, a.block_size, self.gen))
         return list(zip(x.split(a.batch_size), y.split(a.batch_size)))
+
+    def seek(self, step: int) -> None:
+        """Put this rank's stream where it is after `step` optimizer steps: restart it from its seed and
+        draw (without reading) the windows of the steps before. An elastic replica that (re)joins, or
+        resumes from another replica's checkpoint, reads what it would have read had it trained all along."""
+        a = self.args
+        self.gen.manual_seed(a.seed + self.stream)
+        for _ in range(step):
+            window_starts(self.train, a.batch_size * a.grad_accum, a.block_size, self.gen)
+
+
+def elastic_stream(replica_id: int, rank: int, world: int) -> int:
+    """The data stream of `rank` of elastic replica `replica_id` (each replica its own launch of `world`
+    ranks): the global rank it would have in one launch of every replica, so replicas never share one."""
+    return replica_id * world + rank

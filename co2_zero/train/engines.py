@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -30,6 +31,7 @@ class Trainer:
     the CO2 bookkeeping for the CO2 methods (round_ended, last_round, finalize(), co2_state_bytes());
     `co2` says whether it does. `model` is the bare module (evaluation, checkpoints); `ds_engine` the
     DeepSpeed engine, whose checkpoints hold the LR schedule; otherwise `sched` is the job's scheduler.
+    `membership`: the elastic job's `co2_zero.elastic.Membership` (--lighthouse), else None.
     """
 
     train_step: Callable[[list], torch.Tensor]
@@ -39,12 +41,16 @@ class Trainer:
     co2: bool
     ds_engine: Any = None
     sched: Any = None
+    membership: Any = None
 
     def grid(self, world: int) -> tuple[int, int]:
-        """(R, S) actually used: the CO2 topology's replicas and shards; ddp/none: every rank a replica."""
+        """(R, S) actually used: the CO2 topology's replicas and shards (elastic: the replicas of the
+        latest quorum); ddp/none: every rank a replica."""
         if not self.co2:
             return world, 1
         topology = self.opt.engine.topology
+        if self.membership is not None:
+            return len(self.membership.quorum) or topology.replicas, topology.shards
         return topology.replicas, topology.shards
 
 
@@ -105,24 +111,46 @@ def _scheduled(args, opt) -> tuple[Any, Callable[[], float]]:
     return sched, lambda: sched.get_last_lr()[0]
 
 
+def _fast_forward(sched: Any, steps: int) -> None:
+    """Set the LR schedule to step `steps`, as if it had stepped that often (an elastic replica that
+    joins a running job starts at the job's step)."""
+    sched.last_epoch = steps - 1
+    with warnings.catch_warnings():  # no optimizer step yet: torch would warn about the order
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        sched.step()
+
+
+def elastic_membership(args) -> Any:
+    """The job's `co2_zero.elastic.Membership` (--lighthouse), or None."""
+    if args.lighthouse is None:
+        return None
+    from co2_zero.elastic import Membership
+
+    return Membership(args.lighthouse, args.replica_id, start_replicas=args.start_replicas)
+
+
 def build_plain(args, model, co2) -> Trainer:
-    """torch AdamW; CO2Optimizer around it for the CO2 methods, DDP for ddp, nothing for none."""
+    """torch AdamW; CO2Optimizer around it for the CO2 methods (elastic with --lighthouse: it joins the
+    job, and a replica that joins a running job starts at its step), DDP for ddp, nothing for none."""
     opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(args))
-    module, no_sync = model, None
+    module, no_sync, membership = model, None, None
     if args.method == "ddp":
         module = nn.parallel.DistributedDataParallel(model)
         no_sync = module.no_sync
     elif co2 is not None:
         from co2_zero import CO2Optimizer
 
-        opt = CO2Optimizer(opt, co2, model=model)
+        membership = elastic_membership(args)
+        opt = CO2Optimizer(opt, co2, model=model, membership=membership)
     sched, lr = _scheduled(args, opt)
+    if membership is not None and opt.engine.inner_steps:
+        _fast_forward(sched, opt.engine.inner_steps)
 
     def clip(max_norm):
         nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     step = accumulating_step(args, maybe_compile(module, args), opt, sched, clip, no_sync)
-    return Trainer(step, opt, lr, model, co2=co2 is not None, sched=sched)
+    return Trainer(step, opt, lr, model, co2=co2 is not None, sched=sched, membership=membership)
 
 
 def build_fairscale(args, model, co2) -> Trainer:

@@ -13,7 +13,6 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 from . import checkpoints
 from .args import CO2_METHODS, co2_config, get_args
-from .data import Batches
+from .data import Batches, elastic_stream
 from .engines import Trainer, autocast, build_trainer
 from .model import flops_per_token, gpt_from_args
 from .state import Clock, Console, RoundEnd, Tally
@@ -56,7 +55,8 @@ class Job:
     console: Console
     n_params: int
     tokens_per_step: int  # global, per optimizer step
-    start_step: int  # 0, or the step a resumed run starts at
+    start_step: int  # 0, or the step a resumed run (or an elastic replica that joined a running job) starts at
+    joined_at: Optional[int] = None  # elastic: the step at which this replica joined a running job
 
     @property
     def master(self) -> bool:
@@ -112,20 +112,37 @@ def build(args) -> Job:
     config = co2_config(args) if args.method in CO2_METHODS else None
     if config is not None and args.max_steps % config.tau:  # finalize() drops a partial last round
         args.max_steps += config.tau - args.max_steps % config.tau
-    batches = Batches(args, rank, device)
+    batches = Batches(args, elastic_stream(args.replica_id, rank, world) if args.lighthouse else rank, device)
     torch.manual_seed(args.seed)  # identical init on every rank
     with device:
         model = gpt_from_args(args)
-    trainer = build_trainer(args, model, config)
+    trainer = build_trainer(args, model, config)  # elastic: joins the job
     console = Console(rank == 0, args.out_json, progress=not args.no_progress)
-    start_step = resume(args, trainer, batches, console) if args.resume else 0
+    joined_at = joined_step(args, trainer, console)
+    start_step = joined_at
+    if start_step is None:
+        start_step = resume(args, trainer, batches, console) if args.resume else 0
+    if args.lighthouse:  # this replica's own stream (by --replica_id), at the step it starts from
+        batches.seek(start_step)
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world
     n_params = sum(p.numel() for p in model.parameters())
-    job = Job(args, rank, world, device, config, trainer, batches, console, n_params, tokens_per_step, start_step)
+    job = Job(args, rank, world, device, config, trainer, batches, console, n_params, tokens_per_step, start_step,
+              joined_at)  # fmt: skip
     console.line(header(job))
     if not args.resume:
         console.new_json()
     return job
+
+
+def joined_step(args, trainer: Trainer, console: Console) -> Optional[int]:
+    """Elastic: the job's step when this replica joined a running job (it received the job's state from
+    a live peer, newer than any checkpoint, so --resume is not loaded then); else None."""
+    engine = trainer.opt.engine if trainer.membership is not None else None
+    if engine is None or engine.inner_steps == 0:
+        return None
+    skipped = " (a live peer's state is newer: --resume not loaded)" if args.resume else ""
+    console.line(f"replica {args.replica_id} joined the running job at step {engine.inner_steps}{skipped}")
+    return engine.inner_steps
 
 
 def resume(args, trainer: Trainer, batches: Batches, console: Console) -> int:
@@ -154,6 +171,8 @@ def header(job: Job) -> str:
     )
     if job.config is not None:  # the plain engine's CO2Optimizer uses S = 1 whatever the config says
         line += f" {dataclasses.replace(job.config, shards_per_replica=shards)}"
+    if a.lighthouse:
+        line += f" elastic: replica {a.replica_id} of the job at {a.lighthouse} (start_replicas={a.start_replicas})"
     return line
 
 
@@ -219,11 +238,23 @@ def train(job: Job, clock: Clock, tally: Tally) -> int:
         if a.save_every and step % a.save_every == 0:
             save(job, clock, step)
         end = round_end(job, step)
+        show_membership_changes(job, tally)
         if end is not None and log_point(job, clock, tally, step, end):
             job.console.line(f"--max_seconds {a.max_seconds} reached at step {step}")
             break
     job.console.close_bar()
     return step
+
+
+def show_membership_changes(job: Job, tally: Tally) -> None:
+    """Elastic: print the changes of the quorum this replica saw since the last call, as they happen
+    ("replicas 4 -> 3 at round 17"; rank 0)."""
+    membership = job.trainer.membership
+    if membership is None:
+        return
+    for change in membership.changes[tally.changes_shown :]:
+        job.console.line(change)
+    tally.changes_shown = len(membership.changes)
 
 
 def round_end(job: Job, step: int) -> Optional[RoundEnd]:
@@ -244,7 +275,7 @@ def save(job: Job, clock: Clock, step: int) -> None:
     """A checkpoint of every rank, then DIR/latest names it."""
     with clock.paused():
         t = time.perf_counter()
-        save_dir = Path(job.args.save_dir)
+        save_dir = checkpoints.save_root(job.args)  # elastic: this replica's own subdirectory
         extra = {"step": step, "rng": checkpoints.rng_state(job.batches.gen)}
         directory = checkpoints.save(job.trainer, save_dir, step, extra)
         job.barrier()  # every rank's part is written before `latest` names it
@@ -317,8 +348,9 @@ def finish(job: Job, clock: Clock, tally: Tally, step: int, initial: Optional[fl
     replicas, shards = trainer.grid(job.world)
     if job.master:
         resumed_at = job.start_step if a.resume else None
-        job.console.line(summary_line(final, initial, steps_run, resumed_at, train_s, tokens_per_s,
-                                      (replicas, shards), tally if trainer.co2 else None))  # fmt: skip
+        line = summary_line(final, initial, steps_run, resumed_at, train_s, tokens_per_s, (replicas, shards),
+                            tally if trainer.co2 else None)  # fmt: skip
+        job.console.line(line + elastic_summary(job))
     job.console.record(summary=True, method=a.method, engine=a.engine, world_size=job.world, steps=step,
                        steps_run=steps_run, resumed_at=job.start_step if a.resume else None,
                        tokens=step * job.tokens_per_step, elapsed_s=train_s, tokens_per_s=tokens_per_s,
@@ -328,9 +360,27 @@ def finish(job: Job, clock: Clock, tally: Tally, step: int, initial: Optional[fl
                        rounds=tally.rounds if trainer.co2 else None,
                        bytes_sent=tally.bytes_sent if trainer.co2 else None,
                        co2_state_bytes=trainer.opt.co2_state_bytes() if trainer.co2 else 0, n_params=job.n_params,
-                       mfu=tally.last_mfu, max_memory_gib=job.memory_gib(), args=vars(a))  # fmt: skip
+                       mfu=tally.last_mfu, max_memory_gib=job.memory_gib(), args=vars(a),
+                       **elastic_record(job))  # fmt: skip
     job.barrier()
     dist.destroy_process_group()
+
+
+def elastic_summary(job: Job) -> str:
+    """The summary line's elastic end: where this replica joined and every change of the quorum it saw."""
+    membership = job.trainer.membership
+    if membership is None:
+        return ""
+    joined = f" | joined at step {job.joined_at}" if job.joined_at is not None else ""
+    return f"{joined} | membership: {', '.join(membership.changes) or 'no changes'}"
+
+
+def elastic_record(job: Job) -> dict:
+    """The summary record's elastic fields (none when not elastic)."""
+    membership = job.trainer.membership
+    if membership is None:
+        return {}
+    return {"replica_id": job.args.replica_id, "joined_at": job.joined_at, "membership_changes": membership.changes}
 
 
 def summary_line(final: float, initial: float, steps_run: int, resumed_at: Optional[int], train_s: float,

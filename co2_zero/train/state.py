@@ -113,6 +113,7 @@ class Tally:
     round_end_s: float = 0.0
     bytes_sent: float = 0.0
     last_mfu: Optional[float] = None
+    changes_shown: int = 0  # elastic: the membership changes already printed
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_sum, self.loss_n = self.loss_sum + loss.double(), self.loss_n + 1
