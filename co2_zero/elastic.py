@@ -34,10 +34,11 @@ import torch.distributed as dist
 from .comm import Layout, OuterExchange, PipelineJob, RoundResult, choose_collective
 from .config import CO2Config
 from .errors import CO2Error, missing_extra
+from .partition import local_values
 from .topology import Topology
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .sync import RoundEngine
+    from .engine import RoundEngine
 
 
 def _torchft() -> Any:
@@ -255,7 +256,7 @@ class Membership:
             "rounds": engine.rounds,
             "inner_steps": engine.inner_steps,
             "skipped_rounds": engine.skipped_rounds,
-            "frozen": [_local(p).clone() for _, p in engine.watch.frozen],
+            "frozen": [local_values(p).clone() for _, p in engine.watch.frozen],
         }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
@@ -273,7 +274,7 @@ class Membership:
             engine.next_start.copy_(state["next_start"])
             engine.momentum.copy_(state["momentum"])
             for (_, p), value in zip(engine.watch.frozen, state["frozen"]):
-                _local(p).copy_(value)
+                local_values(p).copy_(value)
         norms = state["previous_update_sq_norms"]
         engine.previous_update_sq_norms = None if norms is None else norms.to(engine.momentum.device)
         engine.rounds, engine.inner_steps = state["rounds"], state["inner_steps"]
@@ -383,8 +384,3 @@ def _check_supported(config: CO2Config, topology: Topology) -> None:
 def _portable(identity: dict[str, Any]) -> dict[str, Any]:
     """The parts of an engine's identity a peer must share (the rank inside the replica included)."""
     return {key: identity[key] for key in ("version", "config_hash", "grid", "rank", "signature", "geometry")}
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(p, "to_local", None)
-    return (to_local() if to_local is not None else p).detach()

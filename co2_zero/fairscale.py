@@ -33,11 +33,13 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise missing_extra("FairScale", "fairscale", error) from error
 
+from . import integration as contract  # the checks every adapter shares
 from .agreement import identify
 from .config import CO2Config
-from .integration import InnerOptimizerState
+from .engine import RoundEngine
+from .integration import CO2Steps, InnerOptimizerState, Integration
 from .outer import Segment
-from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
+from .partition import Partition, parameter_signature
 from .topology import Topology, collective_device
 
 __all__ = ["CO2OSS", "ShardedDataParallel", "wrap"]
@@ -82,6 +84,8 @@ class CO2OSS(CO2Steps, OSS):
         CO2Error: the ranks disagree on the config, the grid or the model.
     """
 
+    integration = Integration.FAIRSCALE
+
     def __init__(
         self,
         params: Any,
@@ -109,13 +113,13 @@ class CO2OSS(CO2Steps, OSS):
         self.config = config
         self.topology = topology
         self._model = model
-        self._partition = self._find_partition()
+        self._partition = self.find_partition()
         self.engine = self._new_engine()
         self._co2_states: list[Optional[dict[str, Any]]] = []
 
     # ---- the partition: OSS's flat bucket of this rank ----------------------------------------------
 
-    def _find_partition(self) -> Partition:
+    def find_partition(self) -> Partition:
         """This rank's OSS bucket, and which global parameter tensor each piece of it is.
 
         Tensor ids count the trainable parameters of all param groups in order (OSS lays out its buckets
@@ -123,17 +127,11 @@ class CO2OSS(CO2Steps, OSS):
         parameters, `agreement.agree_on_parameters`; pass `model` so that it compares names). The
         pieces' places are read from the parameters' own storage offsets, not assumed from OSS's order.
         """
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        devices = {p.device for g in self.param_groups for p in g["params"]}
-        if len(devices) != 1:
-            raise ValueError(f"co2: parameters live on several devices {sorted(map(str, devices))}; expected one")
-        device = devices.pop()
-        for i, p in enumerate(params):
-            if p.dtype != torch.float32:
-                raise ValueError(
-                    f"co2: parameter {i} (shape {tuple(p.shape)}) is {p.dtype}; CO2OSS needs fp32 parameters "
-                    f"(OSS keeps no fp32 master copy: use autocast with fp32 parameters)"
-                )
+        params = contract.trainable_parameters(g["params"] for g in self.param_groups)
+        device = contract.one_device(p for g in self.param_groups for p in g["params"])
+        contract.check_fp32_parameters(
+            params, "CO2OSS needs fp32 parameters (OSS keeps no fp32 master copy: use autocast with fp32 parameters)"
+        )
         index = {id(p): i for i, p in enumerate(params)}
         signature = parameter_signature([p.shape for p in params])
         tensors = identify(params, self._model)
@@ -172,7 +170,7 @@ class CO2OSS(CO2Steps, OSS):
             unchanged = bucket is not None and bucket.buffer is live
         if unchanged:
             return
-        current = self._find_partition()
+        current = self.find_partition()
         if tuple(current.segments) != tuple(self._partition.segments):
             raise CO2Error(
                 "co2: the parameters this rank trains changed after CO2OSS was built (frozen or unfrozen "
@@ -180,7 +178,7 @@ class CO2OSS(CO2Steps, OSS):
             )
         self._partition.chunks[:] = current.chunks
 
-    def _refresh(self) -> None:
+    def refresh_replica(self) -> None:
         """After a round end rewrote this rank's bucket: OSS's broadcast inside the replica."""
         self._broadcast_params()
         self._follow_bucket()
@@ -195,7 +193,7 @@ class CO2OSS(CO2Steps, OSS):
         """Collective over every rank (the engine checks that all ranks agree on the layout)."""
         params = [p for g in self.param_groups for p in g["params"]]
         return RoundEngine(
-            self._partition, self.config, self.topology, refresh=self._refresh, module=self._model, params=params
+            self._partition, self.config, self.topology, refresh=self.refresh_replica, module=self._model, params=params
         )
 
     # ---- training -----------------------------------------------------------------------------------
@@ -269,7 +267,12 @@ class CO2OSS(CO2Steps, OSS):
             OSS._sync_param_groups(self.param_groups, self.optim.param_groups)
 
         return InnerOptimizerState(
-            "fairscale", self.engine, model, self.optim, after_load=groups_from_inner, before_capture=groups_to_inner
+            self.integration,
+            self.engine,
+            model,
+            self.optim,
+            after_load=groups_from_inner,
+            before_capture=groups_to_inner,
         )
 
     def consolidate_state_dict(self, recipient_rank: int = 0) -> None:

@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor, Shard
 from .agreement import identify
 from .config import CO2Config
 from .errors import CO2Error
-from .integration import TensorRows
+from .integration import TensorRows, check_fp32_parameters
 from .outer import Segment
-from .sync import Partition, parameter_signature
+from .partition import Partition, parameter_signature
 from .topology import new_groups, replica_ranks
 
 _USE_REPLICA_MESH = "shard the model with fully_shard(module, mesh=co2_zero.fsdp.replica_mesh(config))"
@@ -82,6 +82,11 @@ def find_partition(
     shards are still the tensors FSDP2 reads.
     """
     mesh = _replica_mesh_of(params, config)
+    check_fp32_parameters(
+        params,
+        "CO2 needs fp32 sharded parameters. Keep the model fp32 and compute in low precision with "
+        "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))",
+    )
     chunks, segments, offset = [], [], 0
     for i, p in enumerate(params):
         first, local = _local_shard(i, p, mesh)
@@ -195,7 +200,7 @@ def _replica_mesh_of(params: Sequence[torch.nn.Parameter], config: CO2Config) ->
     world, rank = dist.get_world_size(), dist.get_rank()
     shards = config.resolve_shards(world)
     replica = rank // shards
-    expected = list(range(replica * shards, (replica + 1) * shards))
+    expected = replica_ranks(shards, world)[replica]
     ranks = mesh.mesh.tolist()
     if ranks != expected:
         raise ValueError(
@@ -207,13 +212,8 @@ def _replica_mesh_of(params: Sequence[torch.nn.Parameter], config: CO2Config) ->
 
 
 def _local_shard(i: int, p: DTensor, mesh: DeviceMesh) -> tuple[int, torch.Tensor]:
-    """(first row, the DTensor's local tensor: the object FSDP2 all-gathers from), checked usable as a chunk."""
-    if p.dtype != torch.float32:
-        raise ValueError(
-            f"co2: parameter {i} (shape {tuple(p.shape)}) is {p.dtype}; CO2 needs fp32 sharded "
-            f"parameters. Keep the model fp32 and compute in low precision with "
-            f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))"
-        )
+    """(first row, the DTensor's local tensor: the object FSDP2 all-gathers from), checked usable as a
+    chunk (its dtype was checked by the caller)."""
     first, local = local_rows(p, f"parameter {i}")
     if local.device.type != mesh.device_type:
         raise ValueError(

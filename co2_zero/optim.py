@@ -16,24 +16,29 @@ import torch
 
 from .agreement import identify, in_model_order
 from .config import CO2Config
-from .integration import WHOLE, InnerOptimizerState
+from .engine import RoundEngine
+from .integration import (
+    WHOLE,
+    CO2Steps,
+    InnerOptimizerState,
+    Integration,
+    check_fp32_parameters,
+    one_device,
+    trainable_parameters,
+)
 from .outer import Segment
-from .sync import CO2Steps, Partition, RoundEngine, parameter_signature
+from .partition import Partition, parameter_signature
 from .topology import Topology
 
 
 def flatten_parameters_(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """Move the parameters' storage into one contiguous fp32 buffer (in order); return it."""
-    for i, p in enumerate(params):
-        if p.dtype != torch.float32:
-            raise ValueError(
-                f"co2: parameter {i} (shape {tuple(p.shape)}) is {p.dtype}; CO2Optimizer needs fp32 "
-                f"parameters (use the DeepSpeed integration for bf16/fp16 models with fp32 masters)"
-            )
-    devices = {p.device for p in params}
-    if len(devices) != 1:
-        raise ValueError(f"co2: parameters live on several devices {sorted(map(str, devices))}; expected one")
-    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+    check_fp32_parameters(
+        params,
+        "CO2Optimizer needs fp32 parameters (use the DeepSpeed integration for bf16/fp16 models with fp32 masters)",
+    )
+    device = one_device(params)
+    flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=device)
     offset = 0
     with torch.no_grad():
         for p in params:
@@ -45,7 +50,7 @@ def flatten_parameters_(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def _nothing_to_spread() -> None:
-    """S = 1: the replica is this rank alone, so a rewritten partition needs no refresh."""
+    """S = 1: the replica is this rank alone, so a rewritten partition needs no refresh or check."""
 
 
 class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
@@ -87,36 +92,52 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         # Optimizer.__init__ installs the hook machinery (step pre/post hooks, profiling); the
         # parameter groups and state are then the inner optimizer's own objects.
         super().__init__([torch.zeros(1, requires_grad=True)], {})
-        self.optimizer = optimizer
+        self.optimizer, self.config, self._model = optimizer, config, model
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
 
-        params: list[torch.nn.Parameter] = []
-        seen: set[int] = set()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
+        params = trainable_parameters(group["params"] for group in optimizer.param_groups)
         if not params:
             raise ValueError("co2: the inner optimizer holds no trainable parameters")
         if model is not None:  # this optimizer lays out the partition: in the model's order, not the groups'
             params = in_model_order(params, model)
         from . import fsdp  # here, not at import: torch.distributed.tensor takes a while to import
 
-        if fsdp.is_sharded(params):
-            self.flat_params = None
-            partition, replica_group, refresh = fsdp.find_partition(params, config, model)
-            self.topology = Topology.build(config, inner_group=replica_group)
-        else:
-            partition, refresh = self._flat_partition(params, config, model), _nothing_to_spread
-            self.topology = Topology.build(config, shards=1)
+        self._params = params
+        self.integration = Integration.FSDP2 if fsdp.is_sharded(params) else Integration.PLAIN
+        self.flat_params: Optional[torch.Tensor] = None
+        self._replica_group: Any = None  # FSDP2: the replica mesh's group
+        self._check_shards: Callable[[], None] = _nothing_to_spread
+        partition = self.find_partition()
+        shards = None if self.integration == Integration.FSDP2 else 1  # FSDP2: the replica mesh's size
+        self.topology = Topology.build(config, shards=shards, inner_group=self._replica_group)
         inner_params = [p for group in optimizer.param_groups for p in group["params"]]
         self.engine = RoundEngine(
-            partition, config, self.topology, refresh=refresh, module=model, params=inner_params, membership=membership
+            partition,
+            config,
+            self.topology,
+            refresh=self.refresh_replica,
+            module=model,
+            params=inner_params,
+            membership=membership,
         )
-        self.config = config
+
+    def find_partition(self) -> Partition:
+        """FSDP2: the local shards (`fsdp.find_partition`); plain: the parameters flattened into one buffer."""
+        if self.integration == Integration.FSDP2:
+            from . import fsdp
+
+            partition, self._replica_group, self._check_shards = fsdp.find_partition(
+                self._params, self.config, self._model
+            )
+            return partition
+        return self._flat_partition(self._params, self.config, self._model)
+
+    def refresh_replica(self) -> None:
+        """Nothing to spread: with S = 1 the replica is this rank; FSDP2 all-gathers the shards it holds
+        for every forward (only check that they did not move)."""
+        self._check_shards()
 
     def _flat_partition(
         self, params: list[torch.nn.Parameter], config: CO2Config, model: Optional[torch.nn.Module]
@@ -197,14 +218,13 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
     def checkpoint_state(self, model: torch.nn.Module) -> InnerOptimizerState:
         """This optimizer's part of a `co2_zero.checkpoint` file: the inner optimizer's state (for an
         FSDP2 model, this rank's rows of its moments and of the module's entries)."""
-        if self.flat_params is not None:
-            integration, rows = "plain", WHOLE
-        else:
+        rows = WHOLE
+        if self.integration == Integration.FSDP2:
             from . import fsdp
 
-            integration, rows = "fsdp2", fsdp.DTENSOR_ROWS
+            rows = fsdp.DTENSOR_ROWS
         return InnerOptimizerState(
-            integration, self.engine, model, self.optimizer, after_load=self._share_inner_state, rows=rows
+            self.integration, self.engine, model, self.optimizer, after_load=self._share_inner_state, rows=rows
         )
 
     def __repr__(self) -> str:

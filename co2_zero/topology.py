@@ -169,7 +169,7 @@ class Topology:
     inner_group: Any  # the ranks of this rank's replica (used by ZeRO/OSS, main thread)
     outer_group: Any  # this shard index across replicas (background worker)
     norm_group: Any  # every rank: per-tensor norms of the outer step (background worker)
-    buffer_group: Any  # every rank: module-buffer averaging at round ends (main thread)
+    control_group: Any  # every rank, the main thread's: module buffers, step announcements, checkpoint agreement
     outer_ranks: tuple[int, ...]
     inner_ranks: tuple[int, ...]
     owns_inner_group: bool
@@ -184,6 +184,9 @@ class Topology:
 
     def describe_outer(self) -> str:
         return f"outer group of shard {self.shard_index} (global ranks {list(self.outer_ranks)})"
+
+    def describe_control(self) -> str:
+        return f"control group (global ranks {list(range(self.world_size))})"
 
     @classmethod
     def build(cls, config: CO2Config, shards: Optional[int] = None, inner_group: Any = None) -> Topology:
@@ -209,7 +212,7 @@ class Topology:
         # every rank creates every group, in this fixed order (dist.new_group is collective)
         inner_groups = new_groups(rank_lists_of_replicas, config) if inner_group is None else None
         outer_groups = new_groups(shard_ranks, config)
-        norm_group, buffer_group = new_groups([list(range(world))] * 2, config)
+        norm_group, control_group = new_groups([list(range(world))] * 2, config)
 
         r, s = rank // shards, rank % shards
         owns_inner_group = inner_group is None
@@ -231,7 +234,7 @@ class Topology:
             inner_group=inner_group,
             outer_group=outer_groups[s],
             norm_group=norm_group,
-            buffer_group=buffer_group,
+            control_group=control_group,
             outer_ranks=tuple(shard_ranks[s]),
             inner_ranks=tuple(rank_lists_of_replicas[r]),
             owns_inner_group=owns_inner_group,
@@ -240,7 +243,7 @@ class Topology:
     def destroy(self, inner: bool = False) -> None:
         """Release the CO2 groups; also the inner group when `inner` and this topology created it
         (a group the caller passed in is the caller's)."""
-        groups = [self.outer_group, self.norm_group, self.buffer_group]
+        groups = [self.outer_group, self.norm_group, self.control_group]
         if inner and self.owns_inner_group:
             groups.append(self.inner_group)
         for group in groups:

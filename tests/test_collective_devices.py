@@ -331,29 +331,31 @@ def test_the_run_went_through_every_collective_of_the_library_and_the_tuner(resu
 
 
 def _nccl_rank(monkeypatch) -> None:
-    import co2_zero.sync as sync
+    import co2_zero.startup as startup
 
-    monkeypatch.setattr(sync, "collective_device", lambda group=None: torch.device("cuda", 3))
-    monkeypatch.setattr(sync.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(startup, "collective_device", lambda group=None: torch.device("cuda", 3))
+    monkeypatch.setattr(startup.dist, "get_backend", lambda group=None: "nccl")
 
 
 def test_an_empty_partition_keeps_its_state_on_the_collective_device(monkeypatch):
     from types import SimpleNamespace
 
-    from co2_zero.sync import Partition, _state_device
+    from co2_zero.partition import Partition
+    from co2_zero.startup import state_device
 
     _nccl_rank(monkeypatch)
     empty = Partition(chunks=[], segments=[], num_tensors=1, signature="s")
-    assert _state_device(empty, SimpleNamespace(outer_group=None)) == torch.device("cuda", 3)
+    assert state_device(empty, SimpleNamespace(outer_group=None)) == torch.device("cuda", 3)
 
 
 def test_a_partition_off_the_nccl_device_is_refused_naming_both(monkeypatch):
     from types import SimpleNamespace
 
     from co2_zero import CO2Error
-    from co2_zero.sync import Partition, _state_device
+    from co2_zero.partition import Partition
+    from co2_zero.startup import state_device
 
     _nccl_rank(monkeypatch)
     on_cpu = Partition(chunks=[torch.zeros(4)], segments=[], num_tensors=1, signature="s")  # e.g. CPU offload
     with pytest.raises(CO2Error, match=r"partition is on cpu.*nccl.*cuda:3.*CPU offload"):
-        _state_device(on_cpu, SimpleNamespace(outer_group=None))
+        state_device(on_cpu, SimpleNamespace(outer_group=None))

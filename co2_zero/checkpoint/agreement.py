@@ -49,7 +49,7 @@ class Agreement:
     def __init__(self, engine: Any, action: str, where: Path) -> None:
         topology = engine.topology
         self.rank, self.world = topology.rank, topology.world_size
-        self.group, self.timeout_s = topology.buffer_group, engine.config.timeout_s
+        self.group, self.timeout_s = topology.control_group, engine.config.timeout_s
         self.action, self.where = action, where
         self.consequence = ""  # what a failure of the next exchange means for the user's files and state
 

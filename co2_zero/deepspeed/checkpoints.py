@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from .. import checkpoint
+from ..integration import Integration
 from .optimizer import CO2ZeroOptimizer
 
 
@@ -30,7 +31,7 @@ class ZeroCheckpointState:
     fp32 partition and inner optimizer state, as plain data), the LR scheduler and the engine's step
     counters; the module's trainable parameters are restored from the fp32 partition, not saved."""
 
-    integration = "deepspeed"
+    integration = Integration.DEEPSPEED
 
     def __init__(self, engine: Any) -> None:
         self.ds_engine, self.zero = engine, _co2_optimizer(engine)

@@ -12,9 +12,11 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from ..agreement import identify
 from ..config import CO2Config
+from ..engine import RoundEngine
 from ..errors import CO2Error
+from ..integration import CO2Steps, Integration, check_fp32, trainable_parameters
 from ..outer import Segment
-from ..sync import CO2Steps, Partition, RoundEngine, parameter_signature
+from ..partition import Partition, parameter_signature
 from ..topology import Topology
 
 
@@ -29,12 +31,8 @@ def zero_partition(zero: DeepSpeedZeroOptimizer, module: Optional[torch.nn.Modul
     names the tensors for the start-up check (DeepSpeed keeps the layout of the user's param groups,
     so ranks that list them in different orders are refused there, naming the parameters).
     """
-    tensor_ids: dict[int, int] = {}
-    params: list[torch.Tensor] = []
-    for group in zero.bit16_groups:
-        for p in group:
-            tensor_ids[id(p)] = len(tensor_ids)
-            params.append(p)
+    params = trainable_parameters(zero.bit16_groups)  # DeepSpeed's trainable parameters, each once
+    tensor_ids = {id(p): i for i, p in enumerate(params)}
     shapes = [p.shape for p in params]
     segments: list[Segment] = []
     base = 0
@@ -83,6 +81,7 @@ class CO2ZeroOptimizer(CO2Steps, DeepSpeedZeroOptimizer):
     CO2 state, nothing of DeepSpeed's changes. `finalize()` as in `CO2Optimizer`.
     """
 
+    integration = Integration.DEEPSPEED
     engine: RoundEngine  # the round state machine (as in CO2Optimizer and CO2OSS)
     config: CO2Config
     topology: Topology
@@ -104,20 +103,23 @@ class CO2ZeroOptimizer(CO2Steps, DeepSpeedZeroOptimizer):
             )
         if zero.has_moe_layers:
             raise ValueError("co2: mixture-of-experts layers (expert-parallel ZeRO groups) are not supported")
-        if zero.master_weights_and_grads_dtype != torch.float32:
-            raise ValueError(
-                f"co2: the ZeRO master weights are {zero.master_weights_and_grads_dtype}; CO2 needs fp32 "
-                f"masters (leave fp16/bf16_master_weights_and_grads off)"
-            )
+        masters = [("the ZeRO master weights are", zero.master_weights_and_grads_dtype)]
+        check_fp32(masters, "CO2 needs fp32 masters (leave fp16/bf16_master_weights_and_grads off)")
         zero.__class__ = cls
         zero._co2_attach(config, topology, module)
         return zero
 
     def _co2_attach(self, config: CO2Config, topology: Topology, module: torch.nn.Module) -> None:
-        partition = zero_partition(self, module)
-        self.config = config
-        self.topology = topology
-        self.engine = RoundEngine(partition, config, topology, refresh=self.update_lp_params, module=module)
+        self.config, self.topology, self._co2_module = config, topology, module
+        self.engine = RoundEngine(self.find_partition(), config, topology, refresh=self.refresh_replica, module=module)
+
+    def find_partition(self) -> Partition:
+        """This rank's fp32 master partition (`zero_partition`)."""
+        return zero_partition(self, self._co2_module)
+
+    def refresh_replica(self) -> None:
+        """The low-precision parameters from the rewritten fp32 masters, DeepSpeed's `update_lp_params`."""
+        self.update_lp_params()
 
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's step; then, if it was applied (not skipped on fp16 overflow), count it for CO2."""

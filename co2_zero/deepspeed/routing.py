@@ -185,7 +185,7 @@ def _initialize_for_framework(arguments: Mapping[str, Any]) -> tuple[Any, Any, A
 
 def _seen_on_any_rank(seen: bool, zero: CO2ZeroOptimizer) -> bool:
     """Whether any rank saw it (one fingerprint all-gather on the main-thread CO2 group, with a deadline)."""
-    group, timeout_s = zero.topology.buffer_group, zero.config.timeout_s
+    group, timeout_s = zero.topology.control_group, zero.config.timeout_s
     return any(row[0] for row in gather_fingerprints([int(seen)], group, timeout_s, "checkpoint directory check"))
 
 

@@ -1,0 +1,416 @@
+"""The round engine shared by every integration (docs/design.md §3).
+
+An integration hands the engine its `Partition` (views of the live fp32 master parameters it owns)
+and a `refresh` callback that spreads a rewritten partition to the rest of its replica. It then calls
+`inner_step_done()` after every applied inner optimizer step; every `tau`-th call ends a round:
+
+1. wait for the pipeline in flight (it produced the next start point),
+2. D = start point - live parameters, computed in the retiring buffer; launch the pipeline on it,
+3. live parameters <- next start point; refresh; the two partition buffers trade roles.
+
+Only step 3 ever writes the live parameters. The engine's lifecycle is an explicit `Phase`; what
+`overlap` changes is decided in one place, `OverlapRule`. Start-up lives in `startup`, the module
+buffers in `buffers`, the state as plain data in `engine_state`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import warnings
+import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, NoReturn, Optional, Sequence
+
+import torch
+
+from . import engine_state, startup
+from .agreement import StepAnnouncements, steps_mismatch
+from .buffers import ModuleBuffers
+from .comm import OuterExchange, PipelineJob, largest_abs
+from .config import CO2Config
+from .errors import CO2Error, CO2TimeoutError, collective_error
+from .partition import ParameterWatch, Partition
+from .topology import Topology
+
+_WATCH_S = 0.05  # how often a wait for the pipeline looks at the step announcements
+
+
+class Phase(enum.Enum):
+    """Where the engine is in its life. Round ends run from IDLE or IN_FLIGHT; the last two are final."""
+
+    IDLE = "idle"  # no pipeline in flight (before the first round end, in blocking mode between rounds)
+    IN_FLIGHT = "in flight"  # a pipeline runs round `pending_index` in the background
+    FAILED = "failed"  # a wait, a collective or a check failed: the worker and groups are released
+    FINALIZED = "finalized"  # finalize() gave every rank the same model
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Which partition buffer plays which part at one round end."""
+
+    base: torch.Tensor  # the start point the outer update applies to
+    work: torch.Tensor  # receives D; the pipeline leaves the next start point in it
+    wait_at_once: bool  # wait for the pipeline before step 3 (blocking mode)
+    gap: Optional[torch.Tensor]  # the previous update's per-tensor squared norms (staleness), or None
+
+
+@dataclass(frozen=True)
+class OverlapRule:
+    """Everything `overlap` changes, decided here only (docs/design.md §3, "Blocking mode").
+
+    Overlap: D overwrites the retiring start point B and the update applies to x_{t+1}, a round late,
+    with a staleness gap. Blocking: D goes to the spare buffer and the update applies to x_t at once,
+    without a gap. Either way the live parameters then take `next_start` and the buffers swap.
+    """
+
+    enabled: bool
+
+    def plan(self, start_point: torch.Tensor, next_start: torch.Tensor, gap: Optional[torch.Tensor]) -> RoundPlan:
+        if self.enabled:
+            return RoundPlan(base=next_start, work=start_point, wait_at_once=False, gap=gap)
+        return RoundPlan(base=start_point, work=next_start, wait_at_once=True, gap=None)
+
+    def last_start(self, start_point: torch.Tensor, next_start: torch.Tensor) -> torch.Tensor:
+        """The start point the last finished round produced, which finalize() gives every rank."""
+        return next_start if self.enabled else start_point
+
+    def carried_next_start(self, next_start: torch.Tensor) -> Optional[torch.Tensor]:
+        """The next start point as state: in blocking mode it is a spare buffer, carried as None."""
+        return next_start if self.enabled else None
+
+
+class RoundEngine:
+    """CO2's per-rank state and round ends. See the module docstring.
+
+    `module` (optional): its float buffers are averaged over all ranks at every round end, and its
+    parameters are watched (see `ParameterWatch`) together with `params` (the inner optimizer's).
+    `membership` (optional, `co2_zero.elastic.Membership`): replicas that come and go; it makes the
+    exchange (which averages over each round's quorum) and, via `attach`, joins the job: True means
+    this replica joined a running job at a round end and takes part in that round's exchange with a
+    zero displacement (docs/design.md §12).
+    """
+
+    def __init__(
+        self,
+        partition: Partition,
+        config: CO2Config,
+        topology: Topology,
+        refresh: Callable[[], None] = lambda: None,
+        buffers: Sequence[torch.Tensor] = (),
+        module: Optional[torch.nn.Module] = None,
+        params: Sequence[torch.Tensor] = (),
+        membership: Any = None,
+    ) -> None:
+        partition.check_views()
+        self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
+        self.overlap = OverlapRule(config.overlap)
+        module_buffers = list(module.buffers()) if module is not None else []
+        self.buffers = ModuleBuffers([*buffers, *module_buffers], topology, config)
+        self.watch = ParameterWatch.collect(params, module)
+        device = startup.state_device(partition, topology)
+        self.layout = startup.layout_of(partition, topology.replicas)
+        startup.check_agreement(partition, self.layout, topology, config)
+        startup.common_start(partition, topology, refresh, self.watch, config.timeout_s)
+        self.buffers.start_common()
+        make_exchange = OuterExchange if membership is None else membership.make_exchange
+        self.exchange = make_exchange(config, topology, self.layout, device)
+        self.announcements = StepAnnouncements(topology.control_group)
+        self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology, self.announcements)
+        self._allocate_state(device)
+        self.phase = Phase.IDLE
+        self._pending: Optional[Future] = None
+        self._pending_index = -1  # the round whose pipeline `_pending` runs
+        self._failure: Optional[CO2Error] = None
+        self.last_round: dict[str, Any] = {}
+        self._bytes_reported = 0  # of exchange.bytes_sent, already in some last_round
+        if membership is not None and membership.attach(self):
+            self._round_end()  # joined a running job at a round end: take part in its exchange
+
+    def _allocate_state(self, device: torch.device) -> None:
+        """The two partition buffers that trade roles every round (start point B; D, then Nx), the
+        momentum on this rank's slice, and the counters."""
+        self.start_point = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
+        self.partition.gather_into(self.start_point)
+        self.next_start = self.start_point.clone()
+        self.momentum = torch.zeros(self.exchange.slice_length, dtype=torch.float32, device=device)
+        reduce_scatter = self.exchange.strategy == "reduce_scatter"
+        self.g_buffer = torch.zeros_like(self.momentum) if reduce_scatter else None
+        self.previous_update_sq_norms: Optional[torch.Tensor] = None
+        self.inner_steps = 0
+        self.rounds = 0
+        self.skipped_rounds = 0  # rounds whose outer update was skipped (nonfinite: "skip_round")
+        self.run_id: Optional[str] = None  # set by the first checkpoint saved or loaded
+
+    # ---- the lifecycle, as read by integrations and checkpoints -------------------------------------------
+
+    @property
+    def pending_round(self) -> Optional[Future]:
+        """The pipeline in flight (its future), or None."""
+        return self._pending if self.phase is Phase.IN_FLIGHT else None
+
+    @property
+    def failed(self) -> Optional[CO2Error]:
+        """The error this engine failed with, or None."""
+        return self._failure
+
+    @property
+    def finalized(self) -> bool:
+        return self.phase is Phase.FINALIZED
+
+    def check_usable(self) -> None:
+        """Raise CO2Error if this engine failed or was finalized."""
+        if self.phase is Phase.FAILED:
+            raise CO2Error(f"co2: this optimizer already failed and cannot continue: {self._failure}")
+        if self.phase is Phase.FINALIZED:
+            raise CO2Error("co2: finalize() ended training; build a new CO2 optimizer to train again")
+
+    def _fail(self, error: CO2Error, cause: Optional[BaseException] = None) -> NoReturn:
+        """Enter FAILED: record `error`, release the worker and groups, raise it (from `cause`, else
+        from the cause it already carries)."""
+        self._failure, self.phase = error, Phase.FAILED
+        self.close()
+        raise error from (cause if cause is not None else error.__cause__)
+
+    def close(self) -> None:
+        """Stop the background worker and release the CO2 process groups (not the inner group,
+        which the integration's framework keeps using). Also runs at interpreter exit."""
+        self._at_exit()
+
+    # ---- the round --------------------------------------------------------------------------------
+
+    def inner_step_done(self) -> bool:
+        """Count one applied inner step; end the round on every tau-th. Returns True if it did."""
+        self.check_usable()
+        self.inner_steps += 1
+        if self.inner_steps % self.config.tau:
+            return False
+        self._round_end()
+        return True
+
+    def _round_end(self) -> None:
+        """Steps 1-3 of the module docstring, then the module buffers; fills `last_round`."""
+        began = time.perf_counter()
+        self._check_parameters_unchanged()
+        wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
+        self._check_steps()  # the last round end's (arrived with its pipeline)
+        self.announcements.post(self.inner_steps, finalizing=False)
+        sent = self._exchange_bytes_since_last_report()
+        plan = self.overlap.plan(self.start_point, self.next_start, self.previous_update_sq_norms)
+        reset_inner = self._launch(plan)  # step 2
+        if plan.wait_at_once:
+            wait_s += self._wait_pending()
+            sent += self._exchange_bytes_since_last_report()
+        self._set_live(self.next_start)  # step 3: x <- Nx; refresh
+        self.start_point, self.next_start = self.next_start, self.start_point
+        self.rounds += 1
+        if self.buffers:  # a peer that finalized never averages them: learn it first
+            self._check_steps()
+        buffer_bytes, buffers_restored = self._average_buffers(f"round {self.rounds - 1}")
+        if reset_inner:
+            self._warn_inner_reset()
+        self.last_round = {
+            "round": self.rounds - 1,
+            "inner_step": self.inner_steps,
+            "wait_s": wait_s,
+            "round_end_s": time.perf_counter() - began,
+            "skipped_rounds": self.skipped_rounds,
+            "inner_state_reset": reset_inner,
+            "buffers_restored": buffers_restored,
+            "bytes_sent": sent + buffer_bytes,
+        }
+
+    def _launch(self, plan: RoundPlan) -> bool:
+        """D = B - x into `plan.work`; start its pipeline (IDLE -> IN_FLIGHT). Returns whether this
+        rank's own D is non-finite under "skip_round" (its inner state must then be reset)."""
+        self.partition.subtract_from(self.start_point, out=plan.work)
+        reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(plan.work[: self.layout.length])
+        job = PipelineJob(plan.work, plan.base, self.momentum, self.g_buffer, plan.gap, self.rounds)
+        self._pending, self._pending_index = self.exchange.launch(job), self.rounds
+        self.phase = Phase.IN_FLIGHT
+        return reset_inner
+
+    def _warn_inner_reset(self) -> None:
+        warnings.warn(
+            f"co2: round {self.rounds - 1}: this rank's displacement (global rank {self.topology.rank}, "
+            f"replica {self.topology.replica_index}) holds NaN or Inf; its inner optimizer state is reset "
+            f"and it restarts from the agreed start point (nonfinite='skip_round')",
+            stacklevel=5,
+        )
+
+    def _exchange_bytes_since_last_report(self) -> int:
+        """Bytes this rank's finished pipelines sent since the last call (read with none in flight)."""
+        sent, self._bytes_reported = self.exchange.bytes_sent - self._bytes_reported, self.exchange.bytes_sent
+        return sent
+
+    def finalize(self) -> None:
+        """End training with one model on every rank (docs/design.md §3): the last start point produced.
+
+        The ranks first agree that they took the same number of inner steps (a rank that took more
+        would wait forever for a round its peers never run); otherwise every rank raises CO2Error
+        naming the counts, also a rank that trained on past a round end (`agreement.StepAnnouncements`).
+        """
+        self.check_usable()
+        self._check_steps()
+        self.announcements.post(self.inner_steps, finalizing=True)
+        self._check_steps(finalizing=True)
+        dropped = self.inner_steps % self.config.tau
+        if dropped:
+            warnings.warn(
+                f"co2 finalize: the {dropped} inner step(s) since the last round end (step "
+                f"{self.inner_steps - dropped}) are dropped; every rank returns to the start point",
+                stacklevel=3,
+            )
+        self._wait_pending()
+        self._set_live(self.overlap.last_start(self.start_point, self.next_start))
+        self._average_buffers("finalize")
+        self.phase = Phase.FINALIZED
+        self.close()
+
+    def _check_steps(self, finalizing: bool = False) -> None:
+        """Collect the step announcement in flight (within timeout_s) and fail, naming every rank's
+        count, if a peer finalized at another step (or this rank finalizes and a peer did not)."""
+        try:
+            rows = self.announcements.collect(time.monotonic() + self.config.timeout_s)
+        except CO2TimeoutError as error:
+            where = "co2 finalize" if finalizing else f"co2: round {self.rounds - 1}"
+            what = "called finalize()" if finalizing else "reached this round end"
+            self._fail(
+                CO2TimeoutError(
+                    f"{where}: not every rank of the {self.topology.describe_control()} {what} within timeout_s="
+                    f"{self.config.timeout_s:g} (rank {self.topology.rank} at inner step {self.inner_steps}); a "
+                    f"rank died, is stuck{', or skipped finalize()' if finalizing else ''}"
+                ),
+                error,
+            )
+        problem = None if rows is None else steps_mismatch(rows, self.topology.rank, self.inner_steps)
+        if problem is not None:
+            self._fail(CO2Error(problem))
+
+    def _check_parameters_unchanged(self) -> None:
+        """A change of requires_grad since construction is refused (see `ParameterWatch`)."""
+        changes = self.watch.changes()
+        if changes:
+            self._fail(
+                CO2Error(
+                    f"co2: round {self.rounds}: {'; '.join(changes)} since the CO2 optimizer was built. The CO2 "
+                    f"partition and the set of frozen parameters cannot change during training: save a "
+                    f"checkpoint, change requires_grad, build a new optimizer and load it with reshard=True"
+                )
+            )
+
+    def _average_buffers(self, where: str) -> tuple[int, bool]:
+        """`ModuleBuffers.average`; its failure (a collective, or non-finite buffers under "raise")
+        fails the engine."""
+        try:
+            return self.buffers.average(where)
+        except CO2Error as error:
+            self._fail(error)
+
+    def _set_live(self, flat: torch.Tensor) -> None:
+        """live partition <- flat, then let the integration spread it over its replica."""
+        self.partition.write_from(flat)
+        self.refresh()
+
+    # ---- waiting with a deadline ---------------------------------------------------------------------
+
+    def _wait_pending(self) -> float:
+        """Wait for the pipeline in flight, if any (IN_FLIGHT -> IDLE, or FAILED); returns the
+        seconds spent blocked."""
+        if self.phase is not Phase.IN_FLIGHT:
+            return 0.0
+        began = time.perf_counter()
+        future, round_index = self._pending, self._pending_index
+        self._pending, self.phase = None, Phase.IDLE
+        try:
+            result, done = self._result_watching_steps(future)
+        except CO2Error as error:  # the pipeline's own verdict (NonFiniteError), or a peer's step count
+            self._fail(error)
+        except Exception as error:  # this wait's deadline, or the collective failed: a peer died or timed out
+            what = f"round {round_index}: the background exchange on the {self.topology.describe_outer()}"
+            self._fail(collective_error(what, error, self.config.timeout_s), error)
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+        self.previous_update_sq_norms = result.update_sq_norms
+        if result.skipped_replicas is not None:
+            self.skipped_rounds += 1
+            warnings.warn(
+                f"co2: round {round_index}: the displacement of replica(s) {result.skipped_replicas} held NaN "
+                f"or Inf; the round's outer update was skipped on every replica (skipped_rounds="
+                f"{self.skipped_rounds}). Every replica restarts from the agreed start point; a rank whose own "
+                f"displacement was non-finite reset its inner optimizer state",
+                stacklevel=5,
+            )
+        return time.perf_counter() - began
+
+    def _result_watching_steps(self, future: Future) -> Any:
+        """The pipeline's result within timeout_s; meanwhile, a step announcement that arrives is
+        checked: a peer that called finalize() will never run this round, so report the counts now."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            if self.announcements.ready():
+                self._check_steps()
+            try:
+                return future.result(timeout=min(_WATCH_S, max(deadline - time.monotonic(), 0.0)))
+            except FutureTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+
+    # ---- state (engine_state: plain containers and tensors) ------------------------------------------
+
+    def geometry(self) -> dict[str, Any]:
+        """See `engine_state.geometry`."""
+        return engine_state.geometry(self)
+
+    def identity(self) -> dict[str, Any]:
+        """What a state must agree on to be loaded here (`engine_state.identity`)."""
+        return engine_state.identity(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's CO2 state. Waits for the round in flight so its result is included. Tensors are
+        live references (as in `torch.optim.Optimizer.state_dict()`): save or copy them before the next
+        step."""
+        self.check_usable()
+        self._wait_pending()
+        return engine_state.state_dict(self)
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ValueError naming the first field of `state` that does not fit this engine (same
+        config, topology, model and partition); changes nothing."""
+        engine_state.check_state_dict(self, state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved on this same rank of the same topology and config. Checks
+        everything first (`check_state_dict`): a refused state changes nothing."""
+        self.check_usable()
+        self.check_state_dict(state)
+        self._wait_pending()
+        engine_state.load_state_dict(self, state)
+
+    def restart_from_start_point(self) -> None:
+        """Set the live parameters to the current start point (a resharded state resumes at the
+        saved run's last round start) and refresh the replica."""
+        self.check_usable()
+        self._set_live(self.start_point)
+
+    def state_bytes(self) -> int:
+        """Bytes of CO2 state this rank holds (docs/design.md §4: 2Ψ/S + 2Ψ/N fp32 words with
+        reduce_scatter, 3Ψ/S with all_reduce, plus one float64 norm per tensor), and the outer step's segment
+        index (`outer.SegmentIndex`, about 2·√(elements · segments) ids); int8/fp8 add the error-feedback
+        residuals, Ψ/S + Ψ/N."""
+        tensors = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]
+        tensors += list(self.exchange.residuals or ())
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + self.exchange.index_bytes
+
+
+def _all_finite(flat: torch.Tensor) -> bool:
+    return bool(torch.isfinite(largest_abs(flat)))
+
+
+def _shutdown(exchange: OuterExchange, topology: Topology, announcements: StepAnnouncements) -> None:
+    # A worker still blocked in a collective keeps its groups: destroying them under it would crash.
+    # So does a step announcement a peer never answered (it is a collective on the control group).
+    if exchange.close() and not (announcements.in_flight and not announcements.ready()):
+        topology.destroy()

@@ -1,0 +1,41 @@
+"""The adapters' contract (co2_zero.integration) and the engine's one place for `overlap`: no processes."""
+
+import pytest
+import torch
+
+from co2_zero.engine import OverlapRule
+from co2_zero.integration import Integration, check_fp32, check_fp32_parameters, one_device, trainable_parameters
+
+
+def test_trainable_parameters_are_in_order_each_once_without_frozen_ones():
+    a, b, frozen = torch.zeros(2, requires_grad=True), torch.zeros(3, requires_grad=True), torch.zeros(1)
+    assert [id(p) for p in trainable_parameters([[a, frozen], [b, a]])] == [id(a), id(b)]
+
+
+def test_the_fp32_check_names_the_parameter_its_shape_and_dtype_and_what_to_do():
+    params = [torch.zeros(2), torch.zeros(3, 4, dtype=torch.bfloat16)]
+    with pytest.raises(ValueError, match=r"^co2: parameter 1 \(shape \(3, 4\)\) is torch.bfloat16; use fp32$"):
+        check_fp32_parameters(params, "use fp32")
+    with pytest.raises(ValueError, match=r"^co2: the masters are torch.float16; x$"):
+        check_fp32([("the masters are", torch.float16)], "x")
+    check_fp32_parameters([torch.zeros(1)], "never raised")
+
+
+def test_one_device_names_every_device_when_there_are_several():
+    assert one_device([torch.zeros(1), torch.zeros(2)]) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"several devices \['cpu', 'meta'\]; expected one"):
+        one_device([torch.zeros(1), torch.zeros(1, device="meta")])
+
+
+def test_integration_names_are_the_strings_checkpoints_record():
+    assert Integration.ALL == ("plain", "fsdp2", "fairscale", "deepspeed")
+
+
+def test_overlap_decides_buffer_roles_the_wait_the_gap_and_the_final_start():
+    start, nxt, gap = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    plan = OverlapRule(True).plan(start, nxt, gap)  # D overwrites the retiring start point, update a round late
+    assert (plan.base, plan.work, plan.wait_at_once, plan.gap) == (nxt, start, False, gap)
+    assert OverlapRule(True).last_start(start, nxt) is nxt and OverlapRule(True).carried_next_start(nxt) is nxt
+    plan = OverlapRule(False).plan(start, nxt, gap)  # blocking: D in the spare buffer, applied at once, no gap
+    assert (plan.base, plan.work, plan.wait_at_once, plan.gap) == (start, nxt, True, None)
+    assert OverlapRule(False).last_start(start, nxt) is start and OverlapRule(False).carried_next_start(nxt) is None
