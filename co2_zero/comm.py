@@ -246,23 +246,17 @@ class OuterExchange:
             return self._average_quantized(work, g_buffer)
         group, replicas = self.outer_peers()
         reduce_scatter = self.strategy == "reduce_scatter"
-        if self.comm_dtype == torch.float32:
-            if reduce_scatter:
-                self._count("reduce_scatter", work, replicas)
-                _reduce_scatter(g_buffer, work, group=group)
-                return g_buffer.div_(replicas)
-            self._count("all_reduce", work, replicas)
-            dist.all_reduce(work, group=group)
-            return work.div_(replicas)
-        wire = work.div(replicas).to(self.comm_dtype)  # divide first: the narrow sum cannot overflow
+        narrow = self.comm_dtype != torch.float32
+        # bf16: divide first, so the narrow sum cannot overflow; fp32 sums in place and divides after
+        wire = work.div(replicas).to(self.comm_dtype) if narrow else work
         if reduce_scatter:
-            out = torch.empty(self.slice_length, dtype=self.comm_dtype, device=work.device)
+            out = torch.empty(self.slice_length, dtype=self.comm_dtype, device=work.device) if narrow else g_buffer
             self._count("reduce_scatter", wire, replicas)
             _reduce_scatter(out, wire, group=group)
-            return g_buffer.copy_(out)
+            return g_buffer.copy_(out) if narrow else g_buffer.div_(replicas)
         self._count("all_reduce", wire, replicas)
         dist.all_reduce(wire, group=group)
-        return work.copy_(wire)
+        return work.copy_(wire) if narrow else work.div_(replicas)
 
     def outer_peers(self) -> tuple[Any, int]:
         """The group this round's displacement is averaged over, and the number of displacements in

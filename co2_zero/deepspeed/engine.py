@@ -137,33 +137,18 @@ def initialize(
     _explicit_gradient_clipping(ds_config)
 
     init_distributed(**{k: kwargs[k] for k in ("distributed_port", "dist_init_required") if k in kwargs})
+    given = {"args": args, "model": model, "optimizer": optimizer, "model_parameters": model_parameters}
+    given["lr_scheduler"] = lr_scheduler
     if co2 is None:
         _forget_replica_mpu()
-        return deepspeed.initialize(
-            args=args,
-            model=model,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            training_data=training_data,
-            lr_scheduler=lr_scheduler,
-            config=ds_config,
-            **kwargs,
-        )
+        return deepspeed.initialize(**given, training_data=training_data, config=ds_config, **kwargs)
     if kwargs.get("mpu") is not None or kwargs.get("mesh_param") is not None:
         raise ValueError("co2: mpu / mesh_param cannot be combined with a co2 section (no model parallelism)")
     kwargs.pop("mpu", None)
     topology = Topology.build(co2)
     _per_replica_batch(ds_config, topology)
     engine, zero, _, scheduler = deepspeed.initialize(
-        args=args,
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=None,
-        lr_scheduler=lr_scheduler,
-        config=ds_config,
-        mpu=ReplicaMPU(topology),
-        **kwargs,
+        **given, training_data=None, config=ds_config, mpu=ReplicaMPU(topology), **kwargs
     )
     if zero is None:
         raise ValueError("co2: DeepSpeed built no optimizer: give an optimizer in the config or as optimizer=")
