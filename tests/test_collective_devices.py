@@ -310,7 +310,7 @@ def test_the_run_went_through_every_collective_of_the_library_and_the_tuner(resu
     """The paths above really issued the collectives this test is about (else it would check nothing)."""
     expected = {
         "gather_fingerprints",  # start-up agreement
-        "_common_start",  # every replica from replica 0
+        "common_start",  # every replica from replica 0 (co2_zero.startup)
         "_average",  # the displacement: reduce-scatter and all-reduce
         "_pipeline",  # all-gather of the new start point
         "_sum_across_ranks",  # per-tensor norms of the outer step
