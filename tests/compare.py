@@ -7,6 +7,7 @@ continue exactly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -44,3 +45,20 @@ def assert_close(actual: dict, expected: dict, what: str, rtol: float = 1e-5, at
     """Every tensor of `expected` is in `actual` and close to it (the reference's float tolerance)."""
     for key, value in expected.items():
         torch.testing.assert_close(actual[key], value, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{what}/{k}: {m}")
+
+
+@contextlib.contextmanager
+def torch_save_fails(error: BaseException, active: bool):
+    """torch.save writes a little, then raises `error` (a filling disk), in this process only."""
+    original = torch.save
+
+    def failing(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 part of a zip header")
+        raise error
+
+    if active:
+        torch.save = failing
+    try:
+        yield
+    finally:
+        torch.save = original

@@ -10,7 +10,6 @@ inner optimizer state and CO2 state compared before and after).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
@@ -27,7 +26,7 @@ import torch
 from co2_zero import CO2Config, CO2Error, CO2Optimizer, checkpoint
 from co2_zero.checkpoint import loading
 from tests import models
-from tests.compare import param_copies, same
+from tests.compare import param_copies, same, torch_save_fails
 from tests.dist_utils import launch_ranks, run_ranks
 
 TIMEOUT_S = 4.0
@@ -58,23 +57,6 @@ def _snapshot(model, opt) -> dict:
     return {"params": param_copies(model), "inner": copy.deepcopy(opt.optimizer.state_dict()), "co2": co2}
 
 
-@contextlib.contextmanager
-def _torch_save_fails(error: BaseException, active: bool):
-    """torch.save writes a little, then fails (what a filling disk does), in this process only."""
-    original = torch.save
-
-    def failing(obj, f, *args, **kwargs):
-        f.write(b"PK\x03\x04 part of a zip header")
-        raise error
-
-    if active:
-        torch.save = failing
-    try:
-        yield
-    finally:
-        torch.save = original
-
-
 def _attempt(action) -> dict:
     began = time.monotonic()
     try:
@@ -94,7 +76,7 @@ def save_scenarios(rank: int, world: int, root: str) -> dict:
     out["params4"] = param_copies(model)
     models.train_steps(rank, model, opt, 4, 6)
     for name, error in DISK_FULL.items():
-        with _torch_save_fails(error, active=rank == 1):
+        with torch_save_fails(error, active=rank == 1):
             out[name] = _attempt(lambda: checkpoint.save(f"{root}/main", model, opt, extra={"step": 6}))
     out["escape"] = _attempt(lambda: checkpoint.save(f"{root}/main", model, opt, tag="../escape"))
     extra = {"sched": {"fn": lambda step: 1.0}} if rank == 1 else {}
@@ -103,7 +85,7 @@ def save_scenarios(rank: int, world: int, root: str) -> dict:
     checkpoint.save(f"{root}/reused", model, opt, extra={"step": 6}, tag="fixed")
     out["params6"] = param_copies(model)
     models.train_steps(rank, model, opt, 6, 8)
-    with _torch_save_fails(DISK_FULL["oserror"], active=rank == 1):
+    with torch_save_fails(DISK_FULL["oserror"], active=rank == 1):
         out["reused_tag"] = _attempt(lambda: checkpoint.save(f"{root}/reused", model, opt, tag="fixed"))
     opt.finalize()
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from co2_zero import CO2Config, CO2Optimizer, checkpoint
 from co2_zero.checkpoint import saving
 from tests import models
-from tests.compare import clone_state, param_copies, same
+from tests.compare import clone_state, param_copies, same, torch_save_fails
 from tests.dist_utils import run_ranks
 
 TIMEOUT_S = 4.0
@@ -65,23 +65,6 @@ def _attempt(action) -> dict:
 
 
 @contextlib.contextmanager
-def _torch_save_fails(error: BaseException, active: bool):
-    """torch.save writes a little, then raises `error` (a filling disk), in this process only."""
-    original = torch.save
-
-    def failing(obj, f, *args, **kwargs):
-        f.write(b"PK\x03\x04 part of a zip header")
-        raise error
-
-    if active:
-        torch.save = failing
-    try:
-        yield
-    finally:
-        torch.save = original
-
-
-@contextlib.contextmanager
 def _text_write_fails(name: str, active: bool):
     """The save's write_text_atomic raises a full disk's OSError for files called `name`, in this process."""
     original = saving.write_text_atomic
@@ -120,7 +103,7 @@ def save_faults(rank: int, world: int, root: str) -> dict:
         checkpoint.save(f"{root}/{name}", model, opt, extra={"step": 2})
     models.train_steps(rank, model, opt, 2, 4)
     for name, error in [*DISK_FULL.items(), ("again", DISK_FULL["unexpected_pos"])]:
-        with _torch_save_fails(error(), active=rank == 1):
+        with torch_save_fails(error(), active=rank == 1):
             out[name] = _attempt(lambda: checkpoint.save(f"{root}/full", model, opt, extra={"step": 4}))
     with _text_write_fails(checkpoint.MARKER, active=rank == 0):
         out["marker"] = _attempt(lambda: checkpoint.save(f"{root}/marker", model, opt, extra={"step": 4}))
