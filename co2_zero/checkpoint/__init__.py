@@ -56,7 +56,7 @@ from .files import (
 )
 from .format import FORMAT, LATEST, MARKER, clean_temp_files, complete_checkpoints, rank_file_name
 from .loading import load, load_checkpoint
-from .record import FrameworkState, framework_state, rank_record
+from .record import FrameworkState, framework_state, load_record, optimizer_record, rank_record
 from .resharding import consolidate, cut_rows, reshard
 from .saving import save, save_checkpoint
 
@@ -77,6 +77,8 @@ __all__ = [
     "load",
     "load_checkpoint",
     "load_file",
+    "load_record",
+    "optimizer_record",
     "plain_data_problem",
     "rank_file_name",
     "rank_record",

@@ -26,7 +26,17 @@ from .agreement import (
 )
 from .files import PathLike, check_tag, describe, file_digest, load_file
 from .format import LATEST, MARKER, RANK_FILE, clean_temp_files, complete_checkpoints, parse_marker, tidy
-from .record import FrameworkState, Refused, check_module, framework_state, module_for_here, saved_pieces, write_module
+from .record import (
+    FrameworkState,
+    Refused,
+    apply_record,
+    check_module,
+    check_record,
+    framework_state,
+    module_for_here,
+    saved_pieces,
+    write_module,
+)
 from .resharding import consolidate, reshard
 
 
@@ -286,22 +296,17 @@ def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkS
     payload = _open(directory, marker, topology.rank)
     name = marker["files"][topology.rank]["name"]
     try:
-        engine.check_state_dict(payload.get("co2"))
+        check_record(framework, payload, {"co2": name, "framework": name})  # as the optimizers' load_state_dict
     except ValueError as error:
-        raise Refused(f"{name}: {error}") from error
+        raise Refused(str(error)) from error
     needed = set(framework.module.state_dict()) - framework.module_excluded()
     check_module(framework, payload, needed, name)
     unknown = sorted(set(payload["module"]) - needed)
     if unknown:
         raise Refused(f"{name}: the module state has entries this model lacks: {unknown[:5]}")
-    try:
-        framework.check(payload.get("framework"))
-    except ValueError as error:
-        raise Refused(f"{name}: {error}") from error
 
     def apply() -> None:
         write_module(framework, payload["module"], strict=not framework.module_excluded())
-        framework.restore(payload["framework"])
-        engine.load_state_dict(payload["co2"])
+        apply_record(framework, payload)
 
     return _Plan(apply, payload.get("extra"))

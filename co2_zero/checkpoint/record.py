@@ -1,7 +1,9 @@
 """A rank's record in a checkpoint file and how it meets the live objects: what an integration
-contributes (`FrameworkState`), the record one function builds (`rank_record`), and the module's
-state as whole tensors or the rows this rank holds (checked against this rank, cut for a resharded
-load, written back in place). The package imports no integration: each passes its `FrameworkState`."""
+contributes (`FrameworkState`), the record one function builds (`optimizer_record`, `rank_record`) and
+its validate-then-apply (`check_record`, `apply_record`; `load_record` for the optimizers'
+`load_state_dict`), and the module's state as whole tensors or the rows this rank holds (checked against
+this rank, cut for a resharded load, written back in place). The package imports no integration: each
+passes its `FrameworkState`."""
 
 from __future__ import annotations
 
@@ -58,15 +60,58 @@ class Refused(Exception):
     """Why this rank cannot load the chosen checkpoint (file and reason)."""
 
 
+def optimizer_record(framework: FrameworkState, finalized_ok: bool = False) -> dict[str, Any]:
+    """What a rank persists of its optimizers: `{"co2": the CO2 state, "framework": the framework's own
+    state}`. The one function that builds it, for a checkpoint file (`rank_record`) and for the
+    optimizers' `state_dict()` forms, which are views of it (docs/design.md §7). `finalized_ok`: a
+    finalized engine handed its state over, its record holds `"co2": None` (else CO2Error)."""
+    engine = framework.engine
+    co2 = None if finalized_ok and engine.finalized else engine.state_dict()  # waits for the round in flight
+    return {"co2": co2, "framework": framework.capture()}
+
+
 def rank_record(framework: FrameworkState, extra: Any) -> dict[str, Any]:
-    """What a rank's file holds besides its identity: the CO2 state, the module (`module_record`), the
-    framework's own state and `extra`. One function builds it, so every way of saving writes the same."""
-    return {
-        "co2": framework.engine.state_dict(),
-        **module_record(framework),
-        "framework": framework.capture(),
-        "extra": extra,
-    }
+    """What a rank's file holds besides its identity: its `optimizer_record`, the module
+    (`module_record`) and `extra`. One function builds it, so every way of saving writes the same."""
+    return {**optimizer_record(framework), **module_record(framework), "extra": extra}
+
+
+def check_record(framework: FrameworkState, record: dict[str, Any], fields: dict[str, str]) -> None:
+    """Check the parts of an `optimizer_record` that `fields` names ("co2", "framework": each with the
+    name its errors start with) against this rank; ValueError "{name}: what does not fit", for the first
+    part that does not. Changes nothing."""
+    checks = {"co2": framework.engine.check_state_dict, "framework": framework.check}
+    for part, name in fields.items():
+        try:
+            checks[part](record.get(part))
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from error
+
+
+def apply_record(framework: FrameworkState, record: dict[str, Any]) -> None:
+    """Write a checked `optimizer_record`: the framework's state, then the CO2 state (when it has one)."""
+    framework.restore(record["framework"])
+    if record.get("co2") is not None:
+        framework.engine.load_state_dict(record["co2"])
+
+
+def refused(what: str, problem: str) -> ValueError:
+    """The error of an optimizer's `load_state_dict` that refused a state (`problem` names the field)."""
+    return ValueError(f"co2 {what} refused, nothing was changed: {problem}")
+
+
+def load_record(framework: FrameworkState, record: dict[str, Any], what: str, fields: dict[str, str]) -> None:
+    """An optimizer's `load_state_dict` as `checkpoint.load` does it for one rank: every check
+    (`check_record` over `fields`) before anything changes, then `apply_record`. ValueError (`refused`)
+    naming the field and changing nothing; CO2Error when the CO2 state is to be loaded and the engine
+    failed or was finalized. Waits for the round in flight first, so nothing fails once writing began."""
+    if "co2" in fields:
+        framework.engine.state_dict()  # usable, and no round in flight any more
+    try:
+        check_record(framework, record, fields)
+    except ValueError as error:
+        raise refused(what, str(error)) from error
+    apply_record(framework, record)
 
 
 def module_record(framework: FrameworkState) -> dict[str, Any]:
