@@ -167,13 +167,15 @@ class InnerOptimizerState:
     (an LR scheduler writes the wrapper's), `after_load` makes the wrapper follow the loaded ones.
     `rows` says how the integration holds its tensors: state of FSDP2 parameters (DTensor moments) is
     stored as this rank's rows (`local_optimizer_state`) and made a DTensor like its parameter again on
-    load; the module's entries likewise (`local_rows`, the `FrameworkState` method)."""
+    load; the module's entries likewise (`local_rows`, the `FrameworkState` method). The optimizers'
+    `state_dict()` forms hold the torch state dict (`torch_state`) of this record (`framework_of` is the
+    way back); `module` may be None there, a state dict holds no module."""
 
     def __init__(
         self,
         integration: str,
         engine: Any,
-        module: torch.nn.Module,
+        module: Optional[torch.nn.Module],
         optimizer: torch.optim.Optimizer,
         after_load: Callable[[], None] = lambda: None,
         before_capture: Callable[[], None] = lambda: None,
@@ -191,18 +193,28 @@ class InnerOptimizerState:
 
     def capture(self) -> dict[str, Any]:
         self.before_capture()
-        inner, sharded = local_optimizer_state(self.optimizer.state_dict(), self.rows)
+        return self.framework_of(self.optimizer.state_dict())
+
+    def framework_of(self, inner: Any) -> dict[str, Any]:
+        """The framework state (as `capture` makes it) that a torch state dict of the inner optimizer
+        stands for: FSDP2 moments as this rank's rows. Anything else is passed on for `check` to refuse."""
+        if not _is_torch_state(inner):
+            return {"inner_optimizer": inner, "sharded_state": []}
+        inner, sharded = local_optimizer_state(inner, self.rows)
         return {"inner_optimizer": inner, "sharded_state": sharded}
 
     def check(self, saved: dict[str, Any]) -> None:
         inner = saved.get("inner_optimizer") if isinstance(saved, dict) else None
-        if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
-            raise ValueError("the inner optimizer state is missing or not a torch optimizer state dict")
+        if not _is_torch_state(inner):
+            raise ValueError(
+                f"the inner optimizer state is {type(inner).__name__}; expected a torch optimizer state dict "
+                f"(a dict of 'state': {{index: dict}} and 'param_groups': [dict with 'params'])"
+            )
         mine = [len(g["params"]) for g in self.optimizer.param_groups]
-        theirs = [len(g.get("params", ())) for g in inner["param_groups"]]
+        theirs = [len(g["params"]) for g in inner["param_groups"]]
         if mine != theirs:
-            raise ValueError(f"the inner optimizer has parameter groups of sizes {mine} here but {theirs} in the file")
-        self._sharded_state(saved)  # the entries of FSDP2 parameters fit their shards
+            raise ValueError(f"the inner optimizer has parameter groups of sizes {mine} here but {theirs} saved")
+        self.torch_state(saved)  # the entries of FSDP2 parameters fit their shards
         current = local_optimizer_state(self.optimizer.state_dict(), self.rows)[0]["state"]  # where this run has state
         for index, entry in inner.get("state", {}).items():
             if not isinstance(index, int) or not 0 <= index < sum(mine):
@@ -214,17 +226,18 @@ class InnerOptimizerState:
                 if not isinstance(value, torch.Tensor) or value.shape != like.shape:
                     shown = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                     raise ValueError(
-                        f"the inner optimizer state {key!r} of parameter {index} is {shown} in the file, "
+                        f"the inner optimizer state {key!r} of parameter {index} is {shown} saved, "
                         f"{tuple(like.shape)} here"
                     )
 
     def restore(self, saved: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(self._sharded_state(saved))
+        self.optimizer.load_state_dict(self.torch_state(saved))
         self.after_load()
 
-    def _sharded_state(self, saved: dict[str, Any]) -> dict[str, Any]:
-        """The saved inner state dict with the entries `sharded_state` names made DTensors like their
-        parameters (`rows.like`); ValueError when one does not fit."""
+    def torch_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """The inner optimizer's torch state dict that a framework state stands for: the entries
+        `sharded_state` names made DTensors like their parameters (`rows.like`); ValueError when one does
+        not fit. The inverse of `framework_of`."""
         inner, names = saved["inner_optimizer"], saved.get("sharded_state") or []
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         state = {index: dict(entry) for index, entry in inner.get("state", {}).items()}
@@ -243,6 +256,18 @@ class InnerOptimizerState:
     def after_reshard(self, saved: Optional[dict[str, Any]]) -> None:
         """The inner optimizer state starts fresh: its partition changed."""
         self.optimizer.state.clear()
+
+
+def _is_torch_state(inner: Any) -> bool:
+    """A torch optimizer state dict in shape: 'state' a dict of dicts, 'param_groups' dicts with 'params'."""
+    if not isinstance(inner, dict) or not isinstance(inner.get("state", {}), dict):
+        return False
+    groups = inner.get("param_groups")
+    return (
+        isinstance(groups, list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        and all(isinstance(entry, dict) for entry in inner.get("state", {}).values())
+    )
 
 
 def local_optimizer_state(

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 
 from .agreement import identify, in_model_order
+from .checkpoint.record import load_record, optimizer_record, refused
 from .config import CO2Config
 from .engine import RoundEngine
 from .integration import (
@@ -196,28 +197,41 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         self.topology.destroy(inner=True)  # the single-rank replica groups; never a given (FSDP2) group
 
     def state_dict(self) -> dict[str, Any]:
-        """`{"optimizer": the inner optimizer's state, "co2": the CO2 state}`; waits for the round in flight."""
-        return {"optimizer": self.optimizer.state_dict(), "co2": self.engine.state_dict()}
+        """`{"optimizer": the inner optimizer's state, "co2": the CO2 state}`; waits for the round in flight.
+
+        A view of this rank's record (`checkpoint.optimizer_record`, what a checkpoint file holds
+        besides the module): "co2" is its CO2 state, "optimizer" the torch state dict its framework state
+        stands for (for an FSDP2 model, moments are DTensors over the rows the record holds)."""
+        framework = self.checkpoint_state(self._model)
+        record = optimizer_record(framework)
+        return {"optimizer": framework.torch_state(record["framework"]), "co2": record["co2"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a `state_dict()` of the same topology and config; a refused state changes nothing.
+        """Restore a `state_dict()` of the same topology and config, as `checkpoint.load` restores a
+        rank's record: every check first, so a refused state changes nothing.
 
         Raises:
-            CO2Error: the CO2 state is of another config, grid or partition.
+            ValueError: naming the field ("optimizer" or "co2") and what does not fit: a CO2 state of
+                another config, grid or partition, an inner state of other parameter groups or shapes.
+            CO2Error: the exchange of a round failed, or `finalize()` was called.
         """
-        self.engine.check_state_dict(state_dict["co2"])  # before anything changes: a refused state changes nothing
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        self._share_inner_state()
-        self.engine.load_state_dict(state_dict["co2"])
+        missing = [key for key in ("optimizer", "co2") if not isinstance(state_dict, dict) or key not in state_dict]
+        if missing:
+            raise refused("CO2Optimizer.load_state_dict", f"the state dict lacks {missing}; expected a state_dict()")
+        framework = self.checkpoint_state(self._model)
+        record = {"co2": state_dict["co2"], "framework": framework.framework_of(state_dict["optimizer"])}
+        fields = {"co2": "state_dict['co2']", "framework": "state_dict['optimizer']"}
+        load_record(framework, record, "CO2Optimizer.load_state_dict", fields)
 
     def _share_inner_state(self) -> None:
         """torch's `load_state_dict` replaces the inner optimizer's group list and state: share the new
         ones, or an LR scheduler built on this optimizer would no longer reach the inner one."""
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
-    def checkpoint_state(self, model: torch.nn.Module) -> InnerOptimizerState:
+    def checkpoint_state(self, model: Optional[torch.nn.Module]) -> InnerOptimizerState:
         """This optimizer's part of a `co2_zero.checkpoint` file: the inner optimizer's state (for an
-        FSDP2 model, this rank's rows of its moments and of the module's entries)."""
+        FSDP2 model, this rank's rows of its moments and of the module's entries); `model` None: for a
+        state dict, which holds no module."""
         rows = WHOLE
         if self.integration == Integration.FSDP2:
             from . import fsdp
