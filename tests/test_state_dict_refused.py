@@ -1,0 +1,122 @@
+"""The optimizers' `load_state_dict` validates like `checkpoint.load` (2 gloo ranks, R = 2 x S = 1).
+
+A state dict that does not fit (an inner optimizer moment of another shape, state for a parameter the
+optimizer lacks, a CO2 state of another partition) is refused with a ValueError naming the field, and
+changes nothing: the weights, the inner optimizer state and the CO2 state are what they were. The
+same dict, unaltered, then loads. Covered: `CO2Optimizer`, and `CO2OSS`'s own share and its
+consolidated form.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from co2_zero import CO2Config, CO2Optimizer
+from tests import models
+from tests.compare import clone_state, same
+from tests.dist_utils import run_ranks
+
+CONFIG = {"tau": 2, "outer_lr": 0.8, "outer_momentum": 0.5, "timeout_s": 4.0, "shards_per_replica": 1}
+HAS_FAIRSCALE = importlib.util.find_spec("fairscale") is not None
+
+# how each form is altered: (what the error must name, the alteration)
+CASES = {
+    "inner moment of another shape": ("exp_avg", lambda inner, co2: inner["state"][0].update(exp_avg=torch.zeros(3))),
+    "inner state of a parameter it lacks": ("99", lambda inner, co2: inner["state"].update({99: {}})),
+    "co2 state of another partition": ("momentum", lambda inner, co2: co2.update(momentum=torch.zeros(5))),
+}
+
+
+def _plain(rank: int):
+    """A CO2Optimizer mid-round (3 steps at tau = 2), its state dict, and where its parts are."""
+    model = models.make_model("mlp")
+    opt = CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), CO2Config(**CONFIG), model=model)
+    models.train_steps(rank, model, opt, 0, 3)
+    return model, opt, opt.optimizer, lambda sd: (sd["optimizer"], sd["co2"]), opt.state_dict()
+
+
+def _oss(rank: int, consolidated: bool):
+    """A CO2OSS mid-round, and its own share or its consolidated state dict."""
+    from co2_zero.fairscale import CO2OSS
+
+    model = models.make_model("mlp")
+    opt = CO2OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01, co2=CONFIG, model=model)
+    models.train_steps(rank, model, opt, 0, 3)
+    if consolidated:
+        parts = lambda sd: (sd, sd["co2_replica"]["states"][opt.rank])  # noqa: E731
+        return model, opt, opt.optim, parts, opt.state_dict(all_ranks=True)
+    return model, opt, opt.optim, lambda sd: (sd["oss_shard"]["state"], sd["co2"]), opt.state_dict()
+
+
+def _snapshot(model, opt, inner) -> dict:
+    return {
+        "params": clone_state(dict(model.named_parameters())),
+        "inner": clone_state(inner.state_dict()),
+        "co2": clone_state(opt.engine.state_dict()),
+    }
+
+
+def refusals(rank: int, world_size: int) -> dict:
+    """For each form and case: the error of the refused load ("Type: message"), whether it changed
+    nothing, and whether the unaltered dict then loads and gives back the same state."""
+    builders = {"CO2Optimizer": lambda: _plain(rank)}
+    if HAS_FAIRSCALE:
+        builders["CO2OSS own share"] = lambda: _oss(rank, consolidated=False)
+        builders["CO2OSS consolidated"] = lambda: _oss(rank, consolidated=True)
+    out = {}
+    for form, build in builders.items():
+        model, opt, inner, parts, state = build()
+        state = clone_state(state)
+        before = _snapshot(model, opt, inner)
+        for case, (_, alter) in CASES.items():
+            bad = clone_state(state)
+            alter(*parts(bad))
+            try:
+                opt.load_state_dict(bad)
+                error = None
+            except Exception as refusal:  # any kind: the test says which one it expects
+                error = f"{type(refusal).__name__}: {refusal}"
+            out[form, case] = (error, same(before, _snapshot(model, opt, inner)))
+        opt.load_state_dict(clone_state(state))
+        out[form, "the unaltered dict loads"] = (None, same(before, _snapshot(model, opt, inner)))
+        opt.finalize()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(refusals, 2)
+
+
+FORMS = ["CO2Optimizer", "CO2OSS own share", "CO2OSS consolidated"]
+FIELDS = {
+    "CO2Optimizer": ("state_dict['optimizer']", "state_dict['co2']"),
+    "CO2OSS own share": ("state_dict['oss_shard']['state']", "state_dict['co2']"),
+    "CO2OSS consolidated": ("state_dict", "state_dict['co2_replica']['states']"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("form", FORMS)
+def test_a_refused_state_dict_names_the_field_and_changes_nothing(results, form, case):
+    if form.startswith("CO2OSS") and not HAS_FAIRSCALE:
+        pytest.skip("needs fairscale")
+    inner_field, co2_field = FIELDS[form]
+    for rank, result in enumerate(results):
+        error, unchanged = result[form, case]
+        assert error is not None, f"rank {rank}: {form} loaded a state dict with {case}"
+        assert error.startswith("ValueError: ") and "refused, nothing was changed" in error, error
+        assert CASES[case][0] in error, error
+        assert (co2_field if case.startswith("co2") else inner_field) in error, error
+        assert unchanged, f"rank {rank}: the refused {form} load changed weights, inner or CO2 state"
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_unaltered_state_dict_then_loads(results, form):
+    if form.startswith("CO2OSS") and not HAS_FAIRSCALE:
+        pytest.skip("needs fairscale")
+    for rank, result in enumerate(results):
+        assert result[form, "the unaltered dict loads"] == (None, True), f"rank {rank}: {form}"
