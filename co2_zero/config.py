@@ -148,6 +148,16 @@ class CO2Config:
             "blocking outer steps (Local SGD, SlowMo, DiLoCo), on the same code path."
         },
     )
+    eager: bool = field(
+        default=False,
+        metadata={
+            "doc": "Eager updates (Kale et al., arXiv 2502.12996): while a round's average is in flight, each "
+            "replica starts the next round from the shared start point plus an outer step on its own fresh "
+            "displacement, a stand-in for its share that the true average replaces when it arrives "
+            '(docs/design.md §3, "Eager updates"). Needs `overlap: true`, `clip.mode: none`, `comm_dtype` '
+            "`fp32` or `bf16` and `nonfinite: raise`; costs up to 2Ψ/S fp32 words per rank.",
+        },
+    )
     gap_penalty: Union[GapPenalty, Mapping[str, Any]] = field(
         default_factory=GapPenalty, metadata={"doc": "The staleness gap penalty (a `GapPenalty` or a dict)."}
     )
@@ -210,7 +220,23 @@ class CO2Config:
         seconds = f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
         _check_number("timeout_s", self.timeout_s, seconds, lambda v: 0 < v <= MAX_TIMEOUT_S)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _check_bool("eager", self.eager)
+        if self.eager:
+            self._check_eager_combination()
         _as_floats(self, "outer_lr", "outer_momentum", "timeout_s")
+
+    def _check_eager_combination(self) -> None:
+        """The fields `eager: true` is defined with (docs/design.md §3, "Eager updates"); each refusal
+        names the field, its value and what eager accepts."""
+        needs = (
+            ("overlap", self.overlap, (True,), "true (a blocking round has no average in flight to stand in for)"),
+            ("clip.mode", self.clip.mode, ("none",), "'none' (the clip cannot see the replica's own correction)"),
+            ("comm_dtype", self.comm_dtype, ("fp32", "bf16"), "'fp32' or 'bf16'"),
+            ("nonfinite", self.nonfinite, ("raise",), "'raise' (a skipped round would leave its stand-in behind)"),
+        )
+        for name, value, accepted, what in needs:
+            if value not in accepted:
+                _fail(name, value, f"{what} when eager=True")
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:

@@ -379,6 +379,12 @@ def _check_supported(config: CO2Config, topology: Topology) -> None:
         )
     if not config.overlap:
         raise CO2Error("co2 elastic: overlap=False is not supported; elastic mode runs CO2's overlapped rounds")
+    if config.eager:
+        raise CO2Error(
+            "co2 elastic: eager=True is not supported; accepted: eager=False (an eager replica's share is 1/R "
+            "of an average whose contributors are only known inside each round's quorum, and a healing "
+            "replica would need its own correction)"
+        )
 
 
 def _portable(identity: dict[str, Any]) -> dict[str, Any]:

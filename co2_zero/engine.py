@@ -32,6 +32,7 @@ from .buffers import ModuleBuffers
 from .comm import OuterExchange, PipelineJob, largest_abs
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError, collective_error
+from .outer import eager_start
 from .partition import ParameterWatch, Partition
 from .topology import Topology
 
@@ -138,6 +139,11 @@ class RoundEngine:
         self.momentum = torch.zeros(self.exchange.slice_length, dtype=torch.float32, device=device)
         reduce_scatter = self.exchange.strategy == "reduce_scatter"
         self.g_buffer = torch.zeros_like(self.momentum) if reduce_scatter else None
+        # eager: this replica's own round start (shared start + its correction) and the momentum of its
+        # own shares (only with outer momentum); docs/design.md §3, "Eager updates"
+        eager = self.config.eager
+        self.own_start = self.start_point.clone() if eager else None
+        self.own_momentum = torch.zeros_like(self.start_point) if eager and self.config.outer_momentum else None
         self.previous_update_sq_norms: Optional[torch.Tensor] = None
         self.inner_steps = 0
         self.rounds = 0
@@ -203,8 +209,8 @@ class RoundEngine:
         if plan.wait_at_once:
             wait_s += self._wait_pending()
             sent += self._exchange_bytes_since_last_report()
-        self._set_live(self.next_start)  # step 3: x <- Nx; refresh
         self.start_point, self.next_start = self.next_start, self.start_point
+        self._set_live(self.round_start)  # step 3: x <- Nx (eager: plus this replica's correction); refresh
         self.rounds += 1
         if self.buffers:  # a peer that finalized never averages them: learn it first
             self._check_steps()
@@ -223,10 +229,14 @@ class RoundEngine:
         }
 
     def _launch(self, plan: RoundPlan) -> bool:
-        """D = B - x into `plan.work`; start its pipeline (IDLE -> IN_FLIGHT). Returns whether this
-        rank's own D is non-finite under "skip_round" (its inner state must then be reset)."""
-        self.partition.subtract_from(self.start_point, out=plan.work)
+        """D = (this replica's round start) - x into `plan.work`; eager: the next own start from D, before
+        the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's own
+        D is non-finite under "skip_round" (its inner state must then be reset)."""
+        self.partition.subtract_from(self.round_start, out=plan.work)
         reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(plan.work[: self.layout.length])
+        if self.own_start is not None:
+            hyper, replicas = self.exchange.hyper, self.topology.replicas
+            eager_start(plan.work, plan.base, self.own_momentum, hyper=hyper, replicas=replicas, out=self.own_start)
         job = PipelineJob(plan.work, plan.base, self.momentum, self.g_buffer, plan.gap, self.rounds)
         self._pending, self._pending_index = self.exchange.launch(job), self.rounds
         self.phase = Phase.IN_FLIGHT
@@ -239,6 +249,12 @@ class RoundEngine:
             f"and it restarts from the agreed start point (nonfinite='skip_round')",
             stacklevel=5,
         )
+
+    @property
+    def round_start(self) -> torch.Tensor:
+        """Where this replica's current round started: the shared start point B, or with eager B plus
+        this replica's own correction (docs/design.md §3)."""
+        return self.start_point if self.own_start is None else self.own_start
 
     def _exchange_bytes_since_last_report(self) -> int:
         """Bytes this rank's finished pipelines sent since the last call (read with none in flight)."""
@@ -399,8 +415,9 @@ class RoundEngine:
         """Bytes of CO2 state this rank holds (docs/design.md §4: 2Ψ/S + 2Ψ/N fp32 words with
         reduce_scatter, 3Ψ/S with all_reduce, plus one float64 norm per tensor), and the outer step's segment
         index (`outer.SegmentIndex`, about 2·√(elements · segments) ids); int8/fp8 add the error-feedback
-        residuals, Ψ/S + Ψ/N."""
+        residuals, Ψ/S + Ψ/N; eager its own start and own-share momentum, up to 2Ψ/S."""
         tensors = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]
+        tensors += [self.own_start, self.own_momentum]
         tensors += list(self.exchange.residuals or ())
         return sum(t.numel() * t.element_size() for t in tensors if t is not None) + self.exchange.index_bytes
 

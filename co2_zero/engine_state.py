@@ -61,6 +61,9 @@ def state_dict(engine: RoundEngine) -> dict[str, Any]:
         "previous_update_sq_norms": engine.previous_update_sq_norms,
         # comm_dtype int8/fp8: the error-feedback residuals (comm.Residuals), else None
         "residuals": None if engine.exchange.residuals is None else engine.exchange.residuals._asdict(),
+        # eager: this replica's own round start and the momentum of its own shares, else None
+        "own_start": engine.own_start,
+        "own_momentum": engine.own_momentum,
     }
 
 
@@ -98,6 +101,9 @@ def _check_tensors(engine: RoundEngine, state: dict[str, Any]) -> None:
     norms = state.get("previous_update_sq_norms")
     if norms is not None:
         _check_tensor("previous_update_sq_norms", norms, torch.zeros(engine.layout.num_tensors, dtype=torch.float64))
+    for key in ("own_start", "own_momentum"):  # absent from a resharded state: no correction to carry
+        if state.get(key) is not None:
+            _check_tensor(key, state[key], getattr(engine, key))
     residuals = state.get("residuals")
     if residuals is not None:
         if engine.exchange.residuals is None or not isinstance(residuals, dict):
@@ -129,6 +135,12 @@ def load_state_dict(engine: RoundEngine, state: dict[str, Any]) -> None:
     engine.buffers.take_current_as_agreed()  # checkpoint.load wrote the module first
     norms = state["previous_update_sq_norms"]
     engine.previous_update_sq_norms = None if norms is None else norms.to(engine.momentum.device).clone()
+    if engine.own_start is not None:  # a resharded state has none: each replica restarts from the shared start
+        saved = state.get("own_start")
+        engine.own_start.copy_(saved if saved is not None else engine.start_point)
+        if engine.own_momentum is not None:
+            saved = state.get("own_momentum")
+            engine.own_momentum.copy_(saved) if saved is not None else engine.own_momentum.zero_()
     if engine.exchange.residuals is not None:  # a resharded state has none: the pending error restarts at 0
         saved = state.get("residuals")
         for name, residual in engine.exchange.residuals._asdict().items():

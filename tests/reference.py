@@ -26,6 +26,7 @@ DEFAULTS: dict[str, Any] = {
     "outer_momentum": 0.0,
     "nesterov": False,
     "overlap": True,
+    "eager": False,
     "gap_penalty": {"mode": "adaptive", "value": 1.0, "strength": 2.0},
     "clip": {"mode": "none", "threshold": 1.0},
 }
@@ -42,7 +43,21 @@ def resolve_config(config: dict) -> dict[str, Any]:
         raise ValueError(f"unknown gap_penalty mode {cfg['gap_penalty']['mode']!r}")
     if cfg["clip"]["mode"] not in ("none", "value", "norm"):
         raise ValueError(f"unknown clip mode {cfg['clip']['mode']!r}")
+    if cfg["eager"] and (not cfg["overlap"] or cfg["clip"]["mode"] != "none"):
+        raise ValueError("eager needs overlap and no clip")
     return cfg
+
+
+def eager_starts(shared: Params, owns: list[Params], ends: list[Params], h: list[Params], cfg: dict[str, Any]) -> None:
+    """Eager updates (docs/design.md §3): replica r's next round start is the shared start ``shared``
+    plus an outer step on its own share a = (own start − own end) / R of the average in flight, with a
+    momentum h of its own shares (updated in place). Replaces ``owns[r]``."""
+    alpha, beta, replicas = cfg["outer_lr"], cfg["outer_momentum"], len(owns)
+    for r in range(replicas):
+        a = {n: (owns[r][n] - ends[r][n]) / replicas for n in shared}
+        h[r] = {n: beta * h[r][n] + a[n] for n in shared}
+        v = {n: beta * h[r][n] + a[n] for n in shared} if cfg["nesterov"] else h[r]
+        owns[r] = {n: shared[n] - alpha * v[n] for n in shared}
 
 
 def outer_step(base: Params, g: Params, gap: Params, m: Params, cfg: dict[str, Any]) -> tuple[Params, Params, Params]:
@@ -170,11 +185,17 @@ def simulate(
     exchange was cut: then every replica skips it (the next start point is the
     base, the momentum is unchanged and the update counts as zero for the next
     gap). Replicas outside the set still train (their result is simply unused).
+    With ``eager`` (overlap only), each replica's displacement is measured from
+    its own round start, which is the shared start plus its own correction
+    (:func:`eager_starts`); ``record`` keeps the shared start points and
+    ``finalize`` gives every replica the shared one.
     ``joins``: (replica, round) pairs: the replica (re)joined at the end of round
     - 1, so its inner optimizer is built anew before that round's first step.
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
+    if cfg["eager"] and (exchange is not None or schedule is not None):
+        raise ValueError("eager is not simulated with a compressed exchange or elastic membership")
     if replicas < 1 or shards < 1 or steps < 0:
         raise ValueError("replicas and shards must be >= 1 and steps >= 0")
     if shards > 1 and shard_batch is None:
@@ -194,6 +215,8 @@ def simulate(
     pending = {n: v.clone() for n, v in start.items()}  # overlap: x_{t+1}
     m = {n: torch.zeros_like(v) for n, v in start.items()}
     u_prev: Params | None = None
+    owns = [start] * replicas  # where each replica's round started (eager: its own start)
+    own_momenta = [{n: torch.zeros_like(v) for n, v in start.items()} for _ in range(replicas)]
     if record is not None:
         record.append({n: v.clone() for n, v in start.items()})
 
@@ -216,7 +239,7 @@ def simulate(
             if members is None:  # a cut exchange: skipped everywhere
                 g = None
             elif exchange is None:
-                g = {n: torch.stack([start[n] - xs[r][n] for r in sorted(members)]).mean(0) for n in start}
+                g = {n: torch.stack([owns[r][n] - xs[r][n] for r in sorted(members)]).mean(0) for n in start}
             else:
                 g = exchange.average(start, xs)
             if overlap and u_prev is not None:
@@ -249,8 +272,12 @@ def simulate(
                 start, pending = pending, result
             else:
                 start = result
-            for model in models:
-                _set_params(model, start)
+            if cfg["eager"]:
+                eager_starts(start, owns, xs, own_momenta, cfg)
+            else:
+                owns = [start] * replicas
+            for model, own in zip(models, owns):
+                _set_params(model, own)
             _average_float_buffers(bufs)
             if record is not None:
                 record.append({n: v.clone() for n, v in start.items()})

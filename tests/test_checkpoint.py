@@ -30,6 +30,15 @@ CONFIGS = {
         "collective": "reduce_scatter",
         "clip": {"mode": "norm", "threshold": 0.1},
     },
+    # eager: each rank's own start and own-share momentum travel with its file (docs/design.md §3)
+    "eager": {
+        "tau": 3,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "nesterov": True,
+        "collective": "reduce_scatter",
+        "eager": True,
+    },
 }
 SAVE_AT, TOTAL = 7, 14  # 7 = mid-round, with round 1's exchange in flight
 

@@ -41,7 +41,27 @@ BAD_FIELDS = [
     ("gap_penalty", {"mode": "constant", "value": float("inf")}, "gap_penalty.value"),
     ("clip", {"mode": "norm", "threshold": float("inf")}, "clip.threshold"),
     ("nonfinite", "ignore", "nonfinite"),
+    ("eager", "yes", "eager"),
 ]
+
+
+@pytest.mark.parametrize(
+    "other,named,value",
+    [
+        ({"overlap": False}, "overlap", False),
+        ({"clip": {"mode": "norm"}}, "clip.mode", "norm"),
+        ({"comm_dtype": "int8"}, "comm_dtype", "int8"),
+        ({"nonfinite": "skip_round"}, "nonfinite", "skip_round"),
+    ],
+)
+def test_eager_refuses_what_it_is_not_defined_with(other, named, value):
+    """docs/design.md §3, "Eager updates": each refused field is named with its value and what eager accepts."""
+    with pytest.raises(ValueError) as info:
+        CO2Config.from_dict({"eager": True, **other})
+    message = str(info.value)
+    assert f"{named}={value!r}" in message and "accepted" in message and "eager=True" in message
+    assert not CO2Config.from_dict(other).eager  # fine without eager
+    assert CO2Config.from_dict({"eager": True, "comm_dtype": "bf16"}).eager
 
 
 @pytest.mark.parametrize("field,value,named", BAD_FIELDS)
@@ -82,6 +102,7 @@ def test_math_hash_ignores_plumbing_only():
     assert base.math_hash() == CO2Config(timeout_s=5, collective="all_reduce").math_hash()
     assert base.math_hash() != CO2Config(tau=3).math_hash()
     assert base.math_hash() != CO2Config(clip={"mode": "value"}).math_hash()
+    assert base.math_hash() != CO2Config(eager=True).math_hash()
 
 
 def test_shards_node_reads_local_world_size(monkeypatch):

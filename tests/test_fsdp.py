@@ -60,6 +60,18 @@ SCENARIOS = {
         steps=7,
         offload=True,
     ),
+    # eager updates (docs/design.md §3): replicas start rounds from the shared start plus their own
+    # correction; with the gap penalty (Nesterov) and without it (heavy ball)
+    "eager-nesterov-adaptive-allreduce": dict(
+        config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce", "eager": True},
+        steps=8,
+        model="uneven",
+    ),
+    "eager-heavyball-none-reducescatter": dict(
+        config={**HEAVY_BALL, "tau": 3, "gap_penalty": {"mode": "none"}, "collective": "reduce_scatter", "eager": True},
+        steps=9,
+        optimizer="adam",
+    ),
 }
 RESUME = dict(config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE}, steps=8, save_at=4, model="uneven")
 MIXED = dict(config={"tau": 4}, steps=32)
@@ -145,9 +157,12 @@ def _run_scenario(rank: int, shards: int, mesh, sc: dict) -> dict:
     pieces = [(seg.tensor_id, seg.offset, flat[seg.start : seg.end].clone()) for seg in opt.engine.partition.segments]
     steps = [_full(model)]  # x_0, then after every inner step
     round_ended = []
+    shared = [opt.engine.start_point.clone()]  # the shared start point B at every round start
 
     def after_step(optimizer, args, kwargs):
         round_ended.append(opt.round_ended)
+        if opt.round_ended:
+            shared.append(opt.engine.start_point.clone())
 
     opt.register_step_post_hook(after_step)
     _train(model, opt, rank, shards, 0, sc["steps"], record=steps)
@@ -156,6 +171,7 @@ def _run_scenario(rank: int, shards: int, mesh, sc: dict) -> dict:
         "partition_length": flat.numel(),
         "steps": steps,
         "round_ended": round_ended,
+        "shared": shared,
         "bytes": opt.co2_state_bytes(),
         "index_bytes": opt.engine.exchange.index_bytes,
         "strategy": opt.engine.exchange.strategy,
@@ -423,13 +439,20 @@ def test_frozen_parameter_stays_put(results):
 
 
 def test_replicas_identical_at_every_round_start(results):
+    """Bit for bit: the shared start point B on the ranks of each outer group; the live parameters too,
+    except with eager, where each replica adds its own correction (docs/design.md §3)."""
     for world, per_rank in results.items():
+        shards = world // 2
         for name, sc in SCENARIOS.items():
-            tau = sc["config"]["tau"]
+            tau, eager = sc["config"]["tau"], sc["config"].get("eager", False)
+            for rank in range(shards, world):
+                peer = per_rank[rank % shards][name]["shared"]
+                assert all(torch.equal(a, b) for a, b in zip(per_rank[rank][name]["shared"], peer)), (world, name)
             for k in [0] + [k for k in range(1, sc["steps"] + 1) if k % tau == 0]:
                 first = per_rank[0][name]["steps"][k]
                 for other in per_rank[1:]:
-                    assert all(torch.equal(first[n], other[name]["steps"][k][n]) for n in first), (world, name, k)
+                    same = all(torch.equal(first[n], other[name]["steps"][k][n]) for n in first)
+                    assert same or (eager and k > 0), (world, name, k)
             for other in per_rank[1:]:
                 assert all(torch.equal(per_rank[0][name]["final"][n], v) for n, v in other[name]["final"].items())
 
@@ -451,6 +474,8 @@ def test_state_bytes_match_memory_formula(results, world):
                 words = 2 * padded + 2 * padded // replicas
             else:
                 words = 3 * padded
+            if sc["config"].get("eager"):  # its own start, and the momentum of its own shares
+                words += padded * (2 if sc["config"]["outer_momentum"] else 1)
             # plus the outer step's segment index (its size is tested in test_outer_kernels.py)
             assert got["bytes"] == 4 * words + 8 * len(params) + got["index_bytes"], (name, rank)
 
