@@ -304,7 +304,8 @@ def test_events_log_and_stop_file(tmp_path):
     records, stderr = run_job(tmp_path, flags, ranks=1)
     logged = [json.loads(line) for line in events.read_text().splitlines()]
     assert [e["event"] for e in logged] == ["start"] + ["step"] * 8 + ["final"]
-    assert [e["step"] for e in logged[1:-1]] == list(range(1, 9)) and {e["replicas"] for e in logged[1:-1]} == {1}
+    assert [e["step"] for e in logged[1:-1]] == list(range(1, 9))
+    assert all(e["replicas"] == 1 and e["quorum"] == [0] for e in logged[1:-1])
     assert logged[-1]["step"] == records[-1]["steps"] == 8 and len(logged[-1]["digest"]) == 64
     assert f"--stop_file {stop}: stopping at step 8" in stderr
     assert stop_step(None) is None and stop_step(str(tmp_path / "absent")) is None

@@ -9,7 +9,8 @@ process of the emulated cluster. scripts/torchft_peer.py writes the same format.
 One JSON object per line, `{"t": ..., "event": ..., ...}`:
 
 - `start`: `step` (where this process starts), `replica_id`, `joined_at` (None: the job's start)
-- `step`: `step` (optimizer steps done), `replicas` (the size of the quorum it trained in)
+- `step`: `step` (optimizer steps done), `replicas` (the size of the quorum it trained in), `quorum`
+  (the replica ids in it, where known)
 - `round`: `round`, `replicas`, `committed` (False: the round's exchange was cut and dropped)
 - `final`: `step`, `digest` (sha256 of the parameters after the last round)
 """

@@ -244,7 +244,8 @@ def train(job: Job, clock: Clock, tally: Tally) -> int:
         end = round_end(job, step)
         show_membership_changes(job, tally)
         if job.events.on:
-            job.events.emit("step", step=step, replicas=quorum_size(job))
+            quorum = replicas_of_step(job)
+            job.events.emit("step", step=step, replicas=len(quorum), quorum=quorum)
         if end is not None and log_point(job, clock, tally, step, end):
             job.console.line(f"--max_seconds {a.max_seconds} reached at step {step}")
             break
@@ -269,12 +270,12 @@ def show_membership_changes(job: Job, tally: Tally) -> None:
     tally.rounds_reported = len(membership.history)
 
 
-def quorum_size(job: Job) -> int:
-    """The number of replicas this step trained with: elastic, the latest quorum's; else the job's R."""
+def replicas_of_step(job: Job) -> list[int]:
+    """The replicas this step trained with: elastic, the latest quorum's replica ids; else 0..R-1."""
     membership = job.trainer.membership
     if membership is not None and membership.quorum:
-        return len(membership.quorum)
-    return job.trainer.grid(job.world)[0]
+        return list(membership.quorum)
+    return list(range(job.trainer.grid(job.world)[0]))
 
 
 def round_end(job: Job, step: int) -> Optional[RoundEnd]:
