@@ -273,6 +273,7 @@ class EmulatedCluster:
         self.created: list[str] = []
         self.delay_proc: Optional[subprocess.Popen] = None
         self._procs: list[subprocess.Popen] = []
+        self._hosts: Optional[Path] = None  # hosts_file(), written on first use
 
     # -- names and addresses
     def ns(self, i: int) -> str:
@@ -374,6 +375,9 @@ class EmulatedCluster:
             _kill_pids([int(p) for p in pids if p.isdigit() and int(p) != os.getpid()])
             run_cmd(["ip", "netns", "del", ns], check=False)
         self.created.clear()
+        if self._hosts is not None:
+            shutil.rmtree(self._hosts.parent, ignore_errors=True)
+            self._hosts = None
 
     # -- delay line
     def _start_delay_line(self) -> None:
@@ -399,10 +403,32 @@ class EmulatedCluster:
         env.update(extra or {})
         return env
 
+    def hostname(self, i: int) -> str:
+        """Node i's own hostname (`own_hostname=True`): its namespace's name."""
+        return self.ns(i)
+
+    def hosts_file(self) -> Path:
+        """An /etc/hosts naming every node (written once, removed with the cluster)."""
+        if self._hosts is None:
+            self._hosts = Path(tempfile.mkdtemp(prefix="c2z-hosts-")) / "hosts"
+            names = "".join(f"{self.ip(i)} {self.hostname(i)}\n" for i in range(self.nodes))
+            self._hosts.write_text(f"127.0.0.1 localhost\n{names}")
+        return self._hosts
+
+    def own_host_argv(self, i: int, argv: Sequence[str]) -> list[str]:
+        """argv run with node i's own hostname and the cluster's hosts file, in private UTS and mount
+        namespaces (nothing on the host changes). Why: programs that advertise `gethostname()` to their
+        peers (torchft's checkpoint transport) are then reachable across the nodes."""
+        script = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
+        return ["unshare", "--uts", "--mount", "sh", "-c", script, "sh", self.hostname(i), str(self.hosts_file()),
+                *argv]  # fmt: skip
+
     def popen(self, i: int, argv: Sequence[str], env: Optional[dict] = None, log: Optional[Path] = None,
-              cwd: Optional[str] = None) -> subprocess.Popen:  # fmt: skip
-        """Start argv inside node i's namespace (its own process group, killed by pgid on cleanup)."""
+              cwd: Optional[str] = None, own_hostname: bool = False) -> subprocess.Popen:  # fmt: skip
+        """Start argv inside node i's namespace (its own process group, killed by pgid on cleanup);
+        own_hostname: with node i's own hostname (`own_host_argv`)."""
         out = open(log, "w") if log is not None else None  # noqa: SIM115 (closed in wait_all)
+        argv = self.own_host_argv(i, argv) if own_hostname else list(argv)
         proc = subprocess.Popen(
             ["ip", "netns", "exec", self.ns(i), *argv],
             env=self.env_for(i, env), stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else None,
@@ -411,6 +437,14 @@ class EmulatedCluster:
         proc._log_file = out  # type: ignore[attr-defined]
         self._procs.append(proc)
         return proc
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL a process started with `popen` and everything in its process group (a whole replica)."""
+        _kill_group(proc)
+        if getattr(proc, "_log_file", None):
+            proc._log_file.close()  # type: ignore[attr-defined]
+        if proc in self._procs:
+            self._procs.remove(proc)
 
     def torchrun_argv(self, i: int, script: str, args: Sequence[str], port: int = MASTER_PORT) -> list[str]:
         return [

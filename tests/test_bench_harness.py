@@ -4,6 +4,8 @@ The benchmarks are not part of the suite; what decides their numbers is: which r
 a run's steady state is cut out of its log, and what the tuner times as "one round's exchange".
 """
 
+import pytest
+
 from co2_zero import tune_tau
 from scripts import bench_throughput as bt
 from tests.dist_utils import run_ranks
@@ -88,3 +90,93 @@ def test_tuner_recommends_the_smallest_passing_tau_else_the_best_measured():
     line = tune_tau.recommendation_line(rec)
     assert line.startswith("recommended tau = 1: NO tau tried met the targets") and "efficiency 0.910" in line
     assert tune_tau.choose_tau([_check(12, 0.9, False), _check(6, 0.9, False)])["tau"] == 6  # tie: the smaller
+
+
+# ---- scripts/bench_elastic.py: the kill schedule and what it reads from the replicas' event logs
+
+
+def test_kill_schedule_rotates_nodes_and_restarts_each_before_the_end():
+    from scripts import bench_elastic as be
+
+    got = [(a.t, a.kind, a.node) for a in be.kill_schedule(150, 30, 10, 4)]
+    assert got == [(30, "kill", 1), (40, "restart", 1), (60, "kill", 2), (70, "restart", 2),
+                   (90, "kill", 3), (100, "restart", 3), (120, "kill", 0), (130, "restart", 0)]  # fmt: skip
+    assert [a.node for a in be.kill_schedule(600, 60, 20, 4) if a.kind == "kill"] == [1, 2, 3, 0, 1, 2, 3, 0, 1]
+    with pytest.raises(ValueError, match="restart_after_s"):
+        be.kill_schedule(100, 30, 30, 2)
+
+
+def _steps(node, started, times, replicas, killed=None, final=None):
+    """An incarnation whose events log has a step at each time (the quorum size per step)."""
+    from scripts import bench_elastic as be
+
+    sizes = replicas if isinstance(replicas, list) else [replicas] * len(times)
+    events = [{"t": t, "event": "step", "step": k + 1, "replicas": r} for k, (t, r) in enumerate(zip(times, sizes))]
+    if final:
+        events.append({"t": times[-1] + 0.1, "event": "final", "step": final[0], "digest": final[1]})
+    return be.Incarnation(node, started, events, killed=killed)
+
+
+def test_events_log_skips_a_line_cut_by_sigkill():
+    from scripts import bench_elastic as be
+
+    text = '{"t": 1.0, "event": "step", "step": 1, "replicas": 2}\n{"t": 2.0, "event": "st'
+    assert be.parse_events(text) == [{"t": 1.0, "event": "step", "step": 1, "replicas": 2}]
+
+
+def test_recoveries_efficiency_drops_and_end_from_the_events():
+    """Node 2 is killed at t=10 and restarted at t=15; survivors 0 and 1 stall at the round end and go on
+    with 2 replicas at 17 and 18 s; the joiner's first step in a quorum comes at 20 s (its steps before
+    its first quorum, replicas 0, do not count)."""
+    from scripts import bench_elastic as be
+
+    survivor0 = _steps(0, 0.0, [8, 9, 10, 11, 17, 18], [3, 3, 3, 3, 2, 2], final=(24, "d"))
+    survivor1 = _steps(1, 0.0, [8, 9, 10, 11, 18, 19], [3, 3, 3, 3, 2, 2], final=(24, "d"))
+    dead = _steps(2, 0.0, [8, 9], 3, killed=10.0)
+    joiner = _steps(2, 15.0, [19, 20, 21], [0, 3, 3], final=(24, "d"))
+    incs = [survivor0, survivor1, dead, joiner]
+    kill = be.kill_recovery(incs, dead)
+    assert kill["kill_to_next_step_s"] == 8.0  # the slower survivor: 18 - 10
+    assert kill["stall_s"] == 7.0  # node 1's pause from 11 to 18
+    assert be.join_recovery(joiner)["restart_to_first_step_s"] == 5.0
+    # 6 + 6 + 2 + 1 steps in a quorum inside (0, 20] (the joiner's at 21 s is after it), 10 tokens each
+    assert be.tokens_per_s(incs, 0.0, 20.0, 10) == 15 * 10 / 20.0
+    assert be.identical_at_end([survivor0, survivor1, joiner])["identical"]
+    joiner.events[-1]["digest"] = "other"
+    end = be.identical_at_end([survivor0, survivor1, joiner])
+    assert not end["identical"] and end["digests"] == 2
+    survivor0.events.append({"t": 12, "event": "round", "round": 3, "replicas": 3, "committed": False})
+    survivor1.events.append({"t": 12, "event": "round", "round": 3, "replicas": 3, "committed": False})
+    survivor1.events.append({"t": 13, "event": "round", "round": 4, "replicas": 2, "committed": True})
+    assert be.rounds_dropped(incs) == [3]
+    summary = be.summarize({"t0": 0.0, "duration_s": 20.0}, incs, 10)
+    assert summary["kill_to_next_step_s"] == {"median": 8.0, "max": 8.0, "n": 1, "missing": 0}
+    assert summary["restart_to_first_step_s"]["median"] == 5.0
+
+
+def test_a_survivor_that_never_goes_on_is_reported_not_guessed():
+    from scripts import bench_elastic as be
+
+    dead = _steps(1, 0.0, [1, 2], 2, killed=3.0)
+    stuck = _steps(0, 0.0, [1, 2, 2.5], 2)
+    assert be.kill_recovery([stuck, dead], dead)["kill_to_next_step_s"] is None
+    assert be.median_max([None, 4.0, 2.0]) == {"median": 3.0, "max": 4.0, "n": 2, "missing": 1}
+
+
+def test_a_kill_while_another_replica_joins_is_told_by_the_replica_ids():
+    """Node 2 dies at t=10 while node 1's new launch is still joining: in the next quorum node 1 takes
+    node 2's place, so the size stays 3; the ids say when node 2 was dropped, and the joiner (no step
+    before the kill) is no survivor."""
+    from scripts import bench_elastic as be
+
+    def steps(node, started, rows, killed=None):
+        events = [{"t": t, "event": "step", "step": k, "replicas": len(q), "quorum": q}
+                  for k, (t, q) in enumerate(rows)]  # fmt: skip
+        return be.Incarnation(node, started, events, killed=killed)
+
+    old, new = [0, 2, 3], [0, 1, 3]
+    survivors = [steps(n, 0.0, [(9, old), (10, old), (12, old), (16, new)]) for n in (0, 3)]
+    dead = steps(2, 0.0, [(9, old)], killed=10.0)
+    joining = steps(1, 5.0, [(16, new)])
+    got = be.kill_recovery([*survivors, dead, joining], dead)
+    assert got["kill_to_next_step_s"] == 6.0 and got["stall_s"] == 4.0

@@ -291,3 +291,24 @@ def test_token_files_are_read_as_uint16(tmp_path):
     (data / "val.bin").unlink()
     with pytest.raises(FileNotFoundError, match="no val.bin"):
         train_data.load_tokens(data)
+
+
+def test_events_log_and_stop_file(tmp_path):
+    """--events_jsonl logs every step, the start and the final parameter digest; --stop_file ends the run
+    at the round end it names (how scripts/bench_elastic.py ends every replica at one step)."""
+    from co2_zero.train.events import stop_step
+
+    stop, events = tmp_path / "stop", tmp_path / "events.jsonl"
+    stop.write_text("8")
+    flags = [*TINY, "--tau", "4", "--max_steps", "40", "--events_jsonl", str(events), "--stop_file", str(stop)]
+    records, stderr = run_job(tmp_path, flags, ranks=1)
+    logged = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [e["event"] for e in logged] == ["start"] + ["step"] * 8 + ["final"]
+    assert [e["step"] for e in logged[1:-1]] == list(range(1, 9))
+    assert all(e["replicas"] == 1 and e["quorum"] == [0] for e in logged[1:-1])
+    assert logged[-1]["step"] == records[-1]["steps"] == 8 and len(logged[-1]["digest"]) == 64
+    assert f"--stop_file {stop}: stopping at step 8" in stderr
+    assert stop_step(None) is None and stop_step(str(tmp_path / "absent")) is None
+    stop.write_text("eight")
+    with pytest.raises(ValueError, match="accepted: a step number"):
+        stop_step(str(stop))

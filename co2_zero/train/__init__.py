@@ -43,7 +43,9 @@ time spent in validation and checkpoints. Validation (every --eval_every log lin
 after the end) runs right after a round end, i.e. on the round's start point, which is what the live
 params are then; ddp/none evaluate at the step (none: rank 0's own model). The loss all-reduce at each
 log line (default process group) also carries rank 0's --max_seconds verdict, so all ranks stop
-together.
+together. --events_jsonl writes machine-readable events (events.py: every step with the quorum's size,
+each elastic round committed or cut, the final parameter digest); --stop_file ends the run at the first
+round end at or after the step the file names (scripts/bench_elastic.py ends every replica that way).
 
 Checkpoints (checkpoints.py): --save_dir DIR --save_every N writes DIR/step<N, 8 digits>/ through the
 library's checkpoints (co2_zero.checkpoint for plain, fairscale and fsdp, co2_zero.deepspeed's for

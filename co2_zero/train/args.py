@@ -164,6 +164,12 @@ def _log_flags(p: argparse.ArgumentParser) -> None:
     a("--eval_every", type=int, default=5, help="log lines between validations (0: start/end only)")
     a("--eval_batches", type=int, default=16, help="held-out batches per validation")
     a("--out_json", default=None, help="JSON-lines log (rank 0); default: none")
+    a("--events_jsonl", default=None,
+      help="machine-readable events (rank 0): every step, round commit/cut, the final parameter digest "
+           "(co2_zero/train/events.py); default: none")  # fmt: skip
+    a("--stop_file", default=None,
+      help="a file read at every round end: once it names a step, the job stops at the first round end at or "
+           "after it (a benchmark ends every replica of an elastic job at one step); default: none")  # fmt: skip
     a("--no_progress", action="store_true", help="no progress bar (there is none anyway unless stderr is a terminal)")
 
 

@@ -22,6 +22,7 @@ from . import checkpoints
 from .args import CO2_METHODS, co2_config, get_args
 from .data import Batches, elastic_stream
 from .engines import Trainer, autocast, build_trainer
+from .events import Events, parameter_digest, stop_step
 from .model import flops_per_token, gpt_from_args
 from .state import Clock, Console, RoundEnd, Tally
 
@@ -57,6 +58,7 @@ class Job:
     tokens_per_step: int  # global, per optimizer step
     start_step: int  # 0, or the step a resumed run (or an elastic replica that joined a running job) starts at
     joined_at: Optional[int] = None  # elastic: the step at which this replica joined a running job
+    events: Events = dataclasses.field(default_factory=lambda: Events(None))  # --events_jsonl (rank 0)
 
     @property
     def master(self) -> bool:
@@ -126,8 +128,9 @@ def build(args) -> Job:
         batches.seek(start_step)
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world
     n_params = sum(p.numel() for p in model.parameters())
+    events = Events(args.events_jsonl if rank == 0 else None)
     job = Job(args, rank, world, device, config, trainer, batches, console, n_params, tokens_per_step, start_step,
-              joined_at)  # fmt: skip
+              joined_at, events)  # fmt: skip
     console.line(header(job))
     if not args.resume:
         console.new_json()
@@ -221,6 +224,7 @@ def start(job: Job, clock: Clock) -> Optional[float]:
     job.console.record(method=a.method, step=step, tokens=step * job.tokens_per_step, elapsed_s=0.0, loss=None,
                        tokens_per_s=None, wait_s=None, round_end_s=None, val_loss=v0)  # fmt: skip
     clock.start(step)  # after validate's barrier
+    job.events.emit("start", step=step, replica_id=a.replica_id, joined_at=job.joined_at)
     return v0
 
 
@@ -239,8 +243,14 @@ def train(job: Job, clock: Clock, tally: Tally) -> int:
             save(job, clock, step)
         end = round_end(job, step)
         show_membership_changes(job, tally)
+        if job.events.on:
+            quorum = replicas_of_step(job)
+            job.events.emit("step", step=step, replicas=len(quorum), quorum=quorum)
         if end is not None and log_point(job, clock, tally, step, end):
             job.console.line(f"--max_seconds {a.max_seconds} reached at step {step}")
+            break
+        if end is not None and step < a.max_steps and step >= (stop_step(a.stop_file) or a.max_steps):
+            job.console.line(f"--stop_file {a.stop_file}: stopping at step {step}")
             break
     job.console.close_bar()
     return step
@@ -255,6 +265,17 @@ def show_membership_changes(job: Job, tally: Tally) -> None:
     for change in membership.changes[tally.changes_shown :]:
         job.console.line(change)
     tally.changes_shown = len(membership.changes)
+    for record in membership.history[tally.rounds_reported :]:
+        job.events.emit("round", round=record.round, replicas=len(record.replicas), committed=record.committed)
+    tally.rounds_reported = len(membership.history)
+
+
+def replicas_of_step(job: Job) -> list[int]:
+    """The replicas this step trained with: elastic, the latest quorum's replica ids; else 0..R-1."""
+    membership = job.trainer.membership
+    if membership is not None and membership.quorum:
+        return list(membership.quorum)
+    return list(range(job.trainer.grid(job.world)[0]))
 
 
 def round_end(job: Job, step: int) -> Optional[RoundEnd]:
@@ -341,6 +362,8 @@ def finish(job: Job, clock: Clock, tally: Tally, step: int, initial: Optional[fl
         t_fin = time.perf_counter()
         trainer.opt.finalize()
         job.console.line(f"finalize {time.perf_counter() - t_fin:.3f}s")
+    job.events.emit("final", step=step, digest=parameter_digest(trainer.model.parameters()))
+    job.events.close()
     train_s = clock.training_s()
     steps_run = step - job.start_step  # by this process (a resumed run: since the resume)
     tokens_per_s = steps_run * job.tokens_per_step / train_s

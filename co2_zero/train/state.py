@@ -114,6 +114,7 @@ class Tally:
     bytes_sent: float = 0.0
     last_mfu: Optional[float] = None
     changes_shown: int = 0  # elastic: the membership changes already printed
+    rounds_reported: int = 0  # elastic: the rounds of the membership's history already in --events_jsonl
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_sum, self.loss_n = self.loss_sum + loss.double(), self.loss_n + 1

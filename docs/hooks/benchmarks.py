@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -104,10 +105,22 @@ def convergence() -> str:
     return _table(head, rows)
 
 
+def elastic() -> str:
+    """Step efficiency and recoveries under failures (benchmarks/elastic/, scripts/bench_elastic.py), once measured."""
+    path = BENCH / "elastic" / "elastic.json"
+    if not path.exists():
+        return "*Not measured yet: benchmarks/elastic/elastic.json is written by `python -m scripts.bench_elastic`.*"
+    sys.path.insert(0, str(ROOT))
+    from scripts import bench_elastic
+
+    return bench_elastic.report(json.loads(path.read_text()))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "throughput": throughput,
     "compression": compression,
     "convergence": convergence,
+    "elastic": elastic,
 }
 
 

@@ -1,0 +1,71 @@
+"""Machine-readable events of a run (--events_jsonl) and the stop file a benchmark ends it with (--stop_file).
+
+Why: the elastic benchmark (scripts/bench_elastic.py) measures what a failure costs from outside the
+processes it kills: when each replica completed each step, with how many replicas, which rounds were
+cut, and whether every replica ended on the same parameters. A SIGKILLed writer may leave a partial
+last line; readers skip it. Times are the host's wall clock (`time.time()`), shared by every
+process of the emulated cluster. scripts/torchft_peer.py writes the same format.
+
+One JSON object per line, `{"t": ..., "event": ..., ...}`:
+
+- `start`: `step` (where this process starts), `replica_id`, `joined_at` (None: the job's start)
+- `step`: `step` (optimizer steps done), `replicas` (the size of the quorum it trained in), `quorum`
+  (the replica ids in it, where known)
+- `round`: `round`, `replicas`, `committed` (False: the round's exchange was cut and dropped)
+- `final`: `step`, `digest` (sha256 of the parameters after the last round)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+
+class Events:
+    """Appends event lines to `path` (None: writes nothing). One line per call, flushed at once."""
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.file = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", buffering=1)  # noqa: SIM115 (line-buffered, lives as long as the run)
+
+    @property
+    def on(self) -> bool:
+        return self.file is not None
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def parameter_digest(parameters: Iterable[torch.Tensor]) -> str:
+    """sha256 of the parameters' bytes in order (their local values: the shards of a sharded one)."""
+    digest = hashlib.sha256()
+    for p in parameters:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def stop_step(path: Optional[str]) -> Optional[int]:
+    """The step the stop file names (an integer, written once by the benchmark), or None (no file yet)."""
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"--stop_file {path}: holds {text[:40]!r}; accepted: a step number (digits)")
+    return int(text)
