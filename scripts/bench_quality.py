@@ -414,6 +414,7 @@ def summary(a, results: dict[str, dict], steps: int, out_dir: Path) -> dict:
         "command": "python -m scripts.bench_quality " + shlex.join(sys.argv[1:]),
         "nodes": a.nodes, "taus": a.taus, "seeds": a.seeds, "steps": steps, "model": a.model, "extra": a.extra,
         "grids": {m: grid[m] for m in a.methods if m in grid}, "unavailable": skipped,
+        "throughput_models": {rate: t.get("model") for rate, t in throughputs.items()},
         "throughput_files": {rate: _relative(path) for rate, _, path in (x.partition("=") for x in a.throughput)},
         "remaining_cells": len(todo) + sum(pending.values()),
         "table": rows, "time_to_target": time_to_target(results, rows, throughputs, a.nodes),
@@ -476,10 +477,12 @@ def _time_lines(result: dict) -> list[str]:
     rows = result["time_to_target"]
     if not rows:
         return []
+    models = "; ".join(f"{rate}: `{m}`" for rate, m in result["throughput_models"].items())
     lines = [f"Wall-clock to reach ddp's final loss ({rows[0]['target']:.4f}): tokens needed (mean curve) / the "
-             "method's steady-state tokens/s at P = 4 on that link (bench_throughput.py, files "
-             f"{result['throughput_files']}; a different model and the τ named: at a larger τ the local-step "
-             "methods run at least that fast).", "",
+             "method's steady-state tokens/s at P = 4 on that link, from bench_throughput.py "
+             f"({result['throughput_files']}), measured at the τ named and on its own model ({models}); at a "
+             "larger τ the local-step methods run at least that fast. For this study's model, run bench_throughput.py "
+             "with its --model and pass the result as --throughput RATE=FILE.", "",
              "| method | τ | link | tokens to target | tokens/s (run, its τ) | wall-clock to target | whole budget |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
