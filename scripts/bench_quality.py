@@ -538,7 +538,8 @@ def _finish(ax, xlabel: str, title: str, curves) -> None:
     ax.set_title(f"Validation loss — {title}", fontsize=9)
     bc._zoom(ax, [{"val_loss": y} for _, y in curves])
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # a link no method has a tokens/s for draws no curve
+        ax.legend(fontsize=8)
 
 
 # ---- main ----------------------------------------------------------------------------------------------
