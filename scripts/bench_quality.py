@@ -71,6 +71,9 @@ PUBLISHED = {
     "torchft_streaming": "similar to DiLoCo at ~100× less bandwidth: Douillard et al. 2501.18512",
 }
 THROUGHPUT_DIR = ROOT / "benchmarks" / "throughput"
+# True once peer_command matches scripts/torchft_peer.py's flags and output (see its docstring): until
+# then the torchft cells are reported unavailable instead of failing or running something else
+PEER_HOOK_WIRED = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +155,11 @@ def unavailable(method: str) -> Optional[str]:
     if method in PEERS:
         if not PEER.is_file():
             return "unavailable: needs scripts/torchft_peer.py"
+        if not PEER_HOOK_WIRED:
+            return (
+                "unavailable: peer_command is not aligned with scripts/torchft_peer.py yet (it needs the "
+                "validation loss in train_lm.py's JSON lines and a launcher of a Lighthouse and P replicas)"
+            )
         try:
             import torchft  # noqa: F401
         except ImportError:

@@ -81,14 +81,17 @@ def test_flags_of_each_method():
     ]
 
 
-def test_unavailable_methods_say_why():
+def test_unavailable_methods_say_why(monkeypatch):
     from co2_zero import CO2Config
 
     if "eager" not in {f.name for f in bq.dataclasses.fields(CO2Config)}:  # reported, never run as plain co2
         assert bq.unavailable("co2_eager") == "unavailable: needs the eager field (CO2Config.eager)"
     assert bq.unavailable("co2") is None and bq.unavailable("ddp") is None
-    if not bq.PEER.is_file():
-        assert bq.unavailable("torchft_diloco") == "unavailable: needs scripts/torchft_peer.py"
+    monkeypatch.setattr(bq, "PEER", bq.ROOT / "no_such_peer.py")
+    assert bq.unavailable("torchft_diloco") == "unavailable: needs scripts/torchft_peer.py"
+    monkeypatch.setattr(bq, "PEER", bq.ROOT / "scripts" / "train_lm.py")  # a peer there, the hook not wired to it
+    if not bq.PEER_HOOK_WIRED:
+        assert "peer_command is not aligned" in bq.unavailable("torchft_streaming")
 
 
 def _study() -> dict:
