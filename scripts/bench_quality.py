@@ -1,0 +1,599 @@
+"""Quality at speed (issue 22): the validation loss each method pays for local steps, at τ ∈ {8, 32, 128}.
+
+P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does not change the loss,
+τ does), one tiny byte-level GPT, the same inner steps, batch and data streams for every method
+(so the same tokens), --rounds rounds at the largest τ. Methods:
+
+  ddp                 all-reduce every step (no τ, no outer step: one run per seed serves every τ)
+  diloco              blocking DiLoCo: overlap off, Nesterov outer momentum, no gap penalty (train_lm's preset)
+  co2                 CO2 as shipped (CO2Config's defaults) but the outer lr / momentum of the cell
+  co2_eager           the same with the config field `eager: true` (unavailable where CO2Config lacks it)
+  torchft_diloco      torchft's DiLoCo and Streaming DiLoCo, driven by scripts/torchft_peer.py
+  torchft_streaming   (unavailable where that script or torchft is missing; `peer_command` is the hook)
+
+Tuning: per method and τ, every (outer lr, momentum) of the method's grid with the first seed; the
+best is then confirmed with the other seeds. Each run is one cell, (method, τ, outer lr, momentum,
+seed), written to <out_dir>/cells/<name>.json when it finishes; a cell whose JSON exists is skipped,
+so the study resumes where it stopped. The summary (also alone: --summary) writes
+
+  <out_dir>/quality.json           every cell (the whole grid), the table, time-to-target, what is missing
+  <out_dir>/quality.md             method × τ: best setting, final val loss (mean, min–max over seeds),
+                                   gap to ddp next to the published gaps; the grid; time to ddp's loss
+  <out_dir>/quality_tau<τ>.png     validation loss vs tokens, one picture per τ
+  <out_dir>/quality_<rate>.png     validation loss vs wall-clock on that link, from bench_throughput's tokens/s
+
+    python -m scripts.bench_quality --plan         # the cells left and the hours they need
+    python -m scripts.bench_quality                # run them (resumable), then the summary
+    python -m scripts.bench_quality --summary      # only the summary from the cells there are
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from scripts import bench_compression as bcomp
+from scripts import bench_convergence as bc
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = ROOT / "scripts" / "torchft_peer.py"
+CO2_FAMILY = ("diloco", "co2", "co2_eager")
+PEERS = {"torchft_diloco": "diloco", "torchft_streaming": "streaming"}  # method -> the peer's algorithm
+METHODS = ("ddp", *CO2_FAMILY, *PEERS)
+# (outer lrs, outer momenta) tried per method at every τ; diloco and torchft: Nesterov (their presets)
+GRIDS = {
+    "diloco": ((0.5, 0.7, 1.0), (0.8, 0.9)),
+    "co2": ((0.5, 0.7, 1.0), (0.0, 0.5)),
+    "co2_eager": ((0.5, 0.7, 1.0), (0.0, 0.5)),
+    "torchft_diloco": ((0.5, 0.7, 1.0), (0.8, 0.9)),
+    "torchft_streaming": ((0.5, 0.7, 1.0), (0.8, 0.9)),
+}
+# method -> bench_throughput run labels whose tokens/s it has on a link, first found wins: blocking
+# DiLoCo exchanges exactly what blocking Local SGD does (the outer step differs only in its math)
+THROUGHPUT_LABELS = {"ddp": ("ddp",), "diloco": ("diloco", "localsgd"), "co2": ("co2",), "co2_eager": ("co2",)}
+PUBLISHED = {
+    "ddp": "–",
+    "diloco": "+2.0% (35M, M=4, H=30), +0.3% (2.4B, M=4): Charles et al. 2503.09799",
+    "co2": "ours before (README): +16–20% at τ 27–64 with 12–27 rounds",
+    "co2_eager": "eager recovers most of the one-step delay's loss: Kale et al. 2502.12996",
+    "torchft_diloco": "as diloco",
+    "torchft_streaming": "similar to DiLoCo at ~100× less bandwidth: Douillard et al. 2501.18512",
+}
+THROUGHPUT_DIR = ROOT / "benchmarks" / "throughput"
+# True once peer_command matches scripts/torchft_peer.py's flags and output (see its docstring): until
+# then the torchft cells are reported unavailable instead of failing or running something else
+PEER_HOOK_WIRED = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One training run of the study. ddp has no τ and no outer step (tau, outer_lr, momentum: None)."""
+
+    method: str
+    tau: Optional[int]
+    outer_lr: Optional[float]
+    momentum: Optional[float]
+    seed: int
+
+    @property
+    def name(self) -> str:
+        """The cell's file stem, unique per cell: ddp_s1337, co2_tau32_lr0.7_m0.5_s1337."""
+        if self.tau is None:
+            return f"{self.method}_s{self.seed}"
+        return f"{self.method}_tau{self.tau}_lr{self.outer_lr:g}_m{self.momentum:g}_s{self.seed}"
+
+    @property
+    def setting(self) -> tuple:
+        """The (method, τ, outer lr, momentum) its seeds repeat."""
+        return self.method, self.tau, self.outer_lr, self.momentum
+
+
+def get_args(argv: Optional[Sequence[str]] = None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--taus", type=int, nargs="+", default=[8, 32, 128])
+    p.add_argument("--seeds", type=int, nargs="+", default=[1337, 1338, 1339],
+                   help="the first tunes the grid, all of them confirm its best")  # fmt: skip
+    p.add_argument("--steps", type=int, default=12_800, help="inner steps per rank of every run (100 rounds at τ 128)")
+    p.add_argument("--eval_points", type=int, default=20, help="validations per run besides the start")
+    p.add_argument("--nodes", type=int, default=4, help="ranks, one replica each")
+    p.add_argument("--grid", action="append", default=[], metavar="METHOD:LRS:MOMENTA",
+                   help="replace a method's grid, e.g. diloco:0.5,0.7:0.9 (repeatable)")  # fmt: skip
+    p.add_argument("--model", default="--n_layer 2 --n_embd 64 --n_head 2 --block_size 32 --batch_size 8",
+                   help="train_lm.py model/batch flags (118k parameters, 1,024 tokens per step at P = 4)")  # fmt: skip
+    p.add_argument("--extra", default="--lr 3e-3 --min_lr 3e-4 --warmup_steps 200 --eval_batches 256",
+                   help="more train_lm.py flags of every run")  # fmt: skip
+    p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "quality"))
+    p.add_argument("--throughput", nargs="+", metavar="RATE=FILE",
+                   default=[f"100mbit={THROUGHPUT_DIR / 'throughput_P4_100mbit.json'}",
+                            f"1gbit={THROUGHPUT_DIR / 'throughput_P4_1gbit.json'}"],
+                   help="bench_throughput.py results whose P = --nodes cell gives each method's tokens/s")  # fmt: skip
+    p.add_argument("--max_cells", type=int, default=0, help="stop after this many runs (0: all)")
+    p.add_argument("--plan", action="store_true", help="print the cells left and an estimate of their hours")
+    p.add_argument("--summary", action="store_true", help="only build the summary from the cells there are")
+    p.add_argument("--minutes_per_cell", type=float, default=5.0, help="--plan's estimate before any cell ran")
+    return p.parse_args(argv)
+
+
+def grids(overrides: Sequence[str]) -> dict:
+    """GRIDS with the --grid overrides applied."""
+    out = dict(GRIDS)
+    for spec in overrides:
+        method, _, rest = spec.partition(":")
+        lrs, _, moms = rest.partition(":")
+        if method not in out or not lrs or not moms:
+            raise SystemExit(f"--grid {spec!r}: accepted METHOD:LRS:MOMENTA with METHOD in {list(out)}, "
+                             "e.g. diloco:0.5,0.7:0.9")  # fmt: skip
+        out[method] = (tuple(map(float, lrs.split(","))), tuple(map(float, moms.split(","))))
+    return out
+
+
+# ---- availability and commands -----------------------------------------------------------------------
+
+
+def unavailable(method: str) -> Optional[str]:
+    """Why `method` cannot run in this tree, or None."""
+    if method == "co2_eager":
+        from co2_zero import CO2Config
+        from co2_zero.train.args import CO2_FLAGS
+
+        if "eager" not in {f.name for f in dataclasses.fields(CO2Config)}:
+            return "unavailable: needs the eager field (CO2Config.eager)"
+        if "eager" not in CO2_FLAGS:
+            return "unavailable: needs train_lm.py's --eager flag"
+    if method in PEERS:
+        if not PEER.is_file():
+            return "unavailable: needs scripts/torchft_peer.py"
+        if not PEER_HOOK_WIRED:
+            return (
+                "unavailable: peer_command is not aligned with scripts/torchft_peer.py yet (it needs the "
+                "validation loss in train_lm.py's JSON lines and a launcher of a Lighthouse and P replicas)"
+            )
+        try:
+            import torchft  # noqa: F401
+        except ImportError:
+            return "unavailable: needs torchft (pip install torchft==0.2.0)"
+    return None
+
+
+def train_flags(cell: Cell, steps: int, eval_points: int, common: Sequence[str]) -> list[str]:
+    """train_lm.py flags of a ddp or CO2-family cell, --out_json left to the caller."""
+    label = "ddp" if cell.method == "ddp" else "co2"
+    flags = [*bcomp.schedule(label, cell.tau or 1, steps, eval_points), "--max_steps", str(steps),
+             "--seed", str(cell.seed), "--no_progress", *common]  # fmt: skip
+    if cell.method == "ddp":
+        return [*flags, "--method", "ddp"]
+    method = ["--method", "diloco"] if cell.method == "diloco" else ["--method", "co2"]
+    eager = ["--eager"] if cell.method == "co2_eager" else []
+    return [*flags, *method, *eager, "--outer_lr", str(cell.outer_lr), "--outer_momentum", str(cell.momentum)]
+
+
+def peer_command(cell: Cell, steps: int, eval_points: int, common: Sequence[str], nodes: int,
+                 out_json: Path) -> list[str]:  # fmt: skip
+    """The hook for scripts/torchft_peer.py: its command for a torchft cell, on the same model, data,
+    seeds, steps, τ and validation points as train_lm.py's cells. Assumed interface (align it here
+    when the peer lands): train_lm.py's model/data/optimizer flags, --algorithm diloco|streaming,
+    --replicas, --outer_lr, --outer_momentum, and --out_json in train_lm.py's JSON-lines format."""
+    return [sys.executable, "-m", "scripts.torchft_peer", "--algorithm", PEERS[cell.method],
+            "--replicas", str(nodes), "--tau", str(cell.tau), "--outer_lr", str(cell.outer_lr),
+            "--outer_momentum", str(cell.momentum), "--max_steps", str(steps), "--seed", str(cell.seed),
+            "--eval_every", str(max(1, steps // cell.tau // eval_points)), *common,
+            "--out_json", str(out_json)]  # fmt: skip
+
+
+# ---- which cells ---------------------------------------------------------------------------------------
+
+
+def grid_cells(method: str, tau: int, grid: tuple, seed: int) -> list[Cell]:
+    """Every (outer lr, momentum) of `grid` at one seed."""
+    lrs, moms = grid
+    return [Cell(method, tau, lr, m, seed) for lr in lrs for m in moms]
+
+
+def best_setting(results: dict[str, dict], cells: Sequence[Cell]) -> Optional[Cell]:
+    """The grid cell with the lowest final validation loss, once every cell of the grid is done
+    (results: cell name -> its JSON); None before. Ties: the first in grid order."""
+    if not cells or any(c.name not in results for c in cells):
+        return None
+    return min(cells, key=lambda c: results[c.name]["final_val_loss"])
+
+
+def planned_cells(methods: Sequence[str], taus: Sequence[int], seeds: Sequence[int], grid: dict,
+                  results: dict[str, dict]) -> tuple[list[Cell], dict[tuple, int]]:  # fmt: skip
+    """(every cell known so far, in run order; (method, τ) -> confirmation cells not known yet).
+    ddp: one cell per seed. Others, per τ: the grid at the first seed, then the grid's best at the
+    other seeds (known only once the grid is complete)."""
+    cells = [Cell("ddp", None, None, None, s) for s in seeds] if "ddp" in methods else []
+    pending = {}
+    for tau in taus:
+        for method in (m for m in methods if m != "ddp"):
+            tried = grid_cells(method, tau, grid[method], seeds[0])
+            cells += tried
+            best = best_setting(results, tried)
+            if best is None:
+                pending[(method, tau)] = len(seeds) - 1
+            else:
+                cells += [dataclasses.replace(best, seed=s) for s in seeds[1:]]
+    return cells, pending
+
+
+def run_config(a) -> dict:
+    """What every cell of one study shares; a cell of another study must not be mixed in."""
+    return {"steps": a.steps, "nodes": a.nodes, "model": a.model, "extra": a.extra, "eval_points": a.eval_points}
+
+
+def cells_to_run(methods: Sequence[str], taus: Sequence[int], seeds: Sequence[int], grid: dict,
+                 results: dict[str, dict]) -> tuple[list[Cell], dict[tuple, int]]:  # fmt: skip
+    """planned_cells without the cells whose JSON exists (they are skipped, not run again)."""
+    cells, pending = planned_cells(methods, taus, seeds, grid, results)
+    return [c for c in cells if c.name not in results], pending
+
+
+def load_results(cells_dir: Path, config: dict) -> dict[str, dict]:
+    """cell name -> its JSON, for every finished cell under `cells_dir`. Raises SystemExit, naming the
+    file and the field, for a cell of another study (other steps, ranks, model or flags)."""
+    results = {}
+    for path in sorted(cells_dir.glob("*.json")):
+        cell = json.loads(path.read_text())
+        for key, value in config.items():
+            if cell.get(key) != value:
+                raise SystemExit(f"{path}: {key} = {cell.get(key)!r}, this study's is {value!r}; accepted: the "
+                                 "same study's cells (another --out_dir for another study)")  # fmt: skip
+        results[path.stem] = cell
+    return results
+
+
+def plan_text(todo: Sequence[Cell], pending: dict[tuple, int], minutes: dict[str, float],
+              skipped: dict[str, str]) -> str:  # fmt: skip
+    """What --plan prints: the cells left, the confirmations still unknown, the hours (one estimate
+    per entry of `minutes`: name -> minutes per cell)."""
+    n = len(todo) + sum(pending.values())
+    lines = [f"{len(todo)} cells to run now" + "".join(f"\n  {c.name}" for c in todo)]
+    lines += [f"{k} confirmation cells of {m} τ={t} once its grid is done" for (m, t), k in pending.items()]
+    lines += [f"{m}: {why}" for m, why in skipped.items()]
+    lines += [f"total {n} cells × {x:.1f} min ≈ {n * x / 60:.1f} h ({name})" for name, x in minutes.items()]
+    return "\n".join(lines)
+
+
+def minutes_per_cell(results: dict[str, dict], default: float, cores: int) -> dict[str, float]:
+    """Minutes per cell: the median wall-clock of the cells run so far, and the median of their CPU
+    seconds spread over `cores` (what a quiet host of that many cores needs: on a shared host the
+    wall-clock is inflated, the CPU seconds much less); `default` before any cell ran."""
+    walls = [r["wall_s"] for r in results.values() if r.get("wall_s")]
+    cpus = [r["cpu_s"] for r in results.values() if r.get("cpu_s")]
+    if not walls:
+        return {"assumed, no cell run yet": default}
+    out = {"median wall-clock of the cells run": statistics.median(walls) / 60}
+    if cpus:
+        out[f"their median CPU seconds over {cores} quiet cores"] = statistics.median(cpus) / cores / 60
+    return out
+
+
+# ---- one cell ------------------------------------------------------------------------------------------
+
+
+def run_cell(cell: Cell, a, steps: int, cells_dir: Path, log_root: Path) -> dict:
+    """Train one cell and write its JSON (atomically: a half-written file would count as done)."""
+    log_dir = log_root / cell.name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out_json = log_dir / "train.jsonl"
+    common = [*a.model.split(), *a.extra.split()]
+    load_before = os.getloadavg()
+    began, cpu_before = time.time(), _children_cpu_s()
+    if cell.method in PEERS:
+        cmd = peer_command(cell, steps, a.eval_points, common, a.nodes, out_json)
+        with open(log_dir / "peer.log", "w") as log:
+            subprocess.run(cmd, check=True, cwd=ROOT, timeout=3600, stdout=log, stderr=subprocess.STDOUT)
+        command = shlex.join(cmd[1:-2])
+    else:
+        flags = [*train_flags(cell, steps, a.eval_points, common), "--out_json", str(out_json)]
+        bcomp.run_unshaped(a.nodes, flags, log_dir)
+        command = shlex.join(["torchrun", "--standalone", "--nproc_per_node", str(a.nodes), "scripts/train_lm.py",
+                              *flags[:-2]])  # fmt: skip
+    records = [json.loads(line) for line in out_json.read_text().splitlines()]
+    result = {**dataclasses.asdict(cell), "name": cell.name, "command": command, **run_config(a),
+              "wall_s": round(time.time() - began, 1), "cpu_s": round(_children_cpu_s() - cpu_before, 1),
+              "host": {"cores": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()},
+              "finished": time.strftime("%Y-%m-%d %H:%M:%S"), **bc.curve(records)}  # fmt: skip
+    tmp = cells_dir / f".{cell.name}.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(cells_dir / f"{cell.name}.json")
+    return result
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of every finished child process so far (torchrun waits for its ranks)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+# ---- summary -------------------------------------------------------------------------------------------
+
+
+def spread(values: Sequence[float]) -> dict:
+    """mean, min, max and n of a few numbers (the seeds of one setting)."""
+    return {"mean": statistics.mean(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def seed_runs(results: dict[str, dict], setting: tuple) -> list[dict]:
+    """The finished cells of one (method, τ, outer lr, momentum), by seed."""
+    runs = [r for r in results.values() if row_setting(r) == setting]
+    return sorted(runs, key=lambda r: r["seed"])
+
+
+def cell_order(cell: dict) -> tuple:
+    """Sort key of cells' JSON: method (as METHODS lists them), τ, outer lr, momentum, seed."""
+    return METHODS.index(cell["method"]), cell["tau"] or 0, cell["outer_lr"] or 0, cell["momentum"] or 0, cell["seed"]
+
+
+def row_setting(row: dict) -> tuple:
+    """The (method, τ, outer lr, momentum) of a table row or a cell's JSON."""
+    return row["method"], row["tau"], row["outer_lr"], row["momentum"]
+
+
+def mean_curve(runs: Sequence[dict]) -> tuple[list[float], list[float]]:
+    """(tokens, validation loss averaged over the runs) at their common validation points."""
+    n = min(len(r["val_loss"]) for r in runs)
+    return runs[0]["tokens"][:n], [statistics.mean(r["val_loss"][i] for r in runs) for i in range(n)]
+
+
+def table_rows(results: dict[str, dict], methods: Sequence[str], taus: Sequence[int], grid: dict,
+               first_seed: int) -> list[dict]:  # fmt: skip
+    """One row per (method, τ) with a finished grid (ddp: one row): the best setting, its final
+    validation loss over seeds, and the gap to ddp: of the means, and per seed (same seed = same
+    held-out batches and data), mean and min–max."""
+    ddp = {r["seed"]: r["final_val_loss"] for r in seed_runs(results, ("ddp", None, None, None))}
+    rows = []
+    for method in methods:
+        for tau in [None] if method == "ddp" else taus:
+            if method == "ddp":
+                best = Cell("ddp", None, None, None, first_seed) if ddp else None
+            else:
+                best = best_setting(results, grid_cells(method, tau, grid[method], first_seed))
+            if best is None:
+                continue
+            runs = seed_runs(results, best.setting)
+            row = {"method": method, "tau": tau, "outer_lr": best.outer_lr, "momentum": best.momentum,
+                   "final_val_loss": spread([r["final_val_loss"] for r in runs]), "seeds": [r["seed"] for r in runs],
+                   "published": PUBLISHED[method]}  # fmt: skip
+            if ddp:
+                row["gap_of_means"] = row["final_val_loss"]["mean"] / statistics.mean(ddp.values()) - 1
+                paired = [r["final_val_loss"] / ddp[r["seed"]] - 1 for r in runs if r["seed"] in ddp]
+                row["gap_per_seed"] = spread(paired) if paired else None
+            rows.append(row)
+    return rows
+
+
+def link_tokens_per_s(throughput: dict, nodes: int, method: str) -> Optional[dict]:
+    """The measured steady-state tokens/s of `method` in a bench_throughput.py result's P = `nodes`
+    cell: {tokens_per_s, label, tau} of the first of THROUGHPUT_LABELS[method] it has, or None."""
+    for cell in throughput["cells"]:
+        if cell["nodes"] != nodes:
+            continue
+        for label in THROUGHPUT_LABELS.get(method, ()):
+            if label in cell["summary"]:
+                row = cell["summary"][label]
+                return {"tokens_per_s": row["tokens_per_s"], "label": label, "tau": row.get("tau", cell.get("tau"))}
+    return None
+
+
+def time_to_target(results: dict[str, dict], rows: Sequence[dict], throughputs: dict[str, dict],
+                   nodes: int) -> list[dict]:  # fmt: skip
+    """Per row and link rate: the tokens its mean curve needs to reach ddp's mean final loss (linear
+    between validation points; None: not within the budget) and the seconds that takes at the method's
+    measured tokens/s on that link; and the seconds of the whole budget there."""
+    ddp_rows = [r for r in rows if r["method"] == "ddp"]
+    if not ddp_rows:
+        return []
+    target = ddp_rows[0]["final_val_loss"]["mean"]
+    out = []
+    for row in rows:
+        curve = mean_curve(seed_runs(results, row_setting(row)))
+        tokens = bcomp.seconds_to_reach(curve, target)
+        for rate, throughput in throughputs.items():
+            speed = link_tokens_per_s(throughput, nodes, row["method"])
+            seconds = tokens / speed["tokens_per_s"] if tokens is not None and speed else None
+            budget = curve[0][-1] / speed["tokens_per_s"] if speed else None
+            out.append({"method": row["method"], "tau": row["tau"], "rate": rate, "target": target, "tokens": tokens,
+                        "throughput": speed, "seconds": seconds, "budget_seconds": budget})  # fmt: skip
+    return out
+
+
+def summary(a, results: dict[str, dict], steps: int, out_dir: Path) -> dict:
+    """quality.json, quality.md and the plots from the finished cells."""
+    grid = grids(a.grid)
+    skipped = {m: why for m in a.methods if (why := unavailable(m))}
+    throughputs = {rate: json.loads(Path(path).read_text())
+                   for rate, _, path in (x.partition("=") for x in a.throughput)}  # fmt: skip
+    rows = table_rows(results, a.methods, a.taus, grid, a.seeds[0])
+    todo, pending = cells_to_run([m for m in a.methods if m not in skipped], a.taus, a.seeds, grid, results)
+    result = {
+        "command": "python -m scripts.bench_quality " + shlex.join(sys.argv[1:]),
+        "nodes": a.nodes, "taus": a.taus, "seeds": a.seeds, "steps": steps, "model": a.model, "extra": a.extra,
+        "grids": {m: grid[m] for m in a.methods if m in grid}, "unavailable": skipped,
+        "throughput_models": {rate: t.get("model") for rate, t in throughputs.items()},
+        "throughput_files": {rate: _relative(path) for rate, _, path in (x.partition("=") for x in a.throughput)},
+        "remaining_cells": len(todo) + sum(pending.values()),
+        "table": rows, "time_to_target": time_to_target(results, rows, throughputs, a.nodes),
+        "cells": sorted(results.values(), key=cell_order),
+    }  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "quality.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "quality.md").write_text(markdown(result))
+    if rows:
+        plots(result, results, out_dir)
+    return result
+
+
+def _relative(path: str) -> str:
+    """`path` relative to the checkout where it lies inside it (the JSON stays the same on any machine)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else path
+
+
+def _pct(x: Optional[float]) -> str:
+    return "" if x is None else f"{100 * x:+.2f}%"
+
+
+def _setting(row: dict) -> str:
+    return "–" if row["outer_lr"] is None else f"lr {row['outer_lr']:g}, m {row['momentum']:g}"
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Quality at speed: validation loss of local-step methods against DDP (issue 22)",
+        "",
+        f"P = {result['nodes']} ranks on gloo over loopback (no link shaping), {result['steps']:,} inner steps per "
+        f"rank for every run (the same tokens and data streams), model/batch `{result['model']}`, `{result['extra']}`. "
+        f"Best outer setting per method and τ from the grid at seed {result['seeds'][0]}, confirmed on seeds "
+        f"{result['seeds']}. Final validation loss: mean [min–max] over seeds; gap: of the means, and per seed "
+        "(each seed's own ddp run: same held-out batches) mean [min–max].",
+        "",
+        "| method | τ | best setting | final val loss | gap to ddp | gap per seed | published gap |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["table"]:
+        v, g = row["final_val_loss"], row.get("gap_per_seed")
+        per_seed = f"{_pct(g['mean'])} [{_pct(g['min'])}, {_pct(g['max'])}]" if g else ""
+        lines.append(f"| {row['method']} | {row['tau'] or '–'} | {_setting(row)} | {v['mean']:.4f} "
+                     f"[{v['min']:.4f}–{v['max']:.4f}] ({v['n']}) | {_pct(row.get('gap_of_means'))} | {per_seed} | "
+                     f"{row['published']} |")  # fmt: skip
+    lines += ["", "Unavailable here: " + ("; ".join(f"{m}: {w}" for m, w in result["unavailable"].items()) or "none"),
+              f"Cells left: {result['remaining_cells']} (`python -m scripts.bench_quality --plan`).", "",
+              *_time_lines(result), "", "The whole grid (first seed):", "",
+              "| method | τ | outer lr | momentum | final val loss |", "|---|---|---|---|---|"]  # fmt: skip
+    for c in result["cells"]:
+        if c["tau"] is not None and c["seed"] == result["seeds"][0]:
+            lines.append(f"| {c['method']} | {c['tau']} | {c['outer_lr']:g} | {c['momentum']:g} | "
+                         f"{c['final_val_loss']:.4f} |")  # fmt: skip
+    lines += ["", "Command:", "", f"    {result['command']}", ""]
+    return "\n".join(lines)
+
+
+def _time_lines(result: dict) -> list[str]:
+    rows = result["time_to_target"]
+    if not rows:
+        return []
+    models = "; ".join(f"{rate}: `{m}`" for rate, m in result["throughput_models"].items())
+    lines = [f"Wall-clock to reach ddp's final loss ({rows[0]['target']:.4f}): tokens needed (mean curve) / the "
+             "method's steady-state tokens/s at P = 4 on that link, from bench_throughput.py "
+             f"({result['throughput_files']}), measured at the τ named and on its own model ({models}); at a "
+             "larger τ the local-step methods run at least that fast. For this study's model, run bench_throughput.py "
+             "with its --model and pass the result as --throughput RATE=FILE.", "",
+             "| method | τ | link | tokens to target | tokens/s (run, its τ) | wall-clock to target | whole budget |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        t = r["throughput"]
+        speed = f"{t['tokens_per_s']:,.0f} ({t['label']}" + (f", τ {t['tau']})" if r["tau"] else ")") if t else "–"
+        reach = "not reached" if r["tokens"] is None else f"{r['tokens']:,.0f}"
+        lines.append(f"| {r['method']} | {r['tau'] or '–'} | {r['rate']} | {reach} | {speed} | "
+                     f"{_minutes(r['seconds'])} | {_minutes(r['budget_seconds'])} |")  # fmt: skip
+    return lines
+
+
+def _minutes(seconds: Optional[float]) -> str:
+    return "–" if seconds is None else f"{seconds / 60:,.1f} min"
+
+
+def plots(result: dict, results: dict[str, dict], out_dir: Path) -> None:
+    """Validation loss vs tokens per τ, and vs wall-clock on each link: each row's mean over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {(r["method"], r["tau"]): mean_curve(seed_runs(results, row_setting(r))) for r in result["table"]}
+    for tau in result["taus"]:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        mine = {m: c for (m, t), c in curves.items() if t in (tau, None)}
+        for method, (x, y) in mine.items():
+            ax.plot(x, y, marker=".", label=method, lw=2 if method in ("ddp", "co2") else 1)
+        _finish(ax, "tokens (global)", f"τ = {tau}, P = {result['nodes']}, mean over seeds", mine.values())
+        fig.tight_layout()
+        fig.savefig(out_dir / f"quality_tau{tau}.png", dpi=110)
+        plt.close(fig)
+    for rate in result["throughput_files"]:
+        speeds = {(r["method"], r["tau"]): r["throughput"] for r in result["time_to_target"] if r["rate"] == rate}
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        shown = []
+        for (method, tau), (x, y) in curves.items():
+            if speeds.get((method, tau)):
+                seconds = [t / speeds[(method, tau)]["tokens_per_s"] for t in x]
+                ax.plot(seconds[1:], y[1:], marker=".", label=f"{method}" + (f" τ={tau}" if tau else ""))
+                shown.append((x, y))
+        ax.set_xscale("log")  # the start (0 s) is off a log axis
+        title = f"{rate} link, P = {result['nodes']}, mean over seeds"
+        _finish(ax, "seconds on the link (log; tokens / the method's measured tokens/s there)", title, shown)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"quality_{rate}.png", dpi=110)
+        plt.close(fig)
+
+
+def _finish(ax, xlabel: str, title: str, curves) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title(f"Validation loss — {title}", fontsize=9)
+    bc._zoom(ax, [{"val_loss": y} for _, y in curves])
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:  # a link no method has a tokens/s for draws no curve
+        ax.legend(fontsize=8)
+
+
+# ---- main ----------------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = get_args(argv)
+    grid = grids(a.grid)
+    steps = a.steps
+    if any(steps % (t * a.eval_points) for t in a.taus):
+        raise SystemExit(f"--steps {steps}: accepted only a multiple of every τ × --eval_points ({a.eval_points}), "
+                         f"so that every method validates at the same tokens; τ: {a.taus}")  # fmt: skip
+    out_dir = Path(a.out_dir)
+    cells_dir = out_dir / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    skipped = {m: why for m in a.methods if (why := unavailable(m))}
+    runnable = [m for m in a.methods if m not in skipped]
+    results = load_results(cells_dir, run_config(a))
+    if a.plan:
+        todo, pending = cells_to_run(runnable, a.taus, a.seeds, grid, results)
+        print(plan_text(todo, pending, minutes_per_cell(results, a.minutes_per_cell, os.cpu_count() or 1), skipped))
+        return 0
+    if not a.summary:
+        bc.require_matplotlib()
+        run_cells(a, runnable, grid, steps, results, cells_dir)
+    print(markdown(summary(a, results, steps, out_dir)))
+    return 0
+
+
+def run_cells(a, methods: Sequence[str], grid: dict, steps: int, results: dict, cells_dir: Path) -> None:
+    """Run the cells not done yet, one at a time, re-planning after each (a finished grid adds its
+    confirmation cells); stop after --max_cells."""
+    log_root = Path(tempfile.mkdtemp(prefix="c2z-quality-"))  # one per invocation: two may run side by side
+    ran = 0
+    while not a.max_cells or ran < a.max_cells:
+        todo = cells_to_run(methods, a.taus, a.seeds, grid, results)[0]
+        if not todo:
+            break
+        cell = todo[0]
+        print(f"[{len(results)} done, {len(todo)} known left] {cell.name} (load {os.getloadavg()[0]:.1f})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        results[cell.name] = run_cell(cell, a, steps, cells_dir, log_root)
+        r = results[cell.name]
+        print(f"   final val {r['final_val_loss']:.4f}, {r['wall_s']:.0f} s wall", file=sys.stderr, flush=True)
+        ran += 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
