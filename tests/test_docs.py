@@ -6,7 +6,10 @@
   `<!-- run: N ranks[, KIND] -->` (torchrun, N gloo ranks) is executed, after a preamble that fills in
   what the snippet leaves to the reader (`MyModel`, `model`, `batches`, `loader`, `loss_fn`, a
   `ds_config.json`, ...: `PREAMBLES`), in a fresh directory holding the repository's `configs/` and
-  `examples/`. Identical snippets (the README's examples are copies of the pages') run once.
+  `examples/`. Identical snippets (the README's examples are copies of the pages') run once. The
+  torchrun snippets share one launch (tests/workers/docs_snippets.py: the launch and the heavy imports
+  once, then each snippet in a process forked for it, with its own process group; a failed or hung
+  snippet is stopped on every rank and reported by its file:line, and the next one runs).
 - Every ```bash / ```sh block is either run (`<!-- run -->`), run by CI (`<!-- main-command -->`,
   `<!-- test-command -->`: .ci/run), or says what it needs that a test machine lacks
   (`<!-- needs: gpu -->`, `cluster`, `root`, `minutes`); an unmarked command block fails.
@@ -15,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -172,23 +176,81 @@ def _run(command: list[str], cwd: Path, where: str) -> None:
     )
 
 
-def run_block(block: Block, cwd: Path) -> None:
-    """Run one marked block: python after its preamble, on one process or N torchrun ranks; shell as is."""
+def _ranks(block: Block) -> int | None:
+    """How many torchrun ranks a python `run` block runs on; None: one plain process (or a shell block)."""
     m = RUN.match(block.marker)
-    ranks, kind = int(m["ranks"] or 1), m["kind"]
-    if block.lang in SHELL:
-        _run(["bash", "-euo", "pipefail", "-c", block.code], cwd, block.where)
-        return
+    return None if block.lang in SHELL or m["ranks"] is None else int(m["ranks"])
+
+
+def write_script(block: Block, cwd: Path) -> Path:
+    """The block after its preamble, as cwd/snippet.py."""
+    m = RUN.match(block.marker)
     assert block.lang == "python", f"{block.where}: a `run` block must be python or shell, not {block.lang!r}"
-    key = (kind, m["ranks"] is not None)
+    key = (m["kind"], m["ranks"] is not None)
     assert key in PREAMBLES, f"{block.where}: no preamble for {block.marker!r}; known: {sorted(map(str, PREAMBLES))}"
     script = cwd / "snippet.py"
     script.write_text(f"SNIPPET = {block.code!r}\n" + textwrap.dedent(PREAMBLES[key]) + "\n" + block.code)
-    if m["ranks"] is None:
-        _run([sys.executable, str(script)], cwd, block.where)
+    return script
+
+
+def run_block(block: Block, cwd: Path) -> None:
+    """Run one marked block on one process: python after its preamble, shell as is."""
+    if block.lang in SHELL:
+        _run(["bash", "-euo", "pipefail", "-c", block.code], cwd, block.where)
     else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
-        _run([*launcher, "--standalone", str(script)], cwd, block.where)
+        _run([sys.executable, str(write_script(block, cwd))], cwd, block.where)
+
+
+def run_on_ranks(blocks: list[Block], ranks: int, root: Path) -> dict[str, str | None]:
+    """Run the blocks in one torchrun launch of `ranks` ranks (tests/workers/docs_snippets.py: each
+    snippet in a fresh child with its own process group and directory, one after the other) -> per
+    block's `where`: None if it passed on every rank, else what happened, with its output."""
+    scripts = [write_script(b, _workdir(root / f"snippet{i}")) for i, b in enumerate(blocks)]
+    manifest = root / "manifest.json"
+    manifest.write_text(json.dumps({"scripts": list(map(str, scripts)), "timeout_s": SNIPPET_TIMEOUT_S}))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone"]
+    command = [*launcher, str(ROOT / "tests" / "workers" / "docs_snippets.py"), str(manifest)]
+    timeout = SNIPPET_TIMEOUT_S * len(blocks) + 120
+    try:
+        done = subprocess.run(command, cwd=root, env=_env(), capture_output=True, text=True, timeout=timeout)
+        launch = f"the launch (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    except subprocess.TimeoutExpired as err:
+        launch = f"the launch: still running after {timeout} s\n{err.stdout}\n{err.stderr}"
+    return {b.where: _verdict(b, s.parent, ranks, launch) for b, s in zip(blocks, scripts)}
+
+
+def _verdict(block: Block, directory: Path, ranks: int, launch: str) -> str | None:
+    """None if every rank ran the block to exit 0, else why not, with each rank's output."""
+    done = [directory / f"done{r}.json" for r in range(ranks)]
+    if not all(d.exists() for d in done):
+        return f"{block.where}: not run to its end on every rank; {launch}"
+    verdicts = [json.loads(d.read_text()) for d in done]
+    if all(v["exitcode"] == 0 for v in verdicts):
+        return None
+    report = [f"{block.where} failed on {ranks} ranks:"]
+    for r, v in enumerate(verdicts):
+        how = v["stopped"] or f"exit {v['exitcode']}"
+        report.append(f"--- rank {r}: {how} after {v['seconds']} s; its output:\n")
+        report.append((directory / f"out{r}.txt").read_text()[-4000:])
+    return "\n".join(report)
+
+
+@pytest.fixture(scope="module")
+def multi_rank_verdicts(request, tmp_path_factory) -> dict[str, str | None]:
+    """The verdicts of the selected multi-rank blocks: one launch per rank count, not one per block."""
+    selected = [item.callspec.params["block"] for item in request.session.items if _is_snippet_test(item)]
+    by_ranks: dict[int, list[Block]] = {}
+    for block in selected:
+        if _ranks(block) is not None:
+            by_ranks.setdefault(_ranks(block), []).append(block)
+    verdicts = {}
+    for ranks, group in by_ranks.items():
+        verdicts.update(run_on_ranks(group, ranks, tmp_path_factory.mktemp(f"ranks{ranks}")))
+    return verdicts
+
+
+def _is_snippet_test(item: pytest.Item) -> bool:
+    return getattr(item, "originalname", None) == "test_documented_code_runs" and item.module.__name__ == __name__
 
 
 # ---- the tests -----------------------------------------------------------------------------------------
@@ -203,8 +265,13 @@ def test_site_builds_strictly(tmp_path):
 
 
 @pytest.mark.parametrize("block", runnable(), ids=lambda b: b.where)
-def test_documented_code_runs(block, tmp_path):
-    run_block(block, _workdir(tmp_path))
+def test_documented_code_runs(block, request, tmp_path):
+    if _ranks(block) is None:
+        run_block(block, _workdir(tmp_path))
+        return
+    verdict = request.getfixturevalue("multi_rank_verdicts")[block.where]
+    if verdict is not None:
+        pytest.fail(verdict, pytrace=False)
 
 
 def test_every_command_block_is_run_or_says_what_it_needs():
