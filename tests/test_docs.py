@@ -7,7 +7,7 @@
   what the snippet leaves to the reader (`MyModel`, `model`, `batches`, `loader`, `loss_fn`, a
   `ds_config.json`, ...: `PREAMBLES`), in a fresh directory holding the repository's `configs/` and
   `examples/`. Identical snippets (the README's examples are copies of the pages') run once. The
-  torchrun snippets share one launch (tests/workers/docs_snippets.py: the launch and the heavy imports
+  torchrun snippets share one launch (tests.dist_utils.launch_jobs: the launch and the heavy imports
   once, then each snippet in a process forked for it, with its own process group; a failed or hung
   snippet is stopped on every rank and reported by its file:line, and the next one runs).
 - Every ```bash / ```sh block is either run (`<!-- run -->`), run by CI (`<!-- main-command -->`,
@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
+from tests.dist_utils import launch_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -202,37 +203,17 @@ def run_block(block: Block, cwd: Path) -> None:
 
 
 def run_on_ranks(blocks: list[Block], ranks: int, root: Path) -> dict[str, str | None]:
-    """Run the blocks in one torchrun launch of `ranks` ranks (tests/workers/docs_snippets.py: each
-    snippet in a fresh child with its own process group and directory, one after the other) -> per
-    block's `where`: None if it passed on every rank, else what happened, with its output."""
+    """Run the blocks in one torchrun launch of `ranks` ranks (tests.dist_utils.launch_jobs: each in a
+    process of its own, in its own directory) -> per block's `where`: None if it passed on every rank,
+    else how each rank ended, with its output."""
     scripts = [write_script(b, _workdir(root / f"snippet{i}")) for i, b in enumerate(blocks)]
-    manifest = root / "manifest.json"
-    manifest.write_text(json.dumps({"scripts": list(map(str, scripts)), "timeout_s": SNIPPET_TIMEOUT_S}))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone"]
-    command = [*launcher, str(ROOT / "tests" / "workers" / "docs_snippets.py"), str(manifest)]
-    timeout = SNIPPET_TIMEOUT_S * len(blocks) + 120
-    try:
-        done = subprocess.run(command, cwd=root, env=_env(), capture_output=True, text=True, timeout=timeout)
-        launch = f"the launch (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    except subprocess.TimeoutExpired as err:
-        launch = f"the launch: still running after {timeout} s\n{err.stdout}\n{err.stderr}"
-    return {b.where: _verdict(b, s.parent, ranks, launch) for b, s in zip(blocks, scripts)}
-
-
-def _verdict(block: Block, directory: Path, ranks: int, launch: str) -> str | None:
-    """None if every rank ran the block to exit 0, else why not, with each rank's output."""
-    done = [directory / f"done{r}.json" for r in range(ranks)]
-    if not all(d.exists() for d in done):
-        return f"{block.where}: not run to its end on every rank; {launch}"
-    verdicts = [json.loads(d.read_text()) for d in done]
-    if all(v["exitcode"] == 0 for v in verdicts):
-        return None
-    report = [f"{block.where} failed on {ranks} ranks:"]
-    for r, v in enumerate(verdicts):
-        how = v["stopped"] or f"exit {v['exitcode']}"
-        report.append(f"--- rank {r}: {how} after {v['seconds']} s; its output:\n")
-        report.append((directory / f"out{r}.txt").read_text()[-4000:])
-    return "\n".join(report)
+    control = root / "launch"
+    control.mkdir()
+    outcomes = launch_jobs([([s], s.parent) for s in scripts], ranks, control, SNIPPET_TIMEOUT_S, _env())
+    return {
+        b.where: None if all(c == 0 for c in o.exitcodes) else f"{b.where} failed on {ranks} ranks:\n{o.report}"
+        for b, o in zip(blocks, outcomes)
+    }
 
 
 @pytest.fixture(scope="module")
