@@ -5,12 +5,16 @@
 its traceback; a run that outlives `timeout` is killed and fails, so a hang is a test failure, not a
 stuck suite. gloo on the CPU by default; the GPU suite passes `backend="nccl"` (one GPU per rank) or
 `device="cuda"` with gloo (ranks sharing a GPU), and `tests.models` then builds on that device.
+`launch_jobs(jobs, ranks, ...)` runs whole scripts under one torchrun launch, one after the other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -140,3 +144,46 @@ def run_ranks(
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors))
     return [o.result for o in outcomes]
+
+
+class JobOutcome(NamedTuple):
+    exitcodes: tuple  # per rank; None: stopped (a peer failed, the deadline passed, or it never ran)
+    report: str  # per rank: how it ended, after how long, and its output (stdout and stderr)
+
+
+def launch_jobs(
+    jobs: Sequence[tuple[Sequence[str], Path]], ranks: int, control: Path, timeout_s: float, env: Mapping[str, str]
+) -> list[JobOutcome]:
+    """Run python scripts `(argv, cwd)` one after the other on `ranks` torchrun ranks, in ONE launch
+    (tests/workers/one_launch.py: each job in a process forked for it from ranks that imported torch
+    and the frameworks once, with its own process group; a job that fails on one rank or outlives
+    `timeout_s` is stopped on every rank and the next one runs) -> how each job ended. `control`: an
+    empty directory for the manifest and the outputs."""
+    manifest = control / "manifest.json"
+    listed = [{"argv": [str(a) for a in argv], "cwd": str(cwd)} for argv, cwd in jobs]
+    manifest.write_text(json.dumps({"jobs": listed, "timeout_s": timeout_s}))
+    worker = Path(__file__).resolve().parent / "workers" / "one_launch.py"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone"]
+    limit = timeout_s * len(jobs) + 120
+    try:
+        done = subprocess.run(
+            [*launcher, str(worker), str(manifest)], cwd=control, env=dict(env), capture_output=True, text=True,
+            timeout=limit,
+        )  # fmt: skip
+        launch = f"the launch exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    except subprocess.TimeoutExpired as err:
+        launch = f"the launch was still running after {limit:g} s:\n{err.stdout}\n{err.stderr}"
+    return [_job_outcome(control, f"job{i}", ranks, launch) for i in range(len(jobs))]
+
+
+def _job_outcome(control: Path, name: str, ranks: int, launch: str) -> JobOutcome:
+    files = [control / f"{name}.rank{r}.json" for r in range(ranks)]
+    if not all(f.exists() for f in files):
+        return JobOutcome((None,) * ranks, f"not run to its end on every rank; {launch}")
+    ended = [json.loads(f.read_text()) for f in files]
+    report = []
+    for r, e in enumerate(ended):
+        report.append(f"--- rank {r}: {e['stopped'] or 'exit ' + str(e['exitcode'])} after {e['seconds']} s:")
+        output = control / f"{name}.rank{r}.out"
+        report.append(output.read_text()[-6000:] if output.exists() else "(no output)")
+    return JobOutcome(tuple(e["exitcode"] for e in ended), "\n".join(report))

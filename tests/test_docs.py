@@ -6,7 +6,10 @@
   `<!-- run: N ranks[, KIND] -->` (torchrun, N gloo ranks) is executed, after a preamble that fills in
   what the snippet leaves to the reader (`MyModel`, `model`, `batches`, `loader`, `loss_fn`, a
   `ds_config.json`, ...: `PREAMBLES`), in a fresh directory holding the repository's `configs/` and
-  `examples/`. Identical snippets (the README's examples are copies of the pages') run once.
+  `examples/`. Identical snippets (the README's examples are copies of the pages') run once. The
+  torchrun snippets share one launch (tests.dist_utils.launch_jobs: the launch and the heavy imports
+  once, then each snippet in a process forked for it, with its own process group; a failed or hung
+  snippet is stopped on every rank and reported by its file:line, and the next one runs).
 - Every ```bash / ```sh block is either run (`<!-- run -->`), run by CI (`<!-- main-command -->`,
   `<!-- test-command -->`: .ci/run), or says what it needs that a test machine lacks
   (`<!-- needs: gpu -->`, `cluster`, `root`, `minutes`); an unmarked command block fails.
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
+from tests.dist_utils import launch_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -172,23 +177,61 @@ def _run(command: list[str], cwd: Path, where: str) -> None:
     )
 
 
-def run_block(block: Block, cwd: Path) -> None:
-    """Run one marked block: python after its preamble, on one process or N torchrun ranks; shell as is."""
+def _ranks(block: Block) -> int | None:
+    """How many torchrun ranks a python `run` block runs on; None: one plain process (or a shell block)."""
     m = RUN.match(block.marker)
-    ranks, kind = int(m["ranks"] or 1), m["kind"]
-    if block.lang in SHELL:
-        _run(["bash", "-euo", "pipefail", "-c", block.code], cwd, block.where)
-        return
+    return None if block.lang in SHELL or m["ranks"] is None else int(m["ranks"])
+
+
+def write_script(block: Block, cwd: Path) -> Path:
+    """The block after its preamble, as cwd/snippet.py."""
+    m = RUN.match(block.marker)
     assert block.lang == "python", f"{block.where}: a `run` block must be python or shell, not {block.lang!r}"
-    key = (kind, m["ranks"] is not None)
+    key = (m["kind"], m["ranks"] is not None)
     assert key in PREAMBLES, f"{block.where}: no preamble for {block.marker!r}; known: {sorted(map(str, PREAMBLES))}"
     script = cwd / "snippet.py"
     script.write_text(f"SNIPPET = {block.code!r}\n" + textwrap.dedent(PREAMBLES[key]) + "\n" + block.code)
-    if m["ranks"] is None:
-        _run([sys.executable, str(script)], cwd, block.where)
+    return script
+
+
+def run_block(block: Block, cwd: Path) -> None:
+    """Run one marked block on one process: python after its preamble, shell as is."""
+    if block.lang in SHELL:
+        _run(["bash", "-euo", "pipefail", "-c", block.code], cwd, block.where)
     else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
-        _run([*launcher, "--standalone", str(script)], cwd, block.where)
+        _run([sys.executable, str(write_script(block, cwd))], cwd, block.where)
+
+
+def run_on_ranks(blocks: list[Block], ranks: int, root: Path) -> dict[str, str | None]:
+    """Run the blocks in one torchrun launch of `ranks` ranks (tests.dist_utils.launch_jobs: each in a
+    process of its own, in its own directory) -> per block's `where`: None if it passed on every rank,
+    else how each rank ended, with its output."""
+    scripts = [write_script(b, _workdir(root / f"snippet{i}")) for i, b in enumerate(blocks)]
+    control = root / "launch"
+    control.mkdir()
+    outcomes = launch_jobs([([s], s.parent) for s in scripts], ranks, control, SNIPPET_TIMEOUT_S, _env())
+    return {
+        b.where: None if all(c == 0 for c in o.exitcodes) else f"{b.where} failed on {ranks} ranks:\n{o.report}"
+        for b, o in zip(blocks, outcomes)
+    }
+
+
+@pytest.fixture(scope="module")
+def multi_rank_verdicts(request, tmp_path_factory) -> dict[str, str | None]:
+    """The verdicts of the selected multi-rank blocks: one launch per rank count, not one per block."""
+    selected = [item.callspec.params["block"] for item in request.session.items if _is_snippet_test(item)]
+    by_ranks: dict[int, list[Block]] = {}
+    for block in selected:
+        if _ranks(block) is not None:
+            by_ranks.setdefault(_ranks(block), []).append(block)
+    verdicts = {}
+    for ranks, group in by_ranks.items():
+        verdicts.update(run_on_ranks(group, ranks, tmp_path_factory.mktemp(f"ranks{ranks}")))
+    return verdicts
+
+
+def _is_snippet_test(item: pytest.Item) -> bool:
+    return getattr(item, "originalname", None) == "test_documented_code_runs" and item.module.__name__ == __name__
 
 
 # ---- the tests -----------------------------------------------------------------------------------------
@@ -203,8 +246,13 @@ def test_site_builds_strictly(tmp_path):
 
 
 @pytest.mark.parametrize("block", runnable(), ids=lambda b: b.where)
-def test_documented_code_runs(block, tmp_path):
-    run_block(block, _workdir(tmp_path))
+def test_documented_code_runs(block, request, tmp_path):
+    if _ranks(block) is None:
+        run_block(block, _workdir(tmp_path))
+        return
+    verdict = request.getfixturevalue("multi_rank_verdicts")[block.where]
+    if verdict is not None:
+        pytest.fail(verdict, pytrace=False)
 
 
 def test_every_command_block_is_run_or_says_what_it_needs():

@@ -25,6 +25,7 @@ import torch
 from co2_zero.train import args as train_args
 from co2_zero.train import data as train_data
 from co2_zero.train.model import GPT
+from tests.dist_utils import JobOutcome, launch_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "train_lm.py"
@@ -36,17 +37,20 @@ TINY = [
 TOKENS = ["--vocab_size", "400"]  # token ids 300..349 (above a byte: the file really is read as uint16)
 
 
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
 def run_job(workdir: Path, flags: list[str], ranks: int = 2, timeout: float = 240, module: bool = False,
             ok: bool = True) -> tuple[list[dict], str]:  # fmt: skip
     """Run the job (torchrun with `ranks` ranks, or one plain process; scripts/train_lm.py, or with
     `module` `-m co2_zero.train`), stderr piped -> (its JSON records, its stderr). `ok`: it must succeed
     (else: it must fail, and the records are [])."""
     out = workdir / f"log{len(list(workdir.glob('log*.jsonl')))}.jsonl"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     job = ["-m", "co2_zero.train"] if module else [str(SCRIPT)]
     cmd = [*(launcher if ranks > 1 else [sys.executable]), *job, *flags, "--out_json", str(out)]
-    proc = subprocess.run(cmd, check=False, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, check=False, cwd=workdir, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert (proc.returncode == 0) == ok, proc.stdout[-4000:] + proc.stderr[-4000:]
     records = [json.loads(line) for line in out.read_text().splitlines()] if ok else []
     return records, proc.stderr
@@ -153,20 +157,51 @@ RESUME_CASES = {
 }
 
 
+def outcome(result: JobOutcome, out: Path, ok: bool = True) -> tuple[list[dict], str]:
+    """A job run by launch_jobs (see run_job) -> (its JSON records, every rank's output). `ok`: it must
+    succeed on every rank (else: it must fail on one, and the records are [])."""
+    failed = any(code not in (0, None) for code in result.exitcodes)
+    assert all(code == 0 for code in result.exitcodes) if ok else failed, result.report
+    return ([json.loads(line) for line in out.read_text().splitlines()] if ok else []), result.report
+
+
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """Per case: an uninterrupted run of 8 steps saving at 4 and 8, and a run resumed from step 4."""
+def launched(tmp_path_factory):
+    """Per case: an uninterrupted run of 8 steps saving at 4 and 8, and a run resumed from step 4; then
+    fairscale's step-4 checkpoint (R x S = 2 x 1) resumed on R x S = 1 x 2, without and with --reshard.
+    All in one torchrun launch of 2 ranks (tests.dist_utils.launch_jobs), each run in a process of its
+    own -> per job name: (its JobOutcome, its JSON output file, its directory)."""
     root = tmp_path_factory.mktemp("resume")
     data = write_tokens(root / "tokens")
     common = [*TINY, *TOKENS, "--data", str(data), "--batch_size", "4", "--grad_accum", "2", "--tau", "2",
               "--max_steps", "8", "--eval_every", "1"]  # fmt: skip
+    other_grid = [*common, "--engine", "fairscale", "--shards_per_replica", "2",
+                  "--resume", str(root / "fairscale-co2" / "ckpt" / "step00000004")]  # fmt: skip
+    planned = {}  # name -> (flags, directory), in the order they run
+    for case, flags in RESUME_CASES.items():
+        planned[f"{case}/straight"] = ([*common, *flags, "--save_dir", "ckpt", "--save_every", "4"], root / case)
+        planned[f"{case}/again"] = (
+            [*common, *flags, "--save_dir", "ckpt2", "--resume", "ckpt/step00000004"],
+            root / case,
+        )
+    planned["reshard/refused"] = (other_grid, root / "reshard")
+    planned["reshard/taken"] = ([*other_grid, "--reshard"], root / "reshard")
+    jobs = []
+    for name, (flags, work) in planned.items():
+        work.mkdir(exist_ok=True)
+        jobs.append(([str(SCRIPT), *flags, "--out_json", str(work / f"{name.split('/')[1]}.jsonl")], work))
+    (root / "launch").mkdir()
+    ended = launch_jobs(jobs, 2, root / "launch", 240, _env())
+    return {name: (end, Path(argv[-1]), work) for name, end, (argv, work) in zip(planned, ended, jobs)}
+
+
+@pytest.fixture(scope="module")
+def resumed(launched):
+    """Per case: (its directory, the uninterrupted run's records, the resumed run's records, its output)."""
     runs = {}
-    for name, flags in RESUME_CASES.items():
-        work = root / name
-        work.mkdir()
-        straight = launch(work, [*common, *flags, "--save_dir", "ckpt", "--save_every", "4"])
-        again, stderr = run_job(work, [*common, *flags, "--save_dir", "ckpt2", "--resume", "ckpt/step00000004"])
-        runs[name] = (work, straight, again, stderr)
+    for case in RESUME_CASES:
+        (straight, straight_out, work), (again, again_out, _) = launched[f"{case}/straight"], launched[f"{case}/again"]
+        runs[case] = (work, outcome(straight, straight_out)[0], *outcome(again, again_out))
     return runs
 
 
@@ -199,17 +234,13 @@ def test_resumed_summary_counts_only_its_own_steps(resumed, case):
     assert again[-1]["tokens_per_s"] > 0
 
 
-def test_resume_with_another_grid_needs_and_takes_reshard(resumed, tmp_path):
+def test_resume_with_another_grid_needs_and_takes_reshard(resumed, launched):
     """fairscale's checkpoint of R x S = 2 x 1 on R x S = 1 x 2: refused without --reshard (saying which
     flag loads it), loaded with it; training goes on from step 4 and learns."""
-    work, straight = resumed["fairscale-co2"][:2]
-    data = write_tokens(tmp_path / "tokens")
-    flags = [*TINY, *TOKENS, "--data", str(data), "--batch_size", "4", "--grad_accum", "2", "--tau", "2",
-             "--max_steps", "8", "--eval_every", "1", "--engine", "fairscale", "--shards_per_replica", "2",
-             "--resume", str(work / "ckpt" / "step00000004")]  # fmt: skip
-    _, refused = run_job(tmp_path, flags, ok=False)
+    straight = resumed["fairscale-co2"][1]
+    _, refused = outcome(*launched["reshard/refused"][:2], ok=False)
     assert "with this job: --reshard" in refused, refused[-3000:]
-    records, stderr = run_job(tmp_path, [*flags, "--reshard"])
+    records, stderr = outcome(*launched["reshard/taken"][:2])
     assert "at step 4 (resharded)" in stderr and "R x S = 1 x 2" in stderr, stderr[-3000:]
     assert min(by_step(records)) == 4 and records[-1]["steps_run"] == 4 and records[-1]["shards"] == 2
     assert math.isfinite(records[-1]["val_loss"]) and records[-1]["val_loss"] < straight[0]["val_loss"]
