@@ -228,7 +228,10 @@ class RoundEngine:
         self.partition.subtract_from(self.start_point, out=plan.work)
         reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(plan.work[: self.layout.length])
         job = PipelineJob(plan.work, plan.base, self.momentum, self.g_buffer, plan.gap, self.rounds)
-        self._pending, self._pending_index = self.exchange.launch(job), self.rounds
+        try:
+            self._pending, self._pending_index = self.exchange.launch(job), self.rounds
+        except CO2Error as error:  # elastic: no quorum, or a rank of this replica is lost
+            self._fail(error)
         self.phase = Phase.IN_FLIGHT
         return reset_inner
 
