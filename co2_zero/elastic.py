@@ -35,7 +35,7 @@ from .comm import Layout, OuterExchange, PipelineJob, RoundResult, choose_collec
 from .config import CO2Config
 from .errors import CO2Error, missing_extra
 from .partition import local_values
-from .topology import Topology
+from .topology import Topology, collective_device
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import RoundEngine
@@ -195,7 +195,28 @@ class Membership:
     def open_round(self, round_index: int) -> Peers:
         """The quorum for round `round_index`'s exchange (main thread, at the round end). A replica that
         is behind (its last exchange was cut while its peers committed theirs) heals here."""
+        self._check_replica_whole(round_index)
         return self._quorum(round_index, joining=False)
+
+    def _check_replica_whole(self, round_index: int) -> None:
+        """Every rank of this replica (S > 1) reached the round end, within timeout_s: one tiny all-reduce
+        on the replica's control group. The replica is the unit that fails: a lost rank takes it out
+        here (the engine fails and stops the Manager), so the other replicas go on after the Lighthouse's
+        heartbeat timeout instead of waiting for a replica that will never ask for the quorum."""
+        topology = self.engine.topology
+        if topology.world_size == 1:
+            return
+        probe = torch.zeros(1, device=collective_device(topology.control_group))
+        try:
+            work = dist.all_reduce(probe, group=topology.control_group, async_op=True)
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as error:
+            raise CO2Error(
+                f"co2 elastic: round {round_index}: not every rank of replica {self.replica_id} "
+                f"({topology.world_size} ranks) reached the round end within timeout_s={self.timeout_s:g} "
+                f"({type(error).__name__}: {error}); a rank of this replica died or is stuck, so the replica "
+                f"leaves the job and the others go on: restart every rank of it to rejoin"
+            ) from error
 
     def _quorum(self, round_index: int, joining: bool) -> Peers:
         try:

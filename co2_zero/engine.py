@@ -238,7 +238,10 @@ class RoundEngine:
             hyper, replicas = self.exchange.hyper, self.topology.replicas
             eager_start(plan.work, plan.base, self.own_momentum, hyper=hyper, replicas=replicas, out=self.own_start)
         job = PipelineJob(plan.work, plan.base, self.momentum, self.g_buffer, plan.gap, self.rounds)
-        self._pending, self._pending_index = self.exchange.launch(job), self.rounds
+        try:
+            self._pending, self._pending_index = self.exchange.launch(job), self.rounds
+        except CO2Error as error:  # elastic: no quorum, or a rank of this replica is lost
+            self._fail(error)
         self.phase = Phase.IN_FLIGHT
         return reset_inner
 

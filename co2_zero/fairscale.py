@@ -100,6 +100,7 @@ class CO2OSS(CO2Steps, OSS):
         model: Optional[torch.nn.Module] = None,
         **defaults: Any,
     ) -> None:
+        contract.refuse_membership("co2_zero.fairscale.CO2OSS", defaults)
         config = CO2Config.coerce(co2)
         # OSS talks on its group inside __init__, so the replica's group must exist first.
         topology = Topology.build(config, inner_group=group)

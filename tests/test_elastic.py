@@ -62,43 +62,41 @@ def _lighthouse() -> tuple[subprocess.Popen, str]:
     return process, f"http://localhost:{port}"
 
 
-def replica_main(replica: int, lighthouse: str, out: str, steps: int, plan: dict) -> None:
-    """One replica group of one rank: train `steps` inner steps (from where the job is when it joins),
-    record every round's start point, its membership history and the final parameters in `out`.
-    plan["die"]: ("round", t) SIGKILLs itself mid-round t (its exchange of round t - 1 done);
-    ("exchange", t) when its exchange of round t starts, before any collective. plan["gate"]:
-    (t, path): before round t, wait for `path` to exist. plan["announce"]: a path to create once
-    imported (a restarted replica tells the survivors it is about to join)."""
-    die = plan.get("die")
+def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, steps: int, plan: dict) -> None:
+    """Rank `rank` of one replica group (its own world of plan["shards"] ranks, 1 by default; with 2, the
+    model is FSDP2's over the replica): train `steps` inner steps (from where the job is when it joins),
+    record every round's start point (this rank's partition), its membership history, the outer state it
+    holds and the final parameters in `out`. plan["die"]: ("round", t) SIGKILLs itself mid-round t (its
+    exchange of round t - 1 done); ("exchange", t) when its exchange of round t starts, before any
+    collective; ("round_end", t) as its round end t asks for the quorum. plan["die_ranks"]: the ranks
+    that die (default: all). plan["gate"]: (t, path): before round t, wait for `path` to exist.
+    plan["announce"]: a path to create once imported (a restarted replica tells the survivors it is
+    about to join)."""
+    shards = plan.get("shards", 1)
+    die = plan.get("die") if rank in plan.get("die_ranks", range(shards)) else None
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     from co2_zero import CO2Config, CO2Error, CO2Optimizer
-    from co2_zero.elastic import ElasticExchange, Membership
+    from co2_zero.elastic import Membership
 
-    port = _free_port()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(port)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://localhost:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+        "gloo", init_method=f"tcp://localhost:{port}", rank=rank, world_size=shards, timeout=timedelta(seconds=60)
     )
-    if die is not None and die[0] == "exchange":
-        average = ElasticExchange._average
-
-        def dying_average(self, work, g_buffer):
-            if self.round_index == die[1]:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return average(self, work, g_buffer)
-
-        ElasticExchange._average = dying_average
+    if die is not None and die[0] in DYING_POINTS:
+        _die_at(*DYING_POINTS[die[0]], die[1])
     if plan.get("announce"):
         Path(plan["announce"]).touch()
-    model = models.make_model("mlp")
+    config = CO2Config(
+        **{**CONFIG, "timeout_s": plan.get("timeout_s", CONFIG["timeout_s"]), "shards_per_replica": shards}
+    )
+    model = _model(config, shards)
     membership = Membership(lighthouse, replica, start_replicas=plan.get("start_replicas", 3))
-    config = CO2Config(**{**CONFIG, "timeout_s": plan.get("timeout_s", CONFIG["timeout_s"])})
     try:
         opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), config, model, membership=membership)
-        result = _train(replica, opt, model, membership, steps, plan)
+        result = _train(replica, rank, opt, model, membership, steps, {**plan, "die": die})
     except CO2Error as error:
         result = {"error": str(error), "error_at": time.time()}
     torch.save(result, f"{out}.tmp")
@@ -106,10 +104,73 @@ def replica_main(replica: int, lighthouse: str, out: str, steps: int, plan: dict
     dist.destroy_process_group()
 
 
-def _train(replica: int, opt: Any, model: torch.nn.Module, membership: Any, steps: int, plan: dict) -> dict:
+# Where a replica can SIGKILL itself in the library: the method, wrapped in the dying process only, and
+# how to read the round it is called for.
+DYING_POINTS = {
+    "exchange": ("ElasticExchange", "_average", lambda self, args: self.round_index),
+    "round_end": ("Membership", "open_round", lambda self, args: args[0]),
+}
+
+
+def _die_at(cls: str, method: str, round_of: Any, round_index: int) -> None:
+    """Make `co2_zero.elastic.<cls>.<method>` SIGKILL this process when called for round `round_index`."""
+    from co2_zero import elastic
+
+    owner = getattr(elastic, cls)
+    original = getattr(owner, method)
+
+    def dying(self, *args):
+        if round_of(self, args) == round_index:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *args)
+
+    setattr(owner, method, dying)
+
+
+def _model(config: Any, shards: int) -> torch.nn.Module:
+    """The test model; with shards > 1, FSDP2's (fully_shard over the replica's ranks)."""
+    model = models.make_model("mlp")
+    if shards > 1:
+        from co2_zero.fsdp import replica_mesh
+        from tests.test_fsdp import shard
+
+        shard(model, replica_mesh(config))
+    return model
+
+
+def _partition(opt: Any) -> torch.Tensor:
+    """This rank's partition of the live parameters (the whole model when S = 1)."""
+    return torch.cat([c.detach().reshape(-1) for c in opt.engine.partition.chunks]).clone()
+
+
+def _full(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter, whole (gathered over the replica's ranks under FSDP2), in the model's order."""
+    return torch.cat(
+        [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1) for p in model.parameters()]
+    )
+
+
+def outer_state_words(engine: Any) -> dict[torch.dtype, int]:
+    """Elements per dtype of every tensor the engine, its exchange and its membership hold as outer
+    state (attributes that are tensors, or tuples of tensors), each storage counted once: what an
+    elastic rank holds, found from the objects, not from a formula."""
+    storages: dict[int, torch.Tensor] = {}
+    for owner in (engine, engine.exchange, engine.exchange.membership):
+        for value in vars(owner).values():
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    storages.setdefault(t.untyped_storage().data_ptr(), t)
+    words: dict[torch.dtype, int] = {}
+    for t in storages.values():
+        words[t.dtype] = words.get(t.dtype, 0) + t.numel()
+    return words
+
+
+def _train(replica: int, rank: int, opt: Any, model: torch.nn.Module, membership: Any, steps: int, plan: dict) -> dict:
     """The training loop of `replica_main`; returns what the test reads."""
     die, gate, reached = plan.get("die"), plan.get("gate"), plan.get("reached")
-    starts = {opt.engine.rounds: opt.flat_params.clone()}
+    shards, full_quorum = plan.get("shards", 1), plan.get("replicas", 3)
+    starts = {opt.engine.rounds: _partition(opt)}
     joined_at = opt.engine.rounds
     stalls = []
     step = opt.engine.inner_steps
@@ -123,26 +184,30 @@ def _train(replica: int, opt: Any, model: torch.nn.Module, membership: Any, step
             deadline = time.monotonic() + 300
             while not Path(gate[1]).exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
-        x, y = models.batch(replica, step)
+        x, y = models.shard_batch(replica, rank, step, shards) if shards > 1 else models.batch(replica, step)
         opt.zero_grad()
         models.loss_fn(model(x), y).backward()
         opt.step()
         step += 1
         if opt.round_ended:
-            starts[opt.engine.rounds] = opt.flat_params.clone()
+            starts[opt.engine.rounds] = _partition(opt)
             stalls.append(opt.last_round["round_end_s"])
         # Past the gate, wait for the restarted replica (slowly, no extra steps) until it is in the quorum.
-        waiting = gate is not None and step >= gate[0] * TAU and len(membership.history[-1].replicas) < 3
+        waiting = gate is not None and step >= gate[0] * TAU and len(membership.history[-1].replicas) < full_quorum
         time.sleep(1.0 if waiting else STEP_SLEEP_S)
+    words = outer_state_words(opt.engine)
+    partition_length = opt.engine.layout.length
+    opt.finalize()  # waits for the last round's exchange: its record is in the history
     history = [(r.round, r.replicas, r.contributors, r.committed) for r in membership.history]
-    opt.finalize()
     return {
         "starts": starts,
-        "final": opt.flat_params.clone(),
+        "final": _full(model),
         "history": history,
         "changes": list(membership.changes),
         "joined_at": joined_at,
         "stalls": stalls,
+        "outer_state_words": words,
+        "partition_length": partition_length,
     }
 
 
@@ -155,15 +220,19 @@ class Job:
         self.processes: list[Any] = []
         self.ctx = torch.multiprocessing.get_context("spawn")
 
-    def start(self, replica: int, tag: str = "", **plan: Any) -> Any:
-        out = str(self.tmp / f"replica{replica}{tag}.pt")
-        process = self.ctx.Process(target=replica_main, args=(replica, self.address, out, self.steps, plan))
-        process.start()
-        self.processes.append(process)
-        return process
+    def start(self, replica: int, tag: str = "", **plan: Any) -> list[Any]:
+        """Launch replica `replica`: plan["shards"] processes (1 by default), its own world."""
+        port, processes = _free_port(), []
+        for rank in range(plan.get("shards", 1)):
+            out = str(self.tmp / f"replica{replica}{tag}_rank{rank}.pt")
+            args = (replica, rank, port, self.address, out, self.steps, plan)
+            processes.append(self.ctx.Process(target=replica_main, args=args))
+            processes[-1].start()
+        self.processes += processes
+        return processes
 
-    def result(self, replica: int, tag: str = "") -> dict:
-        return torch.load(self.tmp / f"replica{replica}{tag}.pt", weights_only=False)
+    def result(self, replica: int, tag: str = "", rank: int = 0) -> dict:
+        return torch.load(self.tmp / f"replica{replica}{tag}_rank{rank}.pt", weights_only=False)
 
     def wait(self, processes: list[Any], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -202,86 +271,155 @@ def _schedule(history: list[tuple], rounds: int) -> list:
     return schedule
 
 
-def _reference_final(schedule: list, joins: list[tuple[int, int]], steps: int) -> torch.Tensor:
+def _reference_final(
+    schedule: list, joins: list[tuple[int, int]], steps: int, replicas: int = 3, shards: int = 1
+) -> torch.Tensor:
     out = simulate(
         lambda: models.make_model("mlp"),
         lambda params: models.make_optimizer("adam", params),
         models.batch,
         models.loss_fn,
         {k: v for k, v in CONFIG.items() if k != "timeout_s"},
-        replicas=3,
+        replicas=replicas,
         steps=steps,
+        shards=shards,
+        shard_batch=lambda r, s, k: models.shard_batch(r, s, k, shards),
         schedule=schedule,
         joins=joins,
     )
     return torch.cat([v.reshape(-1) for k, v in out[0].items()])
 
 
-def test_three_replicas_without_failures_match_the_reference(job_factory):
-    steps = 6 * TAU
-    job = job_factory(steps)
-    processes = [job.start(r) for r in range(3)]
-    job.wait(processes, timeout=240)
-    results = [job.result(r) for r in range(3)]
-    assert results[0]["history"] == results[1]["history"] == results[2]["history"]
-    for r in (1, 2):
-        assert torch.equal(results[r]["final"], results[0]["final"])
-        for t, start in results[0]["starts"].items():
-            assert torch.equal(results[r]["starts"][t], start), f"round {t} starts differ on replica {r}"
-    schedule = _schedule(results[0]["history"], steps // TAU)
-    assert all(s == {0, 1, 2} for s in schedule), schedule
-    torch.testing.assert_close(results[0]["final"], _reference_final(schedule, [], steps), rtol=1e-5, atol=1e-6)
-
-
 def _assert_identical_round_starts(results: list[dict], first_round: int = 0) -> None:
-    """Every replica's start point of every round it trained equals replica 0's, bit for bit."""
+    """Every replica's start point of every round it trained equals the first one's, bit for bit (each
+    result is one rank of a replica; compare the same rank of each replica)."""
     for r, result in enumerate(results[1:], 1):
         for t, start in result["starts"].items():
             if t >= first_round:
                 assert torch.equal(start, results[0]["starts"][t]), f"round {t} starts differ on replica {r}"
 
 
+def _psi() -> int:
+    return sum(p.numel() for p in models.make_model("mlp").parameters() if p.requires_grad)
+
+
+def _assert_outer_state_is_3_psi_over_s(ranks: list[dict], num_tensors: int) -> None:
+    """design §12: an elastic rank holds 3Ψ/S fp32 words of outer state (two partition buffers and a
+    partition-sized momentum) plus one float64 gap norm per tensor; over the S ranks of a replica, 3Ψ."""
+    for result in ranks:
+        words = result["outer_state_words"]
+        assert words == {torch.float32: 3 * result["partition_length"], torch.float64: num_tensors}, words
+    assert sum(r["outer_state_words"][torch.float32] for r in ranks) == 3 * _psi()
+
+
+# (replicas, shards): three replicas of one rank (plain CO2Optimizer), two of two ranks (FSDP2, S = 2).
+SHAPES = [pytest.param(3, 1, id="3x1-plain"), pytest.param(2, 2, id="2x2-fsdp2")]
+
+
+@pytest.mark.parametrize("replicas,shards", SHAPES)
+def test_replicas_without_failures_match_the_reference(job_factory, replicas, shards):
+    """Every round start is bit-identical across replicas (rank s of each), the final model equals the
+    reference, and every rank holds 3Ψ/S fp32 words of outer state."""
+    steps = 6 * TAU
+    job = job_factory(steps)
+    plan = {"shards": shards, "start_replicas": replicas, "replicas": replicas}
+    job.wait([p for r in range(replicas) for p in job.start(r, **plan)], timeout=300)
+    results = [[job.result(r, rank=s) for s in range(shards)] for r in range(replicas)]
+    history = results[0][0]["history"]
+    for s in range(shards):
+        _assert_identical_round_starts([results[r][s] for r in range(replicas)])
+        for r in range(replicas):
+            assert results[r][s]["history"] == history
+            assert torch.equal(results[r][s]["final"], results[0][0]["final"])
+    num_tensors = len(list(models.make_model("mlp").parameters()))
+    for ranks in results:
+        _assert_outer_state_is_3_psi_over_s(ranks, num_tensors)
+    schedule = _schedule(history, steps // TAU)
+    assert all(members == set(range(replicas)) for members in schedule), schedule
+    expected = _reference_final(schedule, [], steps, replicas, shards)
+    torch.testing.assert_close(results[0][0]["final"], expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["round", "exchange"])
-def test_a_killed_replica_is_survived_then_rejoins(job_factory, tmp_path, where):
-    """Replica 2 is SIGKILLed mid-round 4 (its exchange of round 3 done) or as its exchange of round 4
-    starts. Replicas 0 and 1 go on without restarting; a cut exchange is skipped by both. Replica 2 is
-    then restarted, joins at a round end from a live peer and is identical from its first round. The
-    parameters equal the reference simulation with the recorded membership schedule."""
-    rounds, killed_round = 14, 4
+@pytest.mark.parametrize(
+    "replicas,shards,where",
+    [
+        pytest.param(3, 1, "round", id="3x1-round"),
+        pytest.param(3, 1, "exchange", id="3x1-exchange"),
+        pytest.param(2, 2, "round", id="2x2-fsdp2-round"),
+    ],
+)
+def test_a_killed_replica_is_survived_then_rejoins(job_factory, tmp_path, replicas, shards, where):
+    """The last replica (every rank of it) is SIGKILLed mid-round 4 (its exchange of round 3 done) or as
+    its exchange of round 4 starts. The others go on without restarting; a cut exchange is skipped by
+    all. The victim is then restarted, joins at a round end from a live peer and is identical from its
+    first round. The parameters equal the reference simulation with the recorded membership schedule."""
+    rounds, killed_round, victim = 14, 4, replicas - 1
     job = job_factory(rounds * TAU)
     joining = str(tmp_path / "joining")
-    survivors = [job.start(r, gate=(8, joining)) for r in (0, 1)]
-    victim = job.start(2, die=(where, killed_round))
-    job.wait([victim], timeout=300)
-    assert victim.exitcode == -signal.SIGKILL
-    rejoined = job.start(2, tag="b", announce=joining, start_replicas=2)  # never a job of its own
-    job.wait([*survivors, rejoined], timeout=300)
-    results = [job.result(0), job.result(1), job.result(2, tag="b")]
+    plan = {"shards": shards, "start_replicas": replicas, "replicas": replicas}
+    survivors = [p for r in range(victim) for p in job.start(r, gate=(8, joining), **plan)]
+    dead = job.start(victim, die=(where, killed_round), **plan)
+    job.wait(dead, timeout=300)
+    assert all(p.exitcode == -signal.SIGKILL for p in dead), [p.exitcode for p in dead]
+    # never a job of its own: it waits for a survivor's quorum
+    rejoined = job.start(victim, tag="b", announce=joining, **{**plan, "start_replicas": 2})
+    job.wait([*survivors, *rejoined], timeout=300)
+    results = [[job.result(r, rank=s) for s in range(shards)] for r in range(victim)]
+    results.append([job.result(victim, tag="b", rank=s) for s in range(shards)])
 
-    history = results[0]["history"]
-    assert results[1]["history"] == history
-    _assert_identical_round_starts(results[:2])
-    joined_at = results[2]["joined_at"]
-    _assert_identical_round_starts([results[0], results[2]], first_round=joined_at)
-    assert torch.equal(results[2]["final"], results[0]["final"]) and torch.equal(
-        results[1]["final"], results[0]["final"]
-    )
+    history = results[0][0]["history"]
+    joined_at = results[victim][0]["joined_at"]
+    for s in range(shards):
+        _assert_identical_round_starts([results[r][s] for r in range(victim)])
+        _assert_identical_round_starts([results[0][s], results[victim][s]], first_round=joined_at)
+        for r in range(replicas):
+            assert r == victim or results[r][s]["history"] == history
+            assert torch.equal(results[r][s]["final"], results[0][0]["final"])
 
     schedule = _schedule(history, rounds)
-    assert schedule[:killed_round] == [{0, 1, 2}] * killed_round, schedule
-    if where == "exchange":  # the victim's exchange of round 4 never started: both survivors cut it
+    everyone, others = set(range(replicas)), set(range(victim))
+    assert schedule[:killed_round] == [everyone] * killed_round, schedule
+    if where == "exchange":  # the victim's exchange of round 4 never started: every survivor cut it
         assert schedule[killed_round] is None, schedule
     else:
-        assert schedule[killed_round] == {0, 1}, schedule
-    assert schedule[joined_at - 1] == {0, 1} and schedule[joined_at:] == [{0, 1, 2}] * (rounds - joined_at), schedule
-    assert results[0]["changes"] == [
-        f"replicas 3 -> 2 at round {killed_round + (where == 'exchange')}",
-        f"replicas 2 -> 3 at round {joined_at - 1}",
-    ], results[0]["changes"]
-    stall = max(results[0]["stalls"])
+        assert schedule[killed_round] == others, schedule
+    assert schedule[joined_at - 1] == others and schedule[joined_at:] == [everyone] * (rounds - joined_at), schedule
+    assert results[0][0]["changes"] == [
+        f"replicas {replicas} -> {victim} at round {killed_round + (where == 'exchange')}",
+        f"replicas {victim} -> {replicas} at round {joined_at - 1}",
+    ], results[0][0]["changes"]
+    stall = max(results[0][0]["stalls"])
     assert stall < 10.0, f"the survivors stalled {stall:.1f} s at a round end after the failure"
-    expected = _reference_final(schedule, [(2, joined_at)], rounds * TAU)
+    expected = _reference_final(schedule, [(victim, joined_at)], rounds * TAU, replicas, shards)
+    torch.testing.assert_close(results[0][0]["final"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_one_lost_rank_takes_its_replica_out(job_factory):
+    """S = 2: rank 1 of replica 1 (not the rank whose Manager heartbeats) is SIGKILLed as its round end 2
+    begins. The replica is the unit that fails: its rank 0 leaves with a CO2Error naming the replica
+    (never a hang), which stops its Manager, so replica 0 goes on alone after the heartbeat timeout
+    (not the Lighthouse's join timeout) and matches the reference."""
+    rounds, lost_round, lost_rank = 6, 2, 1
+    job = job_factory(rounds * TAU)
+    plan = {"shards": 2, "start_replicas": 2, "replicas": 2}
+    survivor = job.start(0, **plan)
+    broken = job.start(1, die=("round_end", lost_round), die_ranks=[lost_rank], **plan)
+    job.wait([*survivor, *broken], timeout=300)
+    assert broken[lost_rank].exitcode == -signal.SIGKILL
+    left = job.result(1, rank=1 - lost_rank)
+    assert "error" in left, "the remaining rank of a broken replica trained on"
+    assert f"round {lost_round}: not every rank of replica 1 (2 ranks) reached the round end" in left["error"], left[
+        "error"
+    ]
+    results = [job.result(0, rank=s) for s in range(2)]
+    assert results[0]["history"] == results[1]["history"]
+    schedule = _schedule(results[0]["history"], rounds)
+    assert schedule[:lost_round] == [{0, 1}] * lost_round and schedule[lost_round:] == [{0}] * (rounds - lost_round)
+    assert results[0]["changes"] == [f"replicas 2 -> 1 at round {lost_round}"], results[0]["changes"]
+    stall = max(results[0]["stalls"])
+    assert stall < 10.0, f"replica 0 stalled {stall:.1f} s at a round end after replica 1 lost a rank"
+    expected = _reference_final(schedule, [], rounds * TAU, replicas=2, shards=2)
     torch.testing.assert_close(results[0]["final"], expected, rtol=1e-5, atol=1e-6)
 
 
@@ -289,7 +427,7 @@ def test_a_replica_that_cannot_reach_the_lighthouse_fails_within_timeout(job_fac
     job = job_factory(4 * TAU)
     job.address = f"http://localhost:{_free_port()}"  # nothing listens there
     began = time.time()
-    job.wait([job.start(0, timeout_s=5.0)], timeout=180)
+    job.wait(job.start(0, timeout_s=5.0), timeout=180)
     result = job.result(0)
     assert "error" in result, "the replica trained without a Lighthouse"
     assert "Lighthouse" in result["error"] and "timeout_s=5" in result["error"], result["error"]
@@ -306,14 +444,15 @@ def test_a_dead_lighthouse_fails_the_next_round_end_within_timeout(job_factory, 
     job = job_factory(12 * TAU)
     go = str(tmp_path / "go")
     replicas = [
-        job.start(
+        p
+        for r in (0, 1)
+        for p in job.start(
             r,
             start_replicas=2,
             timeout_s=DEAD_LIGHTHOUSE_TIMEOUT_S,
             reached=(3, str(tmp_path / f"at{r}")),
             gate=(3, go),
         )
-        for r in (0, 1)
     ]
     deadline = time.monotonic() + 300
     while not all((tmp_path / f"at{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
@@ -328,3 +467,38 @@ def test_a_dead_lighthouse_fails_the_next_round_end_within_timeout(job_factory, 
         assert "error" in result, f"replica {r} went on without its Lighthouse"
         assert "no quorum from the Lighthouse" in result["error"], result["error"]
         assert result["error_at"] - killed < DEAD_LIGHTHOUSE_TIMEOUT_S + 5.0, result["error_at"] - killed
+
+
+def _build_co2oss(membership: Any) -> Any:
+    from co2_zero.fairscale import CO2OSS
+
+    return CO2OSS(models.make_model("mlp").parameters(), co2={"tau": TAU}, lr=0.1, membership=membership)
+
+
+def _build_deepspeed(membership: Any) -> Any:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from co2_zero import deepspeed as co2_deepspeed
+
+    model = models.make_model("mlp")
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "co2": {"tau": TAU}}
+    return co2_deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, membership=membership
+    )
+
+
+@pytest.mark.parametrize(
+    "build,entry_point",
+    [(_build_co2oss, "co2_zero.fairscale.CO2OSS"), (_build_deepspeed, "co2_zero.deepspeed.initialize")],
+    ids=["fairscale", "deepspeed"],
+)
+def test_engines_that_are_not_elastic_refuse_a_membership_naming_what_is(build, entry_point):
+    """FairScale's OSS and DeepSpeed take no membership: refused before anything is built (no process
+    group is needed to see it), naming the engines that are elastic."""
+    from co2_zero import CO2Error
+    from co2_zero.elastic import Membership
+
+    with pytest.raises(CO2Error) as refused:
+        build(Membership("http://localhost:1", 0))
+    message = str(refused.value)
+    assert f"{entry_point} takes no membership=" in message, message
+    assert "plain parameters" in message and "FSDP2" in message, message

@@ -1,10 +1,11 @@
 """The training job elastic (docs/elastic.md, "The training job"): `python -m co2_zero.train --lighthouse`.
 
 Real processes: a torchft Lighthouse (tests/test_elastic.py's) and one `python -m co2_zero.train` per
-replica, each its own world of one rank, a tiny model. Two replicas train together and end on one
-model; a replica that leaves is reported as a membership change; an elastic job of 2 replicas saves,
-stops, and a job of 3 replicas resumes from that checkpoint with identical round starts. Flags that
-cannot run elastically are refused at parsing (in process).
+replica, each its own world (one rank, or a torchrun of 2 ranks with --engine fsdp), a tiny model. Two
+replicas train together and end on one model (plain, and FSDP2 with S = 2); a replica that leaves is
+reported as a membership change; an elastic job of 2 replicas saves, stops, and a job of 3 replicas
+resumes from that checkpoint with identical round starts. Flags that cannot run elastically are refused
+at parsing (in process).
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ class Replicas:
         self.lighthouse, self.address = _lighthouse()
         self.running: dict[str, subprocess.Popen] = {}
 
-    def start(self, replica: int, flags: list[str], name: str = "") -> str:
-        """Launch replica `replica` with `flags`; returns its name (its log files' stem)."""
+    def start(self, replica: int, flags: list[str], name: str = "", ranks: int = 1) -> str:
+        """Launch replica `replica` with `flags` (one plain process, or torchrun with `ranks` ranks: the
+        replica's own world); returns its name (its log files' stem)."""
         name = name or f"replica{replica}"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        env.pop("WORLD_SIZE", None)  # a world of its own: one plain process
-        cmd = [sys.executable, "-m", "co2_zero.train", *ELASTIC, *flags, "--lighthouse", self.address,
-               "--replica_id", str(replica), "--out_json", str(self.work / f"{name}.jsonl")]  # fmt: skip
+        env.pop("WORLD_SIZE", None)  # a world of its own
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        cmd = [*(torchrun if ranks > 1 else [sys.executable]), "-m", "co2_zero.train", *ELASTIC, *flags,
+               "--lighthouse", self.address, "--replica_id", str(replica),
+               "--out_json", str(self.work / f"{name}.jsonl")]  # fmt: skip
         with open(self.work / f"{name}.err", "w") as err:
             self.running[name] = subprocess.Popen(cmd, cwd=self.work, env=env, stdout=subprocess.DEVNULL, stderr=err)
         return name
@@ -129,6 +133,21 @@ def test_a_replica_that_leaves_is_reported_as_it_happens(replicas):
     assert lines[-1].endswith("| membership: replicas 2 -> 1 at round 2"), lines[-1]
 
 
+@pytest.mark.slow
+def test_two_fsdp2_replicas_of_two_ranks_train_together_and_end_on_one_model(replicas):
+    """--engine fsdp runs elastically: two replicas, each a torchrun of 2 ranks (S = 2, one FSDP2 mesh),
+    start together and end on one model."""
+    job = replicas()
+    flags = ["--engine", "fsdp", "--max_steps", "8", "--start_replicas", "2"]
+    names = [job.start(r, flags, ranks=2) for r in (0, 1)]
+    results = job.wait()
+    (records0, stderr0), (records1, _) = (results[n] for n in names)
+    s0, s1 = _summary(records0), _summary(records1)
+    assert s0["val_loss"] == s1["val_loss"] and s0["val_loss"] < s0["initial_val_loss"]
+    assert (s0["steps"], s0["replicas"], s0["shards"], s0["membership_changes"]) == (8, 2, 2, []), s0
+    assert "elastic: replica 0 of the job at http://" in stderr0
+
+
 def _co2_file(directory: Path) -> dict:
     """The one rank file of a launch's checkpoint directory (a world of one rank)."""
     (path,) = directory.glob("co2_rank00000.*.pt")
@@ -181,7 +200,7 @@ ELASTIC_FLAGS = ["--lighthouse", "http://localhost:29510", "--replica_id", "0"]
     "flags, named",
     [
         (["--engine", "deepspeed", *ELASTIC_FLAGS], "--engine deepspeed"),
-        (["--engine", "fsdp", *ELASTIC_FLAGS], "--engine fsdp"),
+        (["--engine", "fairscale", *ELASTIC_FLAGS], "--engine fairscale"),
         (["--method", "ddp", *ELASTIC_FLAGS], "--method ddp"),
         (["--method", "none", *ELASTIC_FLAGS], "--method none"),
         (["--method", "diloco", *ELASTIC_FLAGS], "--method diloco (overlap off)"),
@@ -193,7 +212,8 @@ def test_flags_that_cannot_run_elastically_are_refused_naming_what_is_supported(
         train_args.get_args(flags)
     err = capsys.readouterr().err
     assert f"--lighthouse with {named} is not supported" in err, err
-    assert "--engine plain" in err and "--method co2" in err and "S = 1" in err, err
+    assert "--engine plain" in err and "--engine fsdp" in err and "--method co2" in err, err
+    assert "FairScale and DeepSpeed take no membership" in err, err
 
 
 @pytest.mark.parametrize(
@@ -211,9 +231,16 @@ def test_elastic_flags_without_their_partner_are_refused(capsys, flags, message)
     assert message in capsys.readouterr().err
 
 
-def test_elastic_flags_that_can_run_are_accepted():
-    args = train_args.get_args(["--method", "diloco", "--overlap", *ELASTIC_FLAGS, "--start_replicas", "3"])
-    assert (args.lighthouse, args.replica_id, args.start_replicas) == ("http://localhost:29510", 0, 3)
+@pytest.mark.parametrize("engine", ["plain", "fsdp"])
+def test_elastic_flags_that_can_run_are_accepted(engine):
+    flags = ["--engine", engine, "--method", "diloco", "--overlap", *ELASTIC_FLAGS, "--start_replicas", "3"]
+    args = train_args.get_args(flags)
+    assert (args.engine, args.lighthouse, args.replica_id, args.start_replicas) == (
+        engine,
+        "http://localhost:29510",
+        0,
+        3,
+    )
 
 
 def test_a_stream_sought_to_a_step_reads_what_it_would_have_read(tmp_path):

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping, Optional
 import deepspeed
 import torch
 
+from ..integration import refuse_membership
 from ..topology import Topology
 from .checkpoints import load_checkpoint, save_checkpoint
 from .config import ConfigLike, _per_replica_batch, split_config
@@ -120,6 +121,7 @@ def initialize(
             support is configured (ZeRO-3, an `mpu`, MoE, fp16/bf16 master weights, ...).
         CO2Error: the ranks disagree on the config, the grid or the model.
     """
+    refuse_membership("co2_zero.deepspeed.initialize", kwargs)
     if config is None:
         config = kwargs.pop("config_params", None)
     else:

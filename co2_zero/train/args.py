@@ -37,10 +37,12 @@ CO2_FLAGS = {
     "timeout_s": "timeout_s", "nonfinite": "nonfinite", "eager": "eager",
 }  # fmt: skip
 PRESET = "default: the --method preset, else the config's co2 section, else CO2Config's"
+ELASTIC_ENGINES = ("plain", "fsdp")
 ELASTIC_SUPPORTED = (
-    "--lighthouse runs the plain engine (--engine plain: CO2Optimizer) with a CO2 method that overlaps "
-    "(--method co2, or localsgd/slowmo/diloco with --overlap), one rank per launch (S = 1): each replica is "
-    "its own launch with its own --replica_id (docs/elastic.md)"
+    "--lighthouse runs the plain engine (--engine plain: CO2Optimizer, one rank per launch) or FSDP2 (--engine "
+    "fsdp: the launch's ranks are one replica, S = --shards_per_replica) with a CO2 method that overlaps "
+    "(--method co2, or localsgd/slowmo/diloco with --overlap): each replica is its own launch with its own "
+    "--replica_id; FairScale and DeepSpeed take no membership (docs/elastic.md)"
 )
 
 
@@ -227,7 +229,7 @@ def _elastic_inconsistency(args: argparse.Namespace) -> Optional[str]:
         given = {"--replica_id": args.replica_id is not None, "--start_replicas": args.start_replicas != 1}
         flags = " and ".join(flag for flag, set_ in given.items() if set_)
         return f"{flags}: elastic training's; accepted: together with --lighthouse" if flags else None
-    if args.engine != "plain":
+    if args.engine not in ELASTIC_ENGINES:
         return f"--lighthouse with --engine {args.engine} is not supported; {ELASTIC_SUPPORTED}"
     if args.method not in CO2_METHODS:
         return f"--lighthouse with --method {args.method} is not supported; {ELASTIC_SUPPORTED}"

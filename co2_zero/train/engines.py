@@ -120,6 +120,14 @@ def _fast_forward(sched: Any, steps: int) -> None:
         sched.step()
 
 
+def _scheduled_from_job(args, opt, membership: Any) -> tuple[Any, Callable[[], float]]:
+    """`_scheduled`; an elastic replica that joined a running job starts its schedule at the job's step."""
+    sched, lr = _scheduled(args, opt)
+    if membership is not None and opt.engine.inner_steps:
+        _fast_forward(sched, opt.engine.inner_steps)
+    return sched, lr
+
+
 def elastic_membership(args) -> Any:
     """The job's `co2_zero.elastic.Membership` (--lighthouse), or None."""
     if args.lighthouse is None:
@@ -142,9 +150,7 @@ def build_plain(args, model, co2) -> Trainer:
 
         membership = elastic_membership(args)
         opt = CO2Optimizer(opt, co2, model=model, membership=membership)
-    sched, lr = _scheduled(args, opt)
-    if membership is not None and opt.engine.inner_steps:
-        _fast_forward(sched, opt.engine.inner_steps)
+    sched, lr = _scheduled_from_job(args, opt, membership)
 
     def clip(max_norm):
         nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -218,7 +224,7 @@ def build_deepspeed(args, model, co2) -> Trainer:
 
 def build_fsdp(args, model, co2) -> Trainer:
     """PyTorch's FSDP2 inside each replica (fully_shard per block and the root over the replica's 1-D
-    mesh), CO2Optimizer across replicas on the local shards."""
+    mesh), CO2Optimizer across replicas on the local shards (elastic with --lighthouse, as the plain engine)."""
     from torch.distributed.fsdp import fully_shard
 
     from co2_zero import CO2Optimizer
@@ -230,14 +236,17 @@ def build_fsdp(args, model, co2) -> Trainer:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)  # embeddings, final norm and the tied head in the root group
-    opt = CO2Optimizer(torch.optim.AdamW(model.parameters(), **adamw_kwargs(args)), co2, model=model)
-    sched, lr = _scheduled(args, opt)
+    membership = elastic_membership(args)  # elastic (--lighthouse): the replica's S ranks are one launch
+    opt = CO2Optimizer(
+        torch.optim.AdamW(model.parameters(), **adamw_kwargs(args)), co2, model=model, membership=membership
+    )
+    sched, lr = _scheduled_from_job(args, opt, membership)
 
     def clip(max_norm):  # DTensor gradients: the norm is taken over the replica
         nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     step = accumulating_step(args, maybe_compile(model, args), opt, sched, clip)
-    return Trainer(step, opt, lr, model, co2=True, sched=sched)
+    return Trainer(step, opt, lr, model, co2=True, sched=sched, membership=membership)
 
 
 BUILDERS: dict[str, Callable[[Any, nn.Module, Optional[Any]], Trainer]] = {
