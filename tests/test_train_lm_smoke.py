@@ -345,3 +345,18 @@ def test_events_log_and_stop_file(tmp_path):
     stop.write_text("eight")
     with pytest.raises(ValueError, match="accepted: a step number"):
         stop_step(str(stop))
+
+
+def test_parameter_digest_needs_no_numpy(monkeypatch):
+    """The base install has no numpy: the end-of-run digest must give the same hash without it."""
+    from co2_zero.train.events import parameter_digest
+
+    parameters = [torch.randn(3, 5), torch.arange(7, dtype=torch.float64)[2:]]
+    with_numpy = parameter_digest(parameters)
+
+    def no_numpy(self):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    assert parameter_digest(parameters) == with_numpy
+    assert parameter_digest(parameters[:1]) != with_numpy

@@ -54,8 +54,17 @@ def parameter_digest(parameters: Iterable[torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for p in parameters:
         local = p.to_local() if hasattr(p, "to_local") else p
-        digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(_raw_bytes(local.detach().cpu().contiguous().view(torch.uint8).reshape(-1)))
     return digest.hexdigest()
+
+
+def _raw_bytes(flat: torch.Tensor) -> bytes:
+    """A uint8 tensor's bytes: through numpy where installed (fast), else through a list (the base
+    install has no numpy; torch then raises "Numpy is not available")."""
+    try:
+        return flat.numpy().tobytes()
+    except RuntimeError:
+        return bytes(flat.tolist())
 
 
 def stop_step(path: Optional[str]) -> Optional[int]:

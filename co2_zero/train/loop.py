@@ -362,7 +362,8 @@ def finish(job: Job, clock: Clock, tally: Tally, step: int, initial: Optional[fl
         t_fin = time.perf_counter()
         trainer.opt.finalize()
         job.console.line(f"finalize {time.perf_counter() - t_fin:.3f}s")
-    job.events.emit("final", step=step, digest=parameter_digest(trainer.model.parameters()))
+    if job.events.on:  # the digest reads every parameter: only for a run that logs events
+        job.events.emit("final", step=step, digest=parameter_digest(trainer.model.parameters()))
     job.events.close()
     train_s = clock.training_s()
     steps_run = step - job.start_step  # by this process (a resumed run: since the resume)
