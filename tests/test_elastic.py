@@ -347,6 +347,7 @@ def test_replicas_without_failures_match_the_reference(job_factory, replicas, sh
         pytest.param(3, 1, "round", id="3x1-round"),
         pytest.param(3, 1, "exchange", id="3x1-exchange"),
         pytest.param(2, 2, "round", id="2x2-fsdp2-round"),
+        pytest.param(2, 2, "exchange", id="2x2-fsdp2-exchange"),
     ],
 )
 def test_a_killed_replica_is_survived_then_rejoins(job_factory, tmp_path, replicas, shards, where):
