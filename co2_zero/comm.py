@@ -258,6 +258,11 @@ class OuterExchange:
         dist.all_reduce(wire, group=group)
         return work.copy_(wire) if narrow else work.div_(replicas)
 
+    def agree_final(self, round_index: int) -> None:
+        """finalize()'s last word with the peers, after the last exchange arrived: nothing with a fixed
+        outer group, where every rank applied that exchange alike. The elastic exchange meets its quorum
+        once more here, so that a replica that cut the last round heals (`co2_zero.elastic`)."""
+
     def outer_peers(self) -> tuple[Any, int]:
         """The group this round's displacement is averaged over, and the number of displacements in
         the average: the fixed outer group and R. The seam of elastic membership (`co2_zero.elastic`),

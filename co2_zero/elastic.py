@@ -198,6 +198,31 @@ class Membership:
         self._check_replica_whole(round_index)
         return self._quorum(round_index, joining=False)
 
+    def final_quorum(self, round_index: int) -> Peers:
+        """finalize()'s last quorum. A replica that cut the last round while its peers committed it is a
+        step behind them: it heals from a live peer here, as it would at the next round end if there
+        were one, so that every replica ends with one model."""
+        self._check_replica_whole(round_index)
+        peers = self._quorum(round_index, joining=False)
+        self._received = None
+        if self.manager.errored():
+            raise CO2Error(
+                f"co2 elastic: finalize: replica {self.replica_id} could not take the final model from its peers "
+                f"{list(peers.replicas)} ({self.manager.errored()}); its parameters may differ from theirs: load "
+                f"the newest checkpoint, or take the parameters of a replica that finalized"
+            )
+        return peers
+
+    def end(self, peers: Peers, error: Optional[Exception]) -> None:
+        """The vote on finalize()'s last meeting. This replica's model is final either way (it was not
+        behind, or it healed in the quorum); a failed meeting only cost a peer that trains on its round."""
+        if not self._vote(error):
+            warnings.warn(
+                f"co2 elastic: finalize: the last meeting with replicas {list(peers.replicas)} failed ({error}); "
+                f"replica {self.replica_id} ends with its own model (it was not behind them, or healed in the quorum)",
+                stacklevel=2,
+            )
+
     def _check_replica_whole(self, round_index: int) -> None:
         """Every rank of this replica (S > 1) reached the round end, within timeout_s: one tiny all-reduce
         on the replica's control group. The replica is the unit that fails: a lost rank takes it out
@@ -350,9 +375,12 @@ class ElasticExchange(OuterExchange):
         self.contributors = ()
         try:
             self.contributors = self._who_contributes(peers)
+            if not self.contributors:
+                raise CO2Error(f"co2 elastic: no replica of the quorum {list(peers.replicas)} contributes")
             g = super()._average(work, g_buffer)
         except Exception as failure:  # a peer died or the group broke: the average is incomplete
-            error = failure
+            error = _collective_error(failure)
+            _drop_group(peers.group)
         if not self.membership.settle(peers, self.round_index, self.contributors or None, error):
             raise _CutExchange()
         return g
@@ -362,15 +390,53 @@ class ElasticExchange(OuterExchange):
         flags = torch.zeros(len(peers.replicas), dtype=torch.float32)
         flags[peers.rank] = 1.0 if peers.contributes else 0.0
         dist.all_reduce(flags, group=peers.group)
-        contributors = tuple(r for r, flag in zip(peers.replicas, flags.tolist()) if flag > 0)
-        if not contributors:
-            raise CO2Error(f"co2 elastic: no replica of the quorum {list(peers.replicas)} contributes a displacement")
-        return contributors
+        return tuple(r for r, flag in zip(peers.replicas, flags.tolist()) if flag > 0)
+
+    def agree_final(self, round_index: int) -> None:
+        """finalize(): the last quorum, met as a round end at which this replica contributes nothing. A
+        peer that trains on (it stops later) runs its round's exchange in this quorum: this replica takes
+        part in the average with a zero displacement, then keeps its own model."""
+        peers = self.membership.final_quorum(round_index)._replace(contributes=False)
+        error = None
+        try:
+            self.peers, self.contributors = peers, self._who_contributes(peers)
+            if self.contributors:
+                device = self.membership.engine.start_point.device
+                OuterExchange._average(self, torch.zeros(self.layout.padded, device=device), None)
+        except Exception as failure:
+            error = _collective_error(failure)
+            _drop_group(peers.group)
+        self.membership.end(peers, error)
 
     def close(self) -> bool:
         closed = super().close()
         self.membership.close()
         return closed
+
+
+def _collective_error(failure: Exception) -> Exception:
+    """The collective's own error, without its traceback. c10d's exception logger (torch 2.13) replaces
+    the error of a collective on a group it does not know (torchft's) by a ValueError from
+    `get_backend` ("... not initialized in the world group map"): the real one is its context. The
+    traceback goes: its frames hold the collective's work, which keeps the group's connections open."""
+    if isinstance(failure, ValueError) and "world group map" in str(failure) and failure.__context__ is not None:
+        failure = failure.__context__
+    chained: Optional[BaseException] = failure
+    while chained is not None:
+        chained.__traceback__ = None
+        chained = chained.__cause__ or chained.__context__
+    return failure
+
+
+def _drop_group(group: Any) -> None:
+    """Close this replica's connections of a quorum group whose collective failed, at once: a peer
+    still inside that collective then fails too (gloo: 'Connection closed by peer') instead of
+    waiting out the group's timeout for data this replica will never send, while the Lighthouse
+    waits for it (design §12). The failed commit makes the next quorum reconfigure the group."""
+    try:
+        group.abort()
+    except Exception as error:  # pragma: no cover - torchft's abort only drops its reference
+        warnings.warn(f"co2 elastic: could not abort the quorum's process group: {error}", stacklevel=2)
 
 
 def _meet(peers: Peers) -> Optional[Exception]:

@@ -283,6 +283,10 @@ class RoundEngine:
                 stacklevel=3,
             )
         self._wait_pending()
+        try:
+            self.exchange.agree_final(self.rounds)
+        except CO2Error as error:
+            self._fail(error)
         self._set_live(self.overlap.last_start(self.start_point, self.next_start))
         self._average_buffers("finalize")
         self.phase = Phase.FINALIZED

@@ -295,7 +295,7 @@ class Job:
 
     def lighthouse(self) -> Any:
         binary = str(Path(sys.executable).parent / "torchft_lighthouse")
-        argv = [binary, "--bind", f"[::]:{LIGHTHOUSE_PORT}", "--min_replicas", "1", "--join_timeout_ms", "60000",
+        argv = [binary, "--bind", f"[::]:{LIGHTHOUSE_PORT}", "--min_replicas", "1", "--join_timeout_ms", "5000",
                 "--quorum_tick_ms", "100"]  # fmt: skip
         return self.cluster.popen(0, argv, log=self.log_dir / "lighthouse.log")
 

@@ -87,6 +87,8 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
     )
     if die is not None and die[0] in DYING_POINTS:
         _die_at(*DYING_POINTS[die[0]], die[1])
+    if plan.get("fail_exchange") is not None:
+        _fail_exchange_at(plan["fail_exchange"])
     if plan.get("announce"):
         Path(plan["announce"]).touch()
     config = CO2Config(
@@ -106,25 +108,46 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
 
 # Where a replica can SIGKILL itself in the library: the method, wrapped in the dying process only, and
 # how to read the round it is called for.
+# "average": after the small all-reduce of who contributes, so the peers are inside the average's.
 DYING_POINTS = {
-    "exchange": ("ElasticExchange", "_average", lambda self, args: self.round_index),
-    "round_end": ("Membership", "open_round", lambda self, args: args[0]),
+    "exchange": ("ElasticExchange", "_average", lambda self, args: self.round_index, "before"),
+    "average": ("ElasticExchange", "_who_contributes", lambda self, args: self.round_index, "after"),
+    "round_end": ("Membership", "open_round", lambda self, args: args[0], "before"),
 }
 
 
-def _die_at(cls: str, method: str, round_of: Any, round_index: int) -> None:
-    """Make `co2_zero.elastic.<cls>.<method>` SIGKILL this process when called for round `round_index`."""
+def _die_at(cls: str, method: str, round_of: Any, when: str, round_index: int) -> None:
+    """Make `co2_zero.elastic.<cls>.<method>` SIGKILL this process when called for round `round_index`
+    (`when`: before it runs, or after it returned)."""
     from co2_zero import elastic
 
     owner = getattr(elastic, cls)
     original = getattr(owner, method)
 
     def dying(self, *args):
-        if round_of(self, args) == round_index:
+        due = round_of(self, args) == round_index
+        if due and when == "before":
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, *args)
+        result = original(self, *args)
+        if due:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
 
     setattr(owner, method, dying)
+
+
+def _fail_exchange_at(round_index: int) -> None:
+    """Make this replica's exchange of round `round_index` fail after its average completed (an error
+    only this replica sees): it cuts the round while its peers commit it."""
+    from co2_zero import elastic
+
+    original = elastic.Membership.settle
+
+    def failing(self, peers, index, contributors, error):
+        injected = RuntimeError("injected: this replica's copy of the average is lost")
+        return original(self, peers, index, contributors, injected if index == round_index else error)
+
+    elastic.Membership.settle = failing
 
 
 def _model(config: Any, shards: int) -> torch.nn.Module:
@@ -400,6 +423,55 @@ def test_a_killed_replica_is_survived_then_rejoins(job_factory, tmp_path, replic
     assert stall < 10.0, f"the survivors stalled {stall:.1f} s at a round end after the failure"
     expected = _reference_final(schedule, [(victim, joined_at)], rounds * TAU, replicas, shards)
     torch.testing.assert_close(results[0][0]["final"], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_replica_killed_inside_the_average_stalls_no_survivor(job_factory):
+    """Four replicas; the last is SIGKILLed inside round 4's exchange, after the small all-reduce of who
+    contributes, so the three survivors are inside the average's all-reduce without it. With four
+    ranks, gloo fails that collective at once only for the dead rank's neighbours; a survivor that waits
+    for a neighbour's data fails only when that neighbour closes its connections. Every survivor must cut
+    round 4 and go on within seconds (not the group's timeout_s, nor the Lighthouse's join timeout
+    while it waits for the stuck one), and match the reference."""
+    rounds, killed_round, replicas = 10, 4, 4
+    job = job_factory(rounds * TAU)
+    plan = {"start_replicas": replicas, "replicas": replicas}
+    survivors = [p for r in range(replicas - 1) for p in job.start(r, **plan)]
+    dead = job.start(replicas - 1, die=("average", killed_round), **plan)
+    job.wait([*survivors, *dead], timeout=300)
+    assert dead[0].exitcode == -signal.SIGKILL
+    results = [job.result(r) for r in range(replicas - 1)]
+    _assert_identical_round_starts(results)
+    history = results[0]["history"]
+    assert all(result["history"] == history for result in results)
+    schedule = _schedule(history, rounds)
+    assert schedule[killed_round] is None, schedule  # the victim's displacement never arrived: cut
+    assert schedule[killed_round + 1 :] == [{0, 1, 2}] * (rounds - killed_round - 1), schedule
+    for r, result in enumerate(results):
+        stall = max(result["stalls"])
+        assert stall < 10.0, f"survivor {r} stalled {stall:.1f} s at a round end after the failure"
+        assert torch.equal(result["final"], results[0]["final"])
+    expected = _reference_final(schedule, [], rounds * TAU, replicas)
+    torch.testing.assert_close(results[0]["final"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_last_round_cut_on_one_replica_only_still_ends_with_one_model(job_factory):
+    """Replica 1's copy of the last round's average is lost (an error only it sees) while the others
+    commit that round. There is no next round end to heal it; finalize() meets the quorum once more,
+    where it heals from a live peer: every replica ends with the committed model, the reference's."""
+    rounds, replicas = 5, 3
+    job = job_factory(rounds * TAU)
+    plan = {"start_replicas": replicas, "replicas": replicas}
+    processes = [p for r in range(replicas) if r != 1 for p in job.start(r, **plan)]
+    processes += job.start(1, fail_exchange=rounds - 1, **plan)
+    job.wait(processes, timeout=300)
+    results = [job.result(r) for r in range(replicas)]
+    assert results[1]["history"][-1][3] is False and results[0]["history"][-1][3] is True, results[1]["history"]
+    for result in results:
+        assert torch.equal(result["final"], results[0]["final"]), "the replicas ended with different models"
+    everyone = [set(range(replicas))] * rounds
+    expected = _reference_final(everyone, [], rounds * TAU, replicas)
+    torch.testing.assert_close(results[1]["final"], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_one_lost_rank_takes_its_replica_out(job_factory):

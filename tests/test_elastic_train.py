@@ -118,19 +118,20 @@ def test_two_replicas_train_together_and_end_on_one_model(replicas):
 
 @pytest.mark.slow
 def test_a_replica_that_leaves_is_reported_as_it_happens(replicas):
-    """Replica 1 stops after 2 rounds; replica 0 goes on alone and prints the change when its next round
+    """Replica 1 stops after 2 rounds: its finalize() meets replica 0's round-2 quorum (contributing
+    nothing), then leaves. Replica 0 goes on alone from round 3, prints the change when that round
     end's quorum has one replica, and lists it in the summary line and record."""
     job = replicas()
     r0 = job.start(0, ["--max_steps", "24", "--start_replicas", "2"])
     job.start(1, ["--max_steps", "8", "--start_replicas", "2"])
     records, stderr = job.wait()[r0]
     summary = _summary(records)
-    assert summary["membership_changes"] == ["replicas 2 -> 1 at round 2"], summary["membership_changes"]
+    assert summary["membership_changes"] == ["replicas 2 -> 1 at round 3"], summary["membership_changes"]
     assert summary["replicas"] == 1 and summary["steps"] == 24
     lines = stderr.splitlines()
-    change = lines.index("replicas 2 -> 1 at round 2")
+    change = lines.index("replicas 2 -> 1 at round 3")
     assert any(line.startswith("step 24 |") for line in lines[change:]), "the change was not printed as it happened"
-    assert lines[-1].endswith("| membership: replicas 2 -> 1 at round 2"), lines[-1]
+    assert lines[-1].endswith("| membership: replicas 2 -> 1 at round 3"), lines[-1]
 
 
 @pytest.mark.slow
