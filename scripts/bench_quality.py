@@ -8,8 +8,9 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
   diloco              blocking DiLoCo: overlap off, Nesterov outer momentum, no gap penalty (train_lm's preset)
   co2                 CO2 as shipped (CO2Config's defaults) but the outer lr / momentum of the cell
   co2_eager           the same with the config field `eager: true` (unavailable where CO2Config lacks it)
-  torchft_diloco      torchft's DiLoCo and Streaming DiLoCo, driven by scripts/torchft_peer.py
-  torchft_streaming   (unavailable where that script or torchft is missing; `peer_command` is the hook)
+  torchft_diloco      torchft's DiLoCo and Streaming DiLoCo (2 fragments), driven by scripts/torchft_peer.py
+  torchft_streaming   --replicas P: a Lighthouse and P replicas of one rank, the diloco preset's outer
+                      optimizer (Nesterov) at the cell's outer lr / momentum, fp32 (unavailable without torchft)
 
 Tuning: per method and τ, every (outer lr, momentum) of the method's grid with the first seed; the
 best is then confirmed with the other seeds. Each run is one cell, (method, τ, outer lr, momentum,
@@ -71,9 +72,7 @@ PUBLISHED = {
     "torchft_streaming": "similar to DiLoCo at ~100× less bandwidth: Douillard et al. 2501.18512",
 }
 THROUGHPUT_DIR = ROOT / "benchmarks" / "throughput"
-# True once peer_command matches scripts/torchft_peer.py's flags and output (see its docstring): until
-# then the torchft cells are reported unavailable instead of failing or running something else
-PEER_HOOK_WIRED = False
+PEER_TIMEOUT_S = 3600  # a torchft cell's own deadline (torchft_peer --launch_timeout_s): it stops its processes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,11 +154,6 @@ def unavailable(method: str) -> Optional[str]:
     if method in PEERS:
         if not PEER.is_file():
             return "unavailable: needs scripts/torchft_peer.py"
-        if not PEER_HOOK_WIRED:
-            return (
-                "unavailable: peer_command is not aligned with scripts/torchft_peer.py yet (it needs the "
-                "validation loss in train_lm.py's JSON lines and a launcher of a Lighthouse and P replicas)"
-            )
         try:
             import torchft  # noqa: F401
         except ImportError:
@@ -168,27 +162,25 @@ def unavailable(method: str) -> Optional[str]:
 
 
 def train_flags(cell: Cell, steps: int, eval_points: int, common: Sequence[str]) -> list[str]:
-    """train_lm.py flags of a ddp or CO2-family cell, --out_json left to the caller."""
+    """train_lm.py flags of a cell, --out_json left to the caller (torchft's: the diloco preset's, which
+    scripts/torchft_peer.py reads its outer optimizer from, and round-end log points as CO2's)."""
     label = "ddp" if cell.method == "ddp" else "co2"
     flags = [*bcomp.schedule(label, cell.tau or 1, steps, eval_points), "--max_steps", str(steps),
              "--seed", str(cell.seed), "--no_progress", *common]  # fmt: skip
     if cell.method == "ddp":
         return [*flags, "--method", "ddp"]
-    method = ["--method", "diloco"] if cell.method == "diloco" else ["--method", "co2"]
+    method = ["--method", "diloco"] if cell.method in ("diloco", *PEERS) else ["--method", "co2"]
     eager = ["--eager"] if cell.method == "co2_eager" else []
     return [*flags, *method, *eager, "--outer_lr", str(cell.outer_lr), "--outer_momentum", str(cell.momentum)]
 
 
 def peer_command(cell: Cell, steps: int, eval_points: int, common: Sequence[str], nodes: int,
                  out_json: Path) -> list[str]:  # fmt: skip
-    """The hook for scripts/torchft_peer.py: its command for a torchft cell, on the same model, data,
-    seeds, steps, τ and validation points as train_lm.py's cells. Assumed interface (align it here
-    when the peer lands): train_lm.py's model/data/optimizer flags, --algorithm diloco|streaming,
-    --replicas, --outer_lr, --outer_momentum, and --out_json in train_lm.py's JSON-lines format."""
-    return [sys.executable, "-m", "scripts.torchft_peer", "--algorithm", PEERS[cell.method],
-            "--replicas", str(nodes), "--tau", str(cell.tau), "--outer_lr", str(cell.outer_lr),
-            "--outer_momentum", str(cell.momentum), "--max_steps", str(steps), "--seed", str(cell.seed),
-            "--eval_every", str(max(1, steps // cell.tau // eval_points)), *common,
+    """scripts/torchft_peer.py's command for a torchft cell: `nodes` replicas on the same model, data,
+    seeds, steps, τ, outer lr / momentum and validation points as train_lm.py's cells, --out_json in
+    train_lm.py's JSON-lines format."""
+    return [sys.executable, "-m", "scripts.torchft_peer", "--peer", PEERS[cell.method], "--replicas", str(nodes),
+            "--launch_timeout_s", str(PEER_TIMEOUT_S), *train_flags(cell, steps, eval_points, common),
             "--out_json", str(out_json)]  # fmt: skip
 
 
@@ -294,7 +286,9 @@ def run_cell(cell: Cell, a, steps: int, cells_dir: Path, log_root: Path) -> dict
     if cell.method in PEERS:
         cmd = peer_command(cell, steps, a.eval_points, common, a.nodes, out_json)
         with open(log_dir / "peer.log", "w") as log:
-            subprocess.run(cmd, check=True, cwd=ROOT, timeout=3600, stdout=log, stderr=subprocess.STDOUT)
+            subprocess.run(
+                cmd, check=True, cwd=ROOT, timeout=PEER_TIMEOUT_S + 120, stdout=log, stderr=subprocess.STDOUT
+            )
         command = shlex.join(cmd[1:-2])
     else:
         flags = [*train_flags(cell, steps, a.eval_points, common), "--out_json", str(out_json)]

@@ -3,6 +3,9 @@ runs and skips, how a grid's best is picked and confirmed, and the summary's num
 spread over seeds, time to ddp's loss on a link)."""
 
 import json
+import math
+import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -75,10 +78,8 @@ def test_flags_of_each_method():
     ddp = bq.train_flags(bq.Cell("ddp", None, None, None, 5), 640, 2, common)
     assert ddp[:6] == ["--tau", "1", "--log_every", "320", "--eval_every", "1"] and "--outer_lr" not in ddp
     peer = bq.peer_command(bq.Cell("torchft_streaming", 32, 0.7, 0.9, 5), 640, 2, common, 4, bq.Path("x.jsonl"))
-    assert peer[1:5] == ["-m", "scripts.torchft_peer", "--algorithm", "streaming"] and peer[-2:] == [
-        "--out_json",
-        "x.jsonl",
-    ]
+    assert peer[1:7] == ["-m", "scripts.torchft_peer", "--peer", "streaming", "--replicas", "4"]
+    assert peer[9:-2] == diloco and peer[-2:] == ["--out_json", "x.jsonl"]  # the diloco cell's flags: its preset
 
 
 def test_unavailable_methods_say_why(monkeypatch):
@@ -89,9 +90,9 @@ def test_unavailable_methods_say_why(monkeypatch):
     assert bq.unavailable("co2") is None and bq.unavailable("ddp") is None
     monkeypatch.setattr(bq, "PEER", bq.ROOT / "no_such_peer.py")
     assert bq.unavailable("torchft_diloco") == "unavailable: needs scripts/torchft_peer.py"
-    monkeypatch.setattr(bq, "PEER", bq.ROOT / "scripts" / "train_lm.py")  # a peer there, the hook not wired to it
-    if not bq.PEER_HOOK_WIRED:
-        assert "peer_command is not aligned" in bq.unavailable("torchft_streaming")
+    monkeypatch.setattr(bq, "PEER", bq.ROOT / "scripts" / "torchft_peer.py")
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` raises ImportError
+    assert bq.unavailable("torchft_streaming") == "unavailable: needs torchft (pip install torchft==0.2.0)"
 
 
 def _study() -> dict:
@@ -132,3 +133,88 @@ def test_time_to_reach_ddps_final_loss_on_each_link():
     assert bq.link_tokens_per_s({"cells": [{"nodes": 4, "summary": {"localsgd": {"tokens_per_s": 9.0}}}]}, 4,
                                 "diloco")["label"] == "localsgd"  # fmt: skip
     assert bq.link_tokens_per_s(throughput, 4, "torchft_diloco") is None
+
+
+# ---- the torchft cells: real runs (a Lighthouse and 2 replicas) next to train_lm.py's diloco ------------
+
+TINY_STUDY = {"steps": 16, "nodes": 2, "eval_points": 2,
+              "model": "--n_layer 1 --n_embd 32 --n_head 2 --block_size 32 --batch_size 8",
+              "extra": "--data_bytes 300000 --eval_batches 4 --warmup_steps 5 --lr 1e-2 --min_lr 1e-3 "
+                       "--timeout_s 60"}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_torchft_cells_run_on_the_diloco_cells_model_data_tokens_and_eval_points(tmp_path):
+    """A tiny study (τ 4, 16 steps, 2 replicas, validation every 2 rounds): each torchft cell's JSON holds
+    finite held-out losses at the start, step 8 and the end, at the same tokens as train_lm.py's diloco
+    cell; torchft's DiLoCo lands on co2_zero's blocking DiLoCo (same init, streams, inner and outer
+    steps), Streaming DiLoCo elsewhere."""
+    pytest.importorskip("torchft", reason="the torchft cells need torchft")
+    a = SimpleNamespace(**TINY_STUDY)
+    (tmp_path / "cells").mkdir()
+    cells = {m: bq.Cell(m, 4, 0.7, 0.9, 5) for m in ("diloco", "torchft_diloco", "torchft_streaming")}
+    for cell in cells.values():
+        bq.run_cell(cell, a, a.steps, tmp_path / "cells", tmp_path / "logs")
+    got = bq.load_results(tmp_path / "cells", bq.run_config(a))
+    assert sorted(got) == sorted(c.name for c in cells.values())
+    for cell in cells.values():
+        result = got[cell.name]
+        assert result["tokens"] == [0, 4096, 8192], cell  # 2 replicas × 8 × 32 tokens a step: steps 0, 8, 16
+        assert len(result["val_loss"]) == 3 and all(math.isfinite(v) for v in result["val_loss"]), result
+        assert result["final_val_loss"] == result["val_loss"][-1] < result["val_loss"][0]
+    diloco, peer = (got[cells[m].name]["val_loss"] for m in ("diloco", "torchft_diloco"))
+    assert peer == pytest.approx(diloco, rel=1e-5)
+    assert got[cells["torchft_streaming"].name]["val_loss"][1:] != pytest.approx(diloco[1:], rel=1e-3)
+
+
+def _peer_job(tmp_path, *flags: str) -> list[str]:
+    return ["--replicas", "2", "--tau", "4", "--max_steps", "8", "--out_json", str(tmp_path / "peer.jsonl"),
+            *TINY_STUDY["model"].split(), *TINY_STUDY["extra"].split(), *flags]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--data", "no_such_dir"], "replica [01] exited with 1"),  # every replica fails while it starts
+        (["--launch_timeout_s", "2"], r"--launch_timeout_s=2: replicas \[0, 1\] still running"),
+    ],
+)
+def test_a_failed_or_late_peer_job_stops_its_lighthouse_and_replicas(tmp_path, monkeypatch, flags, error):
+    """The launcher (torchft_peer --replicas) raises at a replica's failure or at its deadline, saying
+    which, and leaves none of its processes running."""
+    pytest.importorskip("torchft", reason="the torchft cells need torchft")
+    from scripts import torchft_peer as tp
+
+    started = []
+    popen = tp._popen
+    monkeypatch.setattr(tp, "_popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
+    with pytest.raises((RuntimeError, TimeoutError), match=error):
+        tp.main(_peer_job(tmp_path, *flags))
+    assert len(started) == 3 and all(p.poll() is not None for p in started)  # the Lighthouse and 2 replicas
+    assert not (tmp_path / "peer.jsonl").exists()
+
+
+def test_peer_job_flags_and_merged_records(tmp_path):
+    """One replica (--lighthouse, --replica_id) or a job to launch (--replicas, --out_json), never a mix;
+    the job's records: tokens summed over the replicas, losses averaged, each replica's held-out loss kept."""
+    pytest.importorskip("torchft", reason="the torchft cells need torchft")
+    from scripts import torchft_peer as tp
+
+    with pytest.raises(SystemExit):
+        tp.get_args(["--replicas", "2"])  # no --out_json to merge into
+    with pytest.raises(SystemExit):
+        tp.get_args(["--lighthouse", "http://x:1", "--replica_id", "0", "--replicas", "2"])
+    args = tp.get_args(_peer_job(tmp_path, "--peer", "streaming"))
+    assert args.lighthouse is None and args.replicas == 2 and args.fragments == 2
+    assert args.replica_argv[-4:-2] == ["--peer=streaming", "--fragments=2"] and "--replicas" not in args.replica_argv
+    start = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "loss": None, "val_loss": 5.0}
+    a = [start, {"summary": True, "steps": 8, "tokens": 2048, "elapsed_s": 1.0, "tokens_per_s": 2048.0,
+                 "val_loss": 3.0, "initial_val_loss": 5.0, "replica_id": 0}]  # fmt: skip
+    b = [start, {**a[1], "elapsed_s": 2.0, "tokens_per_s": 1024.0, "val_loss": 3.5, "replica_id": 1}]
+    merged = tp.merge_records([a, b])
+    assert merged[0] == {**start, "replicas": 2, "val_loss_replicas": [5.0, 5.0]}
+    assert merged[1] == {"summary": True, "steps": 8, "tokens": 4096, "elapsed_s": 2.0, "tokens_per_s": 3072.0,
+                         "val_loss": 3.25, "initial_val_loss": 5.0, "replicas": 2,
+                         "val_loss_replicas": [3.0, 3.5]}  # fmt: skip
+    with pytest.raises(ValueError, match="different steps"):
+        tp.merge_records([a, [start, {**a[1], "steps": 12}]])
