@@ -24,7 +24,7 @@ schedule and clipping (`accumulating_step`). Only torchft's public API is used: 
 
 One replica per launch; run it like the training job's elastic mode (a Lighthouse, one process per replica):
 
-    torchft_lighthouse --bind "[::]:29510" --min_replicas 1 --join_timeout_ms 60000 --quorum_tick_ms 100
+    torchft_lighthouse --bind "[::]:29510" --min_replicas 1 --join_timeout_ms 5000 --quorum_tick_ms 100
     python -m scripts.torchft_peer --lighthouse http://localhost:29510 --replica_id 0 --tau 12 --max_steps 300
 
 or let it launch a failure-free job on this host (scripts/bench_quality.py's torchft cells): without
