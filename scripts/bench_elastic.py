@@ -234,6 +234,62 @@ def markdown(result: dict) -> str:
     return f"# Elastic training under failures\n\n{report(result)}\n"
 
 
+def _spread(values: Sequence[float], fmt: str) -> str:
+    """median [min–max] of repetitions."""
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}–{format(max(values), fmt)}]"
+
+
+def combine(results: Sequence[dict]) -> dict:
+    """Repetitions of one command (each one invocation, its methods side by side): per method the step
+    efficiency, tokens/s with failures and failure-free, and each method's tokens/s with failures over
+    the first method's in the same invocation; the median over repetitions of the recovery medians,
+    rounds dropped per run, and in how many runs the replicas ended identical."""
+    methods = list(results[0]["methods"])
+    if any(list(r["methods"]) != methods for r in results):
+        raise ValueError(
+            f"combine: every run must hold the methods {methods}; got {[list(r['methods']) for r in results]}"
+        )
+    first = methods[0]
+    combined = {}
+    for label in methods:
+        runs = [r["methods"][label] for r in results]
+        medians = {key: [f[key]["median"] for f in (m["failures"] for m in runs) if f[key]] for key in
+                   ("kill_to_next_step_s", "restart_to_first_step_s")}  # fmt: skip
+        combined[label] = {
+            "step_efficiency": [m["step_efficiency"] for m in runs],
+            "tokens_per_s_failures": [m["failures"]["tokens_per_s"] for m in runs],
+            "tokens_per_s_baseline": [m["baseline"]["tokens_per_s"] for m in runs],
+            f"failures_over_{first}": [
+                m["failures"]["tokens_per_s"] / r["methods"][first]["failures"]["tokens_per_s"]
+                for m, r in zip(runs, results)
+            ],  # fmt: skip
+            "kill_to_next_step_s": medians["kill_to_next_step_s"],
+            "restart_to_first_step_s": medians["restart_to_first_step_s"],
+            "rounds_dropped": [len(m["failures"]["rounds_dropped"]) for m in runs],
+            "identical_at_end": sum(bool(m["failures"]["end"]["identical"]) for m in runs),
+        }
+    return {"runs": len(results), "first": first, "methods": combined,
+            "commands": [r["command"] for r in results], "settings": results[0]["settings"],
+            "host": results[0]["host"]}  # fmt: skip
+
+
+def combined_table(c: dict) -> str:
+    """The markdown table of `combine`'s result: median [min–max] over the repetitions."""
+    n, first = c["runs"], c["first"]
+    head = ["method", "step efficiency", "tokens/s with failures", f"… over `{first}`'s", "tokens/s failure-free",
+            "kill → survivors' next step, s", "restart → joiner's first step, s", "rounds dropped",
+            "identical at end"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, m in c["methods"].items():
+        cells = [_spread(m["step_efficiency"], ".3f"), _spread(m["tokens_per_s_failures"], ",.0f"),
+                 _spread(m[f"failures_over_{first}"], ".3f"), _spread(m["tokens_per_s_baseline"], ",.0f"),
+                 _spread(m["kill_to_next_step_s"], ".1f") if m["kill_to_next_step_s"] else "–",
+                 _spread(m["restart_to_first_step_s"], ".1f") if m["restart_to_first_step_s"] else "–",
+                 " / ".join(map(str, m["rounds_dropped"])), f"{m['identical_at_end']} of {n} runs"]  # fmt: skip
+        lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- running it
 
 
@@ -252,7 +308,30 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--end_timeout_s", type=float, default=300, help="deadline for every replica to stop at the end")
     p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "elastic"))
     p.add_argument("--log_dir", default=None, help="replica logs (default: /tmp/c2z-elastic-<time>)")
+    p.add_argument("--combine", nargs="+", metavar="DIR", default=None,
+                   help="run nothing: combine the elastic.json of these earlier runs (repetitions) into "
+                        "<out_dir>/elastic_runs.json and .md, median [min–max]")  # fmt: skip
     return p.parse_args(argv)
+
+
+def write_combined(dirs: Sequence[str], out_dir: Path) -> str:
+    """--combine: the repetitions' table, also written to out_dir/elastic_runs.{json,md}."""
+    combined = combine([json.loads((Path(d) / "elastic.json").read_text()) for d in dirs])
+    s = combined["settings"]
+    text = "\n".join([
+        "# Elastic training under failures: repetitions", "",
+        f"{combined['runs']} runs of the same command, each one invocation with its methods side by side; median "
+        f"[min–max] over the runs. P = {s['nodes']} replicas at {s['rate']}, `{s['train_flags']}`, τ = {s['tau']}, "
+        f"a SIGKILL every {s['kill_every_s']:g} s restarted {s['restart_after_s']:g} s later for {s['minutes']:g} "
+        f"min. **{combined['host']['cores']} cores for {s['nodes']} replicas: contention, not a cluster's "
+        f"tokens/s.**", "",
+        combined_table(combined), "",
+        "Commands (as root): " + "; ".join(f"`{c}`" for c in combined["commands"]),
+        f"then `python -m scripts.bench_elastic --combine {' '.join(dirs)}`.", ""])  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "elastic_runs.json").write_text(json.dumps(combined, indent=1))
+    (out_dir / "elastic_runs.md").write_text(text)
+    return text
 
 
 def job_settings(a: argparse.Namespace) -> tuple[list[str], int, int]:
@@ -393,6 +472,9 @@ def run_method(cluster: ec.EmulatedCluster, method: str, a: argparse.Namespace, 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = get_args(argv)
+    if a.combine:
+        print(write_combined(a.combine, Path(a.out_dir)))
+        return 0
     ec.require_privileges()
     flags, tau, _ = job_settings(a)
     log_root = Path(a.log_dir or f"/tmp/c2z-elastic-{int(time.time())}")

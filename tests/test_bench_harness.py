@@ -180,3 +180,46 @@ def test_a_kill_while_another_replica_joins_is_told_by_the_replica_ids():
     joining = steps(1, 5.0, [(16, new)])
     got = be.kill_recovery([*survivors, dead, joining], dead)
     assert got["kill_to_next_step_s"] == 6.0 and got["stall_s"] == 4.0
+
+
+def _run(efficiency: dict, failures: dict, baseline: dict, drops: dict, identical: dict) -> dict:
+    """One bench_elastic result with the given numbers per method (a kill and a join of 5 s / 10 s)."""
+
+    def method(label: str) -> dict:
+        stats = {"median": 5.0, "max": 6.0, "n": 1, "missing": 0}
+        joins = {"median": 10.0, "max": 11.0, "n": 1, "missing": 0}
+        return {
+            "step_efficiency": efficiency[label],
+            "baseline": {"tokens_per_s": baseline[label]},
+            "failures": {"tokens_per_s": failures[label], "kill_to_next_step_s": stats,
+                         "restart_to_first_step_s": joins, "rounds_dropped": list(range(drops[label])),
+                         "end": {"identical": identical[label]}},
+        }  # fmt: skip
+
+    return {"methods": {label: method(label) for label in efficiency}, "command": "python -m scripts.bench_elastic",
+            "settings": {}, "host": {}}  # fmt: skip
+
+
+def test_repetitions_combine_per_method_and_side_by_side_in_each_run():
+    """--combine: each method's numbers over the runs, and its tokens/s with failures over the first
+    method's of the same run (not over another run's)."""
+    from scripts import bench_elastic as be
+
+    runs = [
+        _run({"a": 0.8, "b": 0.9}, {"a": 100.0, "b": 50.0}, {"a": 125.0, "b": 55.0}, {"a": 2, "b": 0},
+             {"a": True, "b": True}),
+        _run({"a": 0.9, "b": 0.7}, {"a": 200.0, "b": 300.0}, {"a": 220.0, "b": 400.0}, {"a": 1, "b": 3},
+             {"a": False, "b": True}),
+        _run({"a": 0.7, "b": 0.8}, {"a": 150.0, "b": 150.0}, {"a": 200.0, "b": 180.0}, {"a": 0, "b": 0},
+             {"a": True, "b": True}),
+    ]  # fmt: skip
+    c = be.combine(runs)
+    assert c["runs"] == 3 and c["first"] == "a"
+    assert c["methods"]["b"]["failures_over_a"] == [0.5, 1.5, 1.0]
+    assert c["methods"]["a"]["failures_over_a"] == [1.0, 1.0, 1.0]
+    assert c["methods"]["a"]["rounds_dropped"] == [2, 1, 0] and c["methods"]["a"]["identical_at_end"] == 2
+    table = be.combined_table(c)
+    assert "| `b` | 0.800 [0.700–0.900] | 150 [50–300] | 1.000 [0.500–1.500] |" in table, table
+    assert "2 of 3 runs" in table and "3 of 3 runs" in table
+    with pytest.raises(ValueError, match="every run must hold the methods"):
+        be.combine([runs[0], _run({"a": 1.0}, {"a": 1.0}, {"a": 1.0}, {"a": 0}, {"a": True})])
