@@ -314,20 +314,29 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_combined(dirs: Sequence[str], out_dir: Path) -> str:
-    """--combine: the repetitions' table, also written to out_dir/elastic_runs.{json,md}."""
-    combined = combine([json.loads((Path(d) / "elastic.json").read_text()) for d in dirs])
+def combined_report(combined: dict) -> str:
+    """What was repeated, the table and the commands (elastic_runs.md; docs/elastic.md and the README
+    render it)."""
     s = combined["settings"]
-    text = "\n".join([
-        "# Elastic training under failures: repetitions", "",
+    return "\n".join([
         f"{combined['runs']} runs of the same command, each one invocation with its methods side by side; median "
-        f"[min–max] over the runs. P = {s['nodes']} replicas at {s['rate']}, `{s['train_flags']}`, τ = {s['tau']}, "
-        f"a SIGKILL every {s['kill_every_s']:g} s restarted {s['restart_after_s']:g} s later for {s['minutes']:g} "
-        f"min. **{combined['host']['cores']} cores for {s['nodes']} replicas: contention, not a cluster's "
-        f"tokens/s.**", "",
+        f"[min–max] over the runs. P = {s['nodes']} replicas (one rank each) at {s['rate']} on the emulated "
+        f"cluster, `{s['train_flags']}`, τ = {s['tau']}, a SIGKILL of one replica every {s['kill_every_s']:g} s, "
+        f"restarted {s['restart_after_s']:g} s later, for {s['minutes']:g} min; failure-free "
+        f"{s['baseline_minutes']:g} min before. **{combined['host']['cores']} cores for {s['nodes']} replicas: "
+        f"they compete for CPU, so tokens/s are this host's, not a cluster's, and drift between the phases of "
+        f"one run.**", "",
         combined_table(combined), "",
-        "Commands (as root): " + "; ".join(f"`{c}`" for c in combined["commands"]),
-        f"then `python -m scripts.bench_elastic --combine {' '.join(dirs)}`.", ""])  # fmt: skip
+        "Commands (as root): " + "; ".join(f"`{c}`" for c in combined["commands"]) + "; then "
+        f"`python -m scripts.bench_elastic --combine {' '.join(combined['combined_from'])}`.",
+    ])  # fmt: skip
+
+
+def write_combined(dirs: Sequence[str], out_dir: Path) -> str:
+    """--combine: the repetitions' report, also written to out_dir/elastic_runs.{json,md}."""
+    combined = combine([json.loads((Path(d) / "elastic.json").read_text()) for d in dirs])
+    combined["combined_from"] = list(dirs)
+    text = f"# Elastic training under failures: repetitions\n\n{combined_report(combined)}\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "elastic_runs.json").write_text(json.dumps(combined, indent=1))
     (out_dir / "elastic_runs.md").write_text(text)

@@ -8,6 +8,8 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
   diloco              blocking DiLoCo: overlap off, Nesterov outer momentum, no gap penalty (train_lm's preset)
   co2                 CO2 as shipped (CO2Config's defaults) but the outer lr / momentum of the cell
   co2_eager           the same with the config field `eager: true` (unavailable where CO2Config lacks it)
+  diloco_eager        the paper's "1-outer-step eager" (Kale et al. 2502.12996): DiLoCo's outer step
+                      (Nesterov, no gap penalty), overlapped one round late, with `eager: true`
   torchft_diloco      torchft's DiLoCo and Streaming DiLoCo (2 fragments), driven by scripts/torchft_peer.py
   torchft_streaming   --replicas P: a Lighthouse and P replicas of one rank, the diloco preset's outer
                       optimizer (Nesterov) at the cell's outer lr / momentum, fp32 (unavailable without torchft)
@@ -49,7 +51,8 @@ from scripts import bench_convergence as bc
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "scripts" / "torchft_peer.py"
-CO2_FAMILY = ("diloco", "co2", "co2_eager")
+CO2_FAMILY = ("diloco", "co2", "co2_eager", "diloco_eager")
+EAGER = ("co2_eager", "diloco_eager")  # the methods with the config field `eager: true`
 PEERS = {"torchft_diloco": "diloco", "torchft_streaming": "streaming"}  # method -> the peer's algorithm
 METHODS = ("ddp", *CO2_FAMILY, *PEERS)
 # (outer lrs, outer momenta) tried per method at every τ; diloco and torchft: Nesterov (their presets)
@@ -57,17 +60,25 @@ GRIDS = {
     "diloco": ((0.5, 0.7, 1.0), (0.8, 0.9)),
     "co2": ((0.5, 0.7, 1.0), (0.0, 0.5)),
     "co2_eager": ((0.5, 0.7, 1.0), (0.0, 0.5)),
+    "diloco_eager": ((0.5, 0.7, 1.0), (0.8, 0.9)),
     "torchft_diloco": ((0.5, 0.7, 1.0), (0.8, 0.9)),
     "torchft_streaming": ((0.5, 0.7, 1.0), (0.8, 0.9)),
 }
 # method -> bench_throughput run labels whose tokens/s it has on a link, first found wins: blocking
 # DiLoCo exchanges exactly what blocking Local SGD does (the outer step differs only in its math)
-THROUGHPUT_LABELS = {"ddp": ("ddp",), "diloco": ("diloco", "localsgd"), "co2": ("co2",), "co2_eager": ("co2",)}
+THROUGHPUT_LABELS = {
+    "ddp": ("ddp",),
+    "diloco": ("diloco", "localsgd"),
+    "co2": ("co2",),
+    "co2_eager": ("co2",),
+    "diloco_eager": ("co2",),
+}
 PUBLISHED = {
     "ddp": "–",
     "diloco": "+2.0% (35M, M=4, H=30), +0.3% (2.4B, M=4): Charles et al. 2503.09799",
     "co2": "ours before (README): +16–20% at τ 27–64 with 12–27 rounds",
     "co2_eager": "eager recovers most of the one-step delay's loss: Kale et al. 2502.12996",
+    "diloco_eager": "the paper's own setting of eager: Kale et al. 2502.12996",
     "torchft_diloco": "as diloco",
     "torchft_streaming": "similar to DiLoCo at ~100× less bandwidth: Douillard et al. 2501.18512",
 }
@@ -143,7 +154,7 @@ def grids(overrides: Sequence[str]) -> dict:
 
 def unavailable(method: str) -> Optional[str]:
     """Why `method` cannot run in this tree, or None."""
-    if method == "co2_eager":
+    if method in EAGER:
         from co2_zero import CO2Config
         from co2_zero.train.args import CO2_FLAGS
 
@@ -169,8 +180,9 @@ def train_flags(cell: Cell, steps: int, eval_points: int, common: Sequence[str])
              "--seed", str(cell.seed), "--no_progress", *common]  # fmt: skip
     if cell.method == "ddp":
         return [*flags, "--method", "ddp"]
-    method = ["--method", "diloco"] if cell.method in ("diloco", *PEERS) else ["--method", "co2"]
-    eager = ["--eager"] if cell.method == "co2_eager" else []
+    method = ["--method", "diloco"] if cell.method in ("diloco", "diloco_eager", *PEERS) else ["--method", "co2"]
+    eager = ["--eager"] if cell.method in EAGER else []
+    eager += ["--overlap"] if cell.method == "diloco_eager" else []  # the diloco preset blocks; eager overlaps
     return [*flags, *method, *eager, "--outer_lr", str(cell.outer_lr), "--outer_momentum", str(cell.momentum)]
 
 

@@ -75,6 +75,8 @@ def test_flags_of_each_method():
     assert diloco[:6] == ["--tau", "32", "--log_every", "32", "--eval_every", "10"]
     assert diloco[-6:] == ["--method", "diloco", "--outer_lr", "0.7", "--outer_momentum", "0.9"]
     assert "--eager" in bq.train_flags(bq.Cell("co2_eager", 8, 1.0, 0.0, 5), 640, 2, common)
+    paper = bq.train_flags(bq.Cell("diloco_eager", 8, 0.7, 0.9, 5), 640, 2, common)
+    assert {"--eager", "--overlap"} <= set(paper) and paper[paper.index("--method") + 1] == "diloco", paper
     ddp = bq.train_flags(bq.Cell("ddp", None, None, None, 5), 640, 2, common)
     assert ddp[:6] == ["--tau", "1", "--log_every", "320", "--eval_every", "1"] and "--outer_lr" not in ddp
     peer = bq.peer_command(bq.Cell("torchft_streaming", 32, 0.7, 0.9, 5), 640, 2, common, 4, bq.Path("x.jsonl"))

@@ -279,6 +279,18 @@ def test_readme_throughput_table_is_generated_from_the_benchmark_json():
     )
 
 
+def test_readme_elastic_table_is_generated_from_the_benchmark_json():
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    import benchmarks
+
+    rows = benchmarks.table_lines(benchmarks.elastic())
+    readme = (ROOT / "README.md").read_text()
+    assert rows and "\n".join(rows) in readme, (
+        "README.md's elastic table differs from benchmarks/elastic/elastic_runs.json; paste the output of "
+        "`python docs/hooks/benchmarks.py` (its second table)"
+    )
+
+
 def test_readme_links_resolve():
     """The README is not part of the site: its relative links are checked here."""
     text = (ROOT / "README.md").read_text()
