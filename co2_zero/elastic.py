@@ -202,8 +202,7 @@ class Membership:
         """finalize()'s last quorum. A replica that cut the last round while its peers committed it is a
         step behind them: it heals from a live peer here, as it would at the next round end if there
         were one, so that every replica ends with one model."""
-        self._check_replica_whole(round_index)
-        peers = self._quorum(round_index, joining=False)
+        peers = self._quorum(round_index, joining=False)  # finalize() checked every rank of the replica is here
         self._received = None
         if self.manager.errored():
             raise CO2Error(
@@ -402,7 +401,7 @@ class ElasticExchange(OuterExchange):
             self.peers, self.contributors = peers, self._who_contributes(peers)
             if self.contributors:
                 device = self.membership.engine.start_point.device
-                OuterExchange._average(self, torch.zeros(self.layout.padded, device=device), None)
+                super()._average(torch.zeros(self.layout.padded, device=device), None)
         except Exception as failure:
             error = _collective_error(failure)
             _drop_group(peers.group)
