@@ -120,11 +120,25 @@ def elastic() -> str:
     return bench_elastic.report(json.loads(one.read_text()))
 
 
+def quality() -> str:
+    """The quality study (benchmarks/quality/, scripts/bench_quality.py): its summary as far as its cells
+    go; the summary names the cells still to run."""
+    path = BENCH / "quality" / "quality.json"
+    if not path.exists():
+        return "*Not summarized yet: `python -m scripts.bench_quality --summary` writes quality.json.*"
+    sys.path.insert(0, str(ROOT))
+    from scripts import bench_quality
+
+    body = bench_quality.markdown(json.loads(path.read_text()))
+    return body.split("\n", 2)[2]  # without its title: the page has its own heading
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "throughput": throughput,
     "compression": compression,
     "convergence": convergence,
     "elastic": elastic,
+    "quality": quality,
 }
 
 

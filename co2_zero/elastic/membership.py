@@ -1,22 +1,7 @@
-"""Elastic training: replicas that come and go while training goes on (docs/design.md §12).
+"""This replica's membership in an elastic job, through torchft's Manager (docs/design.md §12).
 
-Membership is torchft's: a Lighthouse keeps the quorum of replica groups, and one `torchft.Manager`
-per replica heartbeats to it, forms a quorum at every round end, reconfigures a process group over
-that quorum and heals a replica that is behind from a live peer. co2_zero runs no protocol of its
-own. This module is the narrow seam between the two:
-
-- `Membership.make_exchange` gives the engine an `ElasticExchange`, which averages each round's
-  displacement over the replicas of that round's quorum (not a fixed outer group) and applies the
-  result only if the Manager's commit vote says this replica's average is complete; otherwise the
-  round is skipped exactly like `nonfinite: "skip_round"` (next start point = base).
-- `Membership.attach` joins the job when the engine is built: at start-up every replica takes the
-  start point of one peer; a replica that (re)joins a running job receives the start point and the
-  outer state from a live peer and takes part in that round's exchange with a zero displacement.
-
-Each replica group is its own launch: its ranks form the engine's world (R = 1 as far as the engine
-knows), and the replicas meet only through the quorum's process group. The outer state is the
-`all_reduce` strategy's: every replica keeps the whole partition's, so a lost replica takes nothing
-with it and nothing needs re-cutting when R changes.
+The quorum of each round, the commit vote on its exchange, and healing: the state a live peer sends
+a replica that is behind (a joiner, or a replica that cut a round its peers committed).
 """
 
 from __future__ import annotations
@@ -26,19 +11,20 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from .comm import Layout, OuterExchange, PipelineJob, RoundResult, choose_collective
-from .config import CO2Config
-from .errors import CO2Error, missing_extra
-from .partition import local_values
-from .topology import Topology, collective_device
+from ..comm import Layout
+from ..config import CO2Config
+from ..errors import CO2Error, missing_extra
+from ..partition import local_values
+from ..topology import Topology, collective_device
+from .exchange import ElasticExchange, Peers, check_supported
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import RoundEngine
+    from ..engine import RoundEngine
 
 
 def _torchft() -> Any:
@@ -51,15 +37,6 @@ def _torchft() -> Any:
     return torchft
 
 
-class Peers(NamedTuple):
-    """One round's quorum as this replica sees it."""
-
-    group: Any  # the quorum's process group (torchft's, reconfigured by the Manager)
-    replicas: tuple[int, ...]  # the replica ids of the quorum, in the group's rank order
-    rank: int  # this replica's rank in the quorum
-    contributes: bool  # False: joined at this round end; its displacement is not in the average
-
-
 @dataclass
 class RoundRecord:
     """What this replica saw of one round's exchange (`Membership.history`)."""
@@ -68,10 +45,6 @@ class RoundRecord:
     replicas: tuple[int, ...]  # the quorum
     contributors: Optional[tuple[int, ...]]  # replicas whose displacement was averaged (None: unknown, cut early)
     committed: bool  # False: the exchange was cut and every survivor skipped the round
-
-
-class _CutExchange(Exception):
-    """The round's average is incomplete on some rank of this replica: skip the round."""
 
 
 class Membership:
@@ -121,7 +94,7 @@ class Membership:
         self, config: CO2Config, topology: Topology, layout: Layout, device: torch.device
     ) -> ElasticExchange:
         """The exchange of an elastic engine; starts this replica's torchft Manager."""
-        _check_supported(config, topology)
+        check_supported(config, topology)
         self.timeout_s = float(config.timeout_s)
         self.exchange = ElasticExchange(self, config, topology, layout, device)
         self.manager = self._start_manager(topology)
@@ -333,111 +306,6 @@ class Membership:
             self.manager = None
 
 
-class ElasticExchange(OuterExchange):
-    """The outer exchange over each round's quorum (docs/design.md §12).
-
-    Per round: the quorum (main thread, in `launch`); in the background, one small all-reduce of who
-    contributes, the average of the contributors' displacements, the commit vote, then the outer
-    step. A cut exchange leaves the base as the next start point and the outer state untouched.
-    """
-
-    def __init__(
-        self, membership: Membership, config: CO2Config, topology: Topology, layout: Layout, device: torch.device
-    ) -> None:
-        super().__init__(config, topology, layout, device)
-        self.membership = membership
-        self.joined: Optional[Peers] = None  # the quorum `attach` joined, for the first round end
-        self.peers: Optional[Peers] = None  # this round's; set before launch, read by the worker
-        self.round_index = -1
-        self.contributors: tuple[int, ...] = ()
-
-    def launch(self, job: PipelineJob):
-        peers, self.joined = self.joined or self.membership.open_round(job.round_index), None
-        # A replica that healed in the quorum holds its peer's gap norms now.
-        job = job._replace(previous_update_sq_norms=self.membership.engine.previous_update_sq_norms)
-        self.peers, self.round_index = peers, job.round_index
-        return super().launch(job)
-
-    def outer_peers(self) -> tuple[Any, int]:
-        return self.peers.group, len(self.contributors)
-
-    def _pipeline(self, job: PipelineJob) -> RoundResult:
-        try:
-            return super()._pipeline(job)
-        except _CutExchange:
-            job.work.copy_(job.base)  # the skip path: the next start point is the base
-            zeros = torch.zeros(self.layout.num_tensors, dtype=torch.float64, device=job.work.device)
-            return RoundResult(zeros, None)
-
-    def _average(self, work: torch.Tensor, g_buffer: Optional[torch.Tensor]) -> torch.Tensor:
-        peers, error, g = self.peers, None, work
-        self.contributors = ()
-        try:
-            self.contributors = self._who_contributes(peers)
-            if not self.contributors:
-                raise CO2Error(f"co2 elastic: no replica of the quorum {list(peers.replicas)} contributes")
-            g = super()._average(work, g_buffer)
-        except Exception as failure:  # a peer died or the group broke: the average is incomplete
-            error = _collective_error(failure)
-            _drop_group(peers.group)
-        if not self.membership.settle(peers, self.round_index, self.contributors or None, error):
-            raise _CutExchange()
-        return g
-
-    def _who_contributes(self, peers: Peers) -> tuple[int, ...]:
-        """One small all-reduce over the quorum: which replicas' displacements are in the average."""
-        flags = torch.zeros(len(peers.replicas), dtype=torch.float32)
-        flags[peers.rank] = 1.0 if peers.contributes else 0.0
-        dist.all_reduce(flags, group=peers.group)
-        return tuple(r for r, flag in zip(peers.replicas, flags.tolist()) if flag > 0)
-
-    def agree_final(self, round_index: int) -> None:
-        """finalize(): the last quorum, met as a round end at which this replica contributes nothing. A
-        peer that trains on (it stops later) runs its round's exchange in this quorum: this replica takes
-        part in the average with a zero displacement, then keeps its own model."""
-        peers = self.membership.final_quorum(round_index)._replace(contributes=False)
-        error = None
-        try:
-            self.peers, self.contributors = peers, self._who_contributes(peers)
-            if self.contributors:
-                device = self.membership.engine.start_point.device
-                super()._average(torch.zeros(self.layout.padded, device=device), None)
-        except Exception as failure:
-            error = _collective_error(failure)
-            _drop_group(peers.group)
-        self.membership.end(peers, error)
-
-    def close(self) -> bool:
-        closed = super().close()
-        self.membership.close()
-        return closed
-
-
-def _collective_error(failure: Exception) -> Exception:
-    """The collective's own error, without its traceback. c10d's exception logger (torch 2.13) replaces
-    the error of a collective on a group it does not know (torchft's) by a ValueError from
-    `get_backend` ("... not initialized in the world group map"): the real one is its context. The
-    traceback goes: its frames hold the collective's work, which keeps the group's connections open."""
-    if isinstance(failure, ValueError) and "world group map" in str(failure) and failure.__context__ is not None:
-        failure = failure.__context__
-    chained: Optional[BaseException] = failure
-    while chained is not None:
-        chained.__traceback__ = None
-        chained = chained.__cause__ or chained.__context__
-    return failure
-
-
-def _drop_group(group: Any) -> None:
-    """Close this replica's connections of a quorum group whose collective failed, at once: a peer
-    still inside that collective then fails too (gloo: 'Connection closed by peer') instead of
-    waiting out the group's timeout for data this replica will never send, while the Lighthouse
-    waits for it (design §12). The failed commit makes the next quorum reconfigure the group."""
-    try:
-        group.abort()
-    except Exception as error:  # pragma: no cover - torchft's abort only drops its reference
-        warnings.warn(f"co2 elastic: could not abort the quorum's process group: {error}", stacklevel=2)
-
-
 def _meet(peers: Peers) -> Optional[Exception]:
     """One tiny all-reduce over the quorum (every member arrives after its heal); the error, if any."""
     try:
@@ -445,32 +313,6 @@ def _meet(peers: Peers) -> Optional[Exception]:
     except Exception as error:
         return error
     return None
-
-
-def _check_supported(config: CO2Config, topology: Topology) -> None:
-    """Elastic mode's limits, refused at construction with what is supported."""
-    if topology.replicas != 1:
-        raise CO2Error(
-            f"co2 elastic: this launch holds {topology.replicas} replicas ({topology.world_size} ranks); in elastic "
-            f"mode each replica group is its own launch (one torchrun per replica, its ranks the replica's shards): "
-            f"plain CO2Optimizer needs one rank per launch, FSDP2 a mesh of every rank of the launch"
-        )
-    strategy = choose_collective(config, dist.get_backend(topology.outer_group))
-    if strategy != "all_reduce" or config.comm_dtype not in ("fp32", "bf16"):
-        raise CO2Error(
-            f"co2 elastic: collective={config.collective!r} (resolved to {strategy!r}) with comm_dtype="
-            f"{config.comm_dtype!r} is not supported; elastic mode needs collective='all_reduce' (every replica "
-            f"keeps the whole partition's outer state, so a lost replica takes nothing with it) and comm_dtype "
-            f"'fp32' or 'bf16'"
-        )
-    if not config.overlap:
-        raise CO2Error("co2 elastic: overlap=False is not supported; elastic mode runs CO2's overlapped rounds")
-    if config.eager:
-        raise CO2Error(
-            "co2 elastic: eager=True is not supported; accepted: eager=False (an eager replica's share is 1/R "
-            "of an average whose contributors are only known inside each round's quorum, and a healing "
-            "replica would need its own correction)"
-        )
 
 
 def _portable(identity: dict[str, Any]) -> dict[str, Any]:
