@@ -56,14 +56,16 @@ EAGER = ("co2_eager", "diloco_eager")  # the methods with the config field `eage
 PEERS = {"torchft_diloco": "diloco", "torchft_streaming": "streaming"}  # method -> the peer's algorithm
 METHODS = ("ddp", *CO2_FAMILY, *PEERS)
 # (outer lrs, outer momenta) tried per method at every τ. The DiLoCo family keeps Nesterov 0.9 and
-# tunes the outer lr, as the issue and Charles et al. (2503.09799) do; CO2 tunes its momentum as well,
-# and so does diloco_eager: a one-round-late Nesterov step overshoots at 0.9 (1.66 against blocking
-# DiLoCo's 1.34 at τ 32, lr 0.5), so it gets the lower momentum a delayed update needs as well.
+# tunes the outer lr, as the issue and Charles et al. (2503.09799) do; CO2 tunes its momentum as well
+# (0.8 too: at τ 32 its loss fell with the momentum up to the old grid's edge, 0.5), and so does
+# diloco_eager: a one-round-late Nesterov step overshoots at 0.9 (1.66 against blocking DiLoCo's 1.34
+# at τ 32, lr 0.5), so it gets the lower momentum a delayed update needs as well.
 NESTEROV_GRID = ((0.5, 0.7, 1.0), (0.9,))
+CO2_GRID = ((0.5, 0.7, 1.0), (0.0, 0.5, 0.8))
 GRIDS = {
     "diloco": NESTEROV_GRID,
-    "co2": ((0.5, 0.7, 1.0), (0.0, 0.5)),
-    "co2_eager": ((0.5, 0.7, 1.0), (0.0, 0.5)),
+    "co2": CO2_GRID,
+    "co2_eager": CO2_GRID,
     "diloco_eager": ((0.5, 0.7, 1.0), (0.5, 0.9)),
     "torchft_diloco": NESTEROV_GRID,
     "torchft_streaming": NESTEROV_GRID,
