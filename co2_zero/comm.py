@@ -139,8 +139,9 @@ class BackgroundWorker:
     def close(self, timeout: float = 1.0) -> bool:
         """Stop after the jobs already queued; True if the thread has ended within `timeout`.
 
-        Joining matters: a thread that used gloo and ends while the interpreter shuts down
-        aborts the process ("terminate called without an active exception").
+        Joining matters: a thread that used torch's C++ code (gloo, tensor ops) and still runs or ends
+        while the interpreter shuts down aborts the process ("terminate called without an active
+        exception"); so an orderly close waits for the thread, not just a moment.
         """
         self._jobs.put(None)
         if threading.current_thread() is not self._thread:
@@ -362,5 +363,6 @@ class OuterExchange:
         indexes = {id(i): i for i in (self.segment_index, self.counted_index)}
         return sum(i.nbytes for i in indexes.values())
 
-    def close(self) -> bool:
-        return self.worker.close()
+    def close(self, join_s: float = 1.0) -> bool:
+        """Stop the background worker; True if it ended within `join_s` seconds."""
+        return self.worker.close(join_s)

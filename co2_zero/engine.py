@@ -180,10 +180,15 @@ class RoundEngine:
         self.close()
         raise error from (cause if cause is not None else error.__cause__)
 
-    def close(self) -> None:
+    def close(self, join_s: float = 1.0) -> None:
         """Stop the background worker and release the CO2 process groups (not the inner group,
-        which the integration's framework keeps using). Also runs at interpreter exit."""
-        self._at_exit()
+        which the integration's framework keeps using). Also runs at interpreter exit. join_s: how
+        long to wait for the worker to end; short by default, as a failed engine's worker may be stuck
+        in a collective, and finalize()'s idle worker gets timeout_s."""
+        shutdown = self._at_exit.detach()  # None: closed already
+        if shutdown is not None:
+            _, function, args, _ = shutdown
+            function(*args, join_s=join_s)
 
     # ---- the round --------------------------------------------------------------------------------
 
@@ -290,7 +295,7 @@ class RoundEngine:
         self._set_live(self.overlap.last_start(self.start_point, self.next_start))
         self._average_buffers("finalize")
         self.phase = Phase.FINALIZED
-        self.close()
+        self.close(join_s=self.config.timeout_s)
 
     def _check_steps(self, finalizing: bool = False) -> None:
         """Collect the step announcement in flight (within timeout_s) and fail, naming every rank's
@@ -433,8 +438,10 @@ def _all_finite(flat: torch.Tensor) -> bool:
     return bool(torch.isfinite(largest_abs(flat)))
 
 
-def _shutdown(exchange: OuterExchange, topology: Topology, announcements: StepAnnouncements) -> None:
+def _shutdown(
+    exchange: OuterExchange, topology: Topology, announcements: StepAnnouncements, join_s: float = 1.0
+) -> None:
     # A worker still blocked in a collective keeps its groups: destroying them under it would crash.
     # So does a step announcement a peer never answered (it is a collective on the control group).
-    if exchange.close() and not (announcements.in_flight and not announcements.ready()):
+    if exchange.close(join_s) and not (announcements.in_flight and not announcements.ready()):
         topology.destroy()

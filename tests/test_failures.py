@@ -363,6 +363,30 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     assert not leftovers, f"workers left running: {leftovers}"
 
 
+def slow_worker_exit(rank: int, world: int) -> bool:
+    """finalize() on a host so busy that the idle background worker takes 2 s to end: is it joined?"""
+    from co2_zero import comm
+
+    run = comm.BackgroundWorker._run
+
+    def run_then_linger(worker: comm.BackgroundWorker) -> None:
+        run(worker)
+        time.sleep(2.0)  # what a starved thread's last steps cost: it ends after the interpreter might
+
+    comm.BackgroundWorker._run = run_then_linger
+    model = models.make_model()
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), CO2Config(tau=2, timeout_s=10), model=model)
+    _train(rank, opt, model, 4)
+    opt.finalize()
+    return opt.engine.exchange.worker._thread.is_alive()
+
+
+def test_finalize_joins_a_worker_slow_to_end():
+    """A worker thread that outlives finalize() and ends while the interpreter shuts down aborts the
+    process ("terminate called without an active exception", once in CI): finalize() waits for it."""
+    assert run_ranks(slow_worker_exit, 2, timeout=120) == [False, False]
+
+
 # ---- skip_round with Adam, frozen parameters, finalize after different step counts ----------------------
 
 

@@ -109,8 +109,8 @@ class ElasticExchange(OuterExchange):
             _drop_group(peers.group)
         self.membership.end(peers, error)
 
-    def close(self) -> bool:
-        closed = super().close()
+    def close(self, join_s: float = 1.0) -> bool:
+        closed = super().close(join_s)
         self.membership.close()
         return closed
 
