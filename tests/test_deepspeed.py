@@ -635,6 +635,16 @@ def test_bad_co2_section_in_a_json_file_is_rejected(tmp_path):
         co2_deepspeed.initialize(args=Args(), model=models.make_model())
 
 
+def test_a_config_given_twice_or_not_at_all_is_refused(tmp_path):
+    class Args:
+        deepspeed_config = str(tmp_path / "ds.json")
+
+    with pytest.raises(ValueError, match=r"given both as args.deepspeed_config and as config="):
+        co2_deepspeed.initialize(args=Args(), model=models.make_model(), config=ds_config("ds_zero1_co2"))
+    with pytest.raises(ValueError, match=r"no DeepSpeed config: pass config="):
+        co2_deepspeed.initialize(model=models.make_model())
+
+
 @pytest.mark.parametrize("stage", [3, 0, None])
 def test_stages_other_than_1_and_2_are_refused(stage):
     config = ds_config("ds_zero1_co2")

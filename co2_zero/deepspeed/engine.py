@@ -82,6 +82,25 @@ def _warn_uncast_inputs(engine: Any) -> None:
     handle = engine.module.register_forward_pre_hook(check, with_kwargs=True)
 
 
+def _the_config(config: Optional[ConfigLike], args: Any, kwargs: dict[str, Any]) -> tuple[ConfigLike, Any]:
+    """The one DeepSpeed config among `config`, `config_params` (popped from kwargs) and
+    `args.deepspeed_config`, and `args` without it (a copy: DeepSpeed must not read it a second time)."""
+    if config is None:
+        config = kwargs.pop("config_params", None)
+    else:
+        kwargs.pop("config_params", None)
+    for name in ("deepspeed_config", "deepscale_config"):
+        path = getattr(args, name, None)
+        if path is not None:
+            if config is not None:
+                raise ValueError(f"co2: the DeepSpeed config was given both as args.{name} and as config=")
+            config, args = path, copy.copy(args)
+            setattr(args, name, None)
+    if config is None:
+        raise ValueError("co2: no DeepSpeed config: pass config= (a dict or a JSON path) or args.deepspeed_config")
+    return config, args
+
+
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -122,19 +141,7 @@ def initialize(
         CO2Error: the ranks disagree on the config, the grid or the model.
     """
     refuse_membership("co2_zero.deepspeed.initialize", kwargs)
-    if config is None:
-        config = kwargs.pop("config_params", None)
-    else:
-        kwargs.pop("config_params", None)
-    for name in ("deepspeed_config", "deepscale_config"):
-        path = getattr(args, name, None)
-        if path is not None:
-            if config is not None:
-                raise ValueError(f"co2: the DeepSpeed config was given both as args.{name} and as config=")
-            config, args = path, copy.copy(args)
-            setattr(args, name, None)
-    if config is None:
-        raise ValueError("co2: no DeepSpeed config: pass config= (a dict or a JSON path) or args.deepspeed_config")
+    config, args = _the_config(config, args, kwargs)
     ds_config, co2 = split_config(config)
     _explicit_gradient_clipping(ds_config)
 
