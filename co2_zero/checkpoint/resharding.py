@@ -5,7 +5,7 @@ collectives."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -57,7 +57,6 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
     partitions, so its steps are dropped (their number is returned). Raises ValueError when the shares
     do not cover the target's partition or come from another co2 config or model.
     """
-    geometry = identity["geometry"]
     for share in shares:
         for key in ("config_hash", "signature"):
             if share[key] != identity[key]:
@@ -66,6 +65,31 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
                     f"resharding needs the same co2 config and model"
                 )
     saved = shares[0]
+    start_point, next_start, momentum = _assemble(shares, identity["geometry"])
+    partials = [s["update_sq_norms_partial"] for s in shares if s["update_sq_norms_partial"] is not None]
+    norms = None
+    if partials:  # only the sum over ranks matters: rank 0 carries it, the others zeros
+        norms = torch.stack(partials).sum(0) if identity["rank"] == 0 else torch.zeros_like(partials[0])
+    rounds = saved["rounds"]
+    state = {
+        **identity,
+        "run_id": saved.get("run_id"),
+        "inner_steps": rounds * identity["geometry"]["tau"],
+        "rounds": rounds,
+        "skipped_rounds": saved.get("skipped_rounds", 0),
+        "start_point": start_point,
+        "next_start": next_start,
+        "momentum": momentum,
+        "previous_update_sq_norms": norms,
+    }
+    return state, saved["inner_steps"] - rounds * saved["tau"]
+
+
+def _assemble(
+    shares: Sequence[dict[str, Any]], geometry: dict[str, Any]
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """This rank's start point, next start point (None in blocking mode) and momentum slice, copied
+    from the saved pieces that overlap its partition; ValueError if they do not cover it."""
     padded, overlap = geometry["padded"], geometry["overlap"]
     momentum_lo, momentum_hi = geometry["momentum_range"]
     start_point = torch.zeros(padded, dtype=torch.float32)
@@ -99,23 +123,7 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
                 f"co2 checkpoint: the saved shares cover {covered} of the {seg_end - seg_start} elements of "
                 f"parameter tensor {tensor_id} this rank needs; every rank's file of the saved run is needed"
             )
-    partials = [s["update_sq_norms_partial"] for s in shares if s["update_sq_norms_partial"] is not None]
-    norms = None
-    if partials:  # only the sum over ranks matters: rank 0 carries it, the others zeros
-        norms = torch.stack(partials).sum(0) if identity["rank"] == 0 else torch.zeros_like(partials[0])
-    rounds = saved["rounds"]
-    state = {
-        **identity,
-        "run_id": saved.get("run_id"),
-        "inner_steps": rounds * geometry["tau"],
-        "rounds": rounds,
-        "skipped_rounds": saved.get("skipped_rounds", 0),
-        "start_point": start_point,
-        "next_start": next_start,
-        "momentum": momentum,
-        "previous_update_sq_norms": norms,
-    }
-    return state, saved["inner_steps"] - rounds * saved["tau"]
+    return start_point, next_start, momentum
 
 
 def cut_rows(pieces: Sequence[tuple[int, torch.Tensor]], first: int, rows: int) -> torch.Tensor:
