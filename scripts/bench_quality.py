@@ -387,16 +387,21 @@ def table_rows(results: dict[str, dict], methods: Sequence[str], taus: Sequence[
     return rows
 
 
-def link_tokens_per_s(throughput: dict, nodes: int, method: str) -> Optional[dict]:
+def link_tokens_per_s(throughput: dict, nodes: int, method: str, tau: Optional[int] = None) -> Optional[dict]:
     """The measured steady-state tokens/s of `method` in a bench_throughput.py result's P = `nodes`
-    cell: {tokens_per_s, label, tau} of the first of THROUGHPUT_LABELS[method] it has, or None."""
+    cell: {tokens_per_s, label, tau} of the first of THROUGHPUT_LABELS[method] it has, or None. A local-
+    step method run at τ `tau` takes only a run at that τ or below: a larger τ exchanges less often, so a
+    run at a smaller τ is a lower bound of its speed, one at a larger τ would overstate it."""
     for cell in throughput["cells"]:
         if cell["nodes"] != nodes:
             continue
         for label in THROUGHPUT_LABELS.get(method, ()):
             if label in cell["summary"]:
                 row = cell["summary"][label]
-                return {"tokens_per_s": row["tokens_per_s"], "label": label, "tau": row.get("tau", cell.get("tau"))}
+                measured_tau = row.get("tau", cell.get("tau"))
+                if method != "ddp" and tau is not None and measured_tau is not None and measured_tau > tau:
+                    continue
+                return {"tokens_per_s": row["tokens_per_s"], "label": label, "tau": measured_tau}
     return None
 
 
@@ -414,7 +419,7 @@ def time_to_target(results: dict[str, dict], rows: Sequence[dict], throughputs: 
         curve = mean_curve(seed_runs(results, row_setting(row)))
         tokens = bcomp.seconds_to_reach(curve, target)
         for rate, throughput in throughputs.items():
-            speed = link_tokens_per_s(throughput, nodes, row["method"])
+            speed = link_tokens_per_s(throughput, nodes, row["method"], row["tau"])
             seconds = tokens / speed["tokens_per_s"] if tokens is not None and speed else None
             budget = curve[0][-1] / speed["tokens_per_s"] if speed else None
             out.append({"method": row["method"], "tau": row["tau"], "rate": rate, "target": target, "tokens": tokens,
@@ -500,9 +505,8 @@ def _time_lines(result: dict) -> list[str]:
     models = "; ".join(f"{rate}: `{m}`" for rate, m in result["throughput_models"].items())
     lines = [f"Wall-clock to reach ddp's final loss ({rows[0]['target']:.4f}): tokens needed (mean curve) / the "
              "method's steady-state tokens/s at P = 4 on that link, from bench_throughput.py "
-             f"({result['throughput_files']}), measured at the τ named and on its own model ({models}); at a "
-             "larger τ the local-step methods run at least that fast. For this study's model, run bench_throughput.py "
-             "with its --model and pass the result as --throughput RATE=FILE.", "",
+             f"({result['throughput_files']}), measured at the τ named and on its own model ({models}); a row at a "
+             "larger τ runs at least that fast, a row at a smaller τ than any run has no figure (–).", "",
              "| method | τ | link | tokens to target | tokens/s (run, its τ) | wall-clock to target | whole budget |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:

@@ -123,18 +123,22 @@ def test_time_to_reach_ddps_final_loss_on_each_link():
     for seed in (1, 2, 3):  # co2's mean curve: 5.0, 2.0, 2.0291..; ddp's mean final loss 2.0
         results[f"co2_tau8_lr1_m0_s{seed}"]["val_loss"][1] = 2.0
     rows = bq.table_rows(results, ["ddp", "co2"], [8], {"co2": ((0.5, 1.0), (0.0,))}, 1)
-    p4 = {"ddp": {"tokens_per_s": 50.0}, "co2": {"tokens_per_s": 200.0, "tau": 64}}
+    p4 = {"ddp": {"tokens_per_s": 50.0}, "co2": {"tokens_per_s": 200.0, "tau": 8}}
     throughput = {"cells": [{"nodes": 2, "tau": 8, "summary": {"co2": {"tokens_per_s": 1.0}}},
                             {"nodes": 4, "tau": 64, "summary": p4}]}  # fmt: skip
     got = bq.time_to_target(results, rows, {"100mbit": throughput}, 4)
     ddp, co2 = got
     assert ddp["tokens"] == pytest.approx(1000) and ddp["seconds"] == pytest.approx(20.0)
     assert co2["tokens"] == pytest.approx(500) and co2["seconds"] == pytest.approx(2.5)
-    assert co2["throughput"] == {"tokens_per_s": 200.0, "label": "co2", "tau": 64}
+    assert co2["throughput"] == {"tokens_per_s": 200.0, "label": "co2", "tau": 8}
     # diloco's exchange is blocking local SGD's: its tokens/s stands in where diloco was not measured
     assert bq.link_tokens_per_s({"cells": [{"nodes": 4, "summary": {"localsgd": {"tokens_per_s": 9.0}}}]}, 4,
                                 "diloco")["label"] == "localsgd"  # fmt: skip
     assert bq.link_tokens_per_s(throughput, 4, "torchft_diloco") is None
+    # a run at a larger τ than the row's would overstate a local-step method's speed; ddp has no τ
+    assert bq.link_tokens_per_s(throughput, 4, "co2", 4) is None
+    assert bq.link_tokens_per_s(throughput, 4, "co2", 128)["tau"] == 8
+    assert bq.link_tokens_per_s(throughput, 4, "ddp", 8)["tokens_per_s"] == 50.0
 
 
 # ---- the torchft cells: real runs (a Lighthouse and 2 replicas) next to train_lm.py's diloco ------------
