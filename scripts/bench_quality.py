@@ -61,13 +61,14 @@ METHODS = ("ddp", *CO2_FAMILY, *PEERS)
 # diloco_eager: a one-round-late Nesterov step overshoots at 0.9 (1.66 against blocking DiLoCo's 1.34
 # at τ 32, lr 0.5), so it gets the lower momentum a delayed update needs as well. co2_eager is the
 # other way round: at τ 32 it was best at the first grid's corner (lr 0.5, momentum 0.8: 1.386, against
-# 1.46-1.55 at momentum 0 and 0.5), so its grid moved there (those cells stay in the JSON).
+# 1.46-1.55 at momentum 0 and 0.5), so its grid moved there (lr 0.3 lost too; all those cells stay in
+# the JSON).
 NESTEROV_GRID = ((0.5, 0.7, 1.0), (0.9,))
 CO2_GRID = ((0.5, 0.7, 1.0), (0.0, 0.5, 0.8))
 GRIDS = {
     "diloco": NESTEROV_GRID,
     "co2": CO2_GRID,
-    "co2_eager": ((0.3, 0.5, 0.7), (0.8, 0.9)),
+    "co2_eager": ((0.5, 0.7, 1.0), (0.8, 0.9)),
     "diloco_eager": ((0.5, 0.7, 1.0), (0.5, 0.9)),
     "torchft_diloco": NESTEROV_GRID,
     "torchft_streaming": NESTEROV_GRID,
