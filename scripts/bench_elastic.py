@@ -218,9 +218,7 @@ def report(result: dict) -> str:
     s = result["settings"]
     return "\n".join([
         f"P = {s['nodes']} replicas (one rank each) at {s['rate']} on the emulated cluster, `{s['train_flags']}`, "
-        f"τ = {s['tau']}. **{result['host']['cores']} cores for {s['nodes']} replicas: they compete for CPU "
-        f"(contention), so tokens/s are this host's, not a cluster's; a replica that is down leaves its CPU "
-        f"to the others, which flatters step efficiency here.** {s['minutes']:g} min with a SIGKILL of "
+        f"τ = {s['tau']}. **{cpu_note(s, result['host']['cores'])}** {s['minutes']:g} min with a SIGKILL of "
         f"one replica every {s['kill_every_s']:g} s, restarted {s['restart_after_s']:g} s later; failure-free "
         f"baseline {s['baseline_minutes']:g} min in the same invocation.",
         "",
@@ -228,6 +226,23 @@ def report(result: dict) -> str:
         "",
         f"Command (as root): `{result['command']}` ({result['total_s'] / 60:.0f} min).",
     ])  # fmt: skip
+
+
+def cpu_note(settings: dict, cores: int) -> str:
+    """How the replicas shared the host's CPU: the caveat printed next to every table."""
+    nodes, cap = settings["nodes"], settings.get("cpus_per_node")
+    if cap is None:
+        return (f"{cores} cores for {nodes} replicas, uncapped: they compete for CPU, so tokens/s are this "
+                f"host's, not a cluster's; a replica that is down leaves its CPU to the others, which flatters "
+                f"step efficiency.")  # fmt: skip
+    return (f"Each replica capped at {cap:g} core (cgroup CPU quota; {cores} cores for {nodes} replicas): a "
+            f"replica that is down leaves its share idle, as a lost machine would. Tokens/s are those of "
+            f"{cap:g}-core nodes, not of a real cluster's.")  # fmt: skip
+
+
+def default_cpus_per_node(nodes: int, cores: int) -> float:
+    """One core per replica where the host has them, else an equal share of its cores."""
+    return min(1.0, cores / nodes)
 
 
 def markdown(result: dict) -> str:
@@ -302,6 +317,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--baseline_minutes", type=float, default=3.0, help="length of the failure-free run")
     p.add_argument("--kill_every_s", type=float, default=60.0)
     p.add_argument("--restart_after_s", type=float, default=20.0)
+    p.add_argument("--cpus_per_node", type=float, default=None,
+                   help="cap every replica's node at this many cores (cgroup quota; default: one core each, or "
+                        "cores / nodes on a smaller host); 0: no cap, the replicas share the host")  # fmt: skip
     p.add_argument("--model", default="tiny", help="the training job's --model preset")
     p.add_argument("--train_flags", default="", help="more flags of every replica (training job flags), one string")
     p.add_argument("--start_timeout_s", type=float, default=600, help="deadline for every replica's first step")
@@ -323,9 +341,7 @@ def combined_report(combined: dict) -> str:
         f"[min–max] over the runs. P = {s['nodes']} replicas (one rank each) at {s['rate']} on the emulated "
         f"cluster, `{s['train_flags']}`, τ = {s['tau']}, a SIGKILL of one replica every {s['kill_every_s']:g} s, "
         f"restarted {s['restart_after_s']:g} s later, for {s['minutes']:g} min; failure-free "
-        f"{s['baseline_minutes']:g} min before. **{combined['host']['cores']} cores for {s['nodes']} replicas: "
-        f"they compete for CPU, so tokens/s are this host's, not a cluster's, and drift between the phases of "
-        f"one run.**", "",
+        f"{s['baseline_minutes']:g} min before. **{cpu_note(s, combined['host']['cores'])}**", "",
         combined_table(combined), "",
         "Commands (as root): " + "; ".join(f"`{c}`" for c in combined["commands"]) + "; then "
         f"`python -m scripts.bench_elastic --combine {' '.join(combined['combined_from'])}`.",
@@ -385,7 +401,7 @@ class Job:
         binary = str(Path(sys.executable).parent / "torchft_lighthouse")
         argv = [binary, "--bind", f"[::]:{LIGHTHOUSE_PORT}", "--min_replicas", "1", "--join_timeout_ms", "5000",
                 "--quorum_tick_ms", "100"]  # fmt: skip
-        return self.cluster.popen(0, argv, log=self.log_dir / "lighthouse.log")
+        return self.cluster.popen(0, argv, log=self.log_dir / "lighthouse.log", capped=False)
 
     def wait_first_steps(self, timeout_s: float) -> float:
         """The time at which every live replica has completed a step in a quorum (raises after timeout_s)."""
@@ -486,6 +502,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     ec.require_privileges()
     flags, tau, _ = job_settings(a)
+    cores = os.cpu_count() or 1
+    cap = default_cpus_per_node(a.nodes, cores) if a.cpus_per_node is None else (a.cpus_per_node or None)
     log_root = Path(a.log_dir or f"/tmp/c2z-elastic-{int(time.time())}")
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -493,12 +511,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "command": shlex.join(["python", "-m", "scripts.bench_elastic", *(sys.argv[1:] if argv is None else argv)]),
         "settings": {"nodes": a.nodes, "rate": a.rate, "minutes": a.minutes, "baseline_minutes": a.baseline_minutes,
                      "kill_every_s": a.kill_every_s, "restart_after_s": a.restart_after_s,
-                     "train_flags": shlex.join(flags), "tau": tau},
-        "host": {"cores": os.cpu_count(), "load_avg_start": ec.load_average()},
+                     "train_flags": shlex.join(flags), "tau": tau, "cpus_per_node": cap},
+        "host": {"cores": cores, "load_avg_start": ec.load_average()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "methods": {},
     }  # fmt: skip
     began = time.time()
-    with ec.EmulatedCluster(a.nodes, a.rate) as cluster:
+    with ec.EmulatedCluster(a.nodes, a.rate, cpus_per_node=cap) as cluster:
         result["self_check"] = cluster.self_check(strict=False)
         print(f"self-check: {json.dumps(result['self_check'])}", file=sys.stderr, flush=True)
         for method in a.methods:

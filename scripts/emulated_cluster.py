@@ -179,6 +179,27 @@ def cleanup_leftovers(force: bool = False) -> list[str]:
         _kill_pids([int(p) for p in pids if p.isdigit() and int(p) != os.getpid()])
         run_cmd(["ip", "netns", "del", ns], check=False)
         removed.append(ns)
+    return removed + _cleanup_cgroups(pattern, force)
+
+
+def _cleanup_cgroups(pattern: re.Pattern, force: bool) -> list[str]:
+    """Remove the CPU-cap cgroups (`CpuCaps`) of runs that are gone, killing what still runs in them."""
+    try:
+        root, _ = cgroup_cpu_root()
+    except HarnessError:
+        return []
+    removed = []
+    for group in root.iterdir():
+        m = pattern.match(group.name)
+        if not m or not group.is_dir() or (not force and pid_alive(int(m.group(1)))):
+            continue
+        _kill_pids([int(p) for p in _read_words(group / "cgroup.procs") if int(p) != os.getpid()])
+        time.sleep(0.2)
+        try:
+            group.rmdir()
+            removed.append(str(group))
+        except OSError:
+            pass
     return removed
 
 
@@ -253,6 +274,80 @@ def wait_for_idle_cpus(max_busy: float, max_wait_s: float) -> dict:
 # ----------------------------------------------------------------------------- the cluster
 
 
+class CpuCaps:
+    """At most `cpus` cores per node, each node its own cgroup (v2 `cpu.max`, or v1's CFS quota).
+
+    Why: on a host with fewer cores than nodes the ranks share the CPU, and a node that is down hands
+    its share to the others, so its loss costs the job less than a lost machine would (it flatters
+    step efficiency under failures). Capped, every node runs at a fixed fraction of a core whether or
+    not its neighbours run: a small, slow machine per node. Set cpus <= cores / nodes so the caps are
+    also met. Root only; the cgroups carry the cluster's tag and are removed with it.
+    """
+
+    PERIOD_US = 100_000
+
+    def __init__(self, tag: str, cpus: float) -> None:
+        if not cpus > 0:
+            raise ValueError(f"cpus_per_node={cpus}: expected a positive number of cores, e.g. 0.5")
+        self.tag, self.cpus = tag, float(cpus)
+        self.root, self.v2 = cgroup_cpu_root()
+        self.made: list[Path] = []
+
+    def path(self, i: int) -> Path:
+        return self.root / f"{self.tag}n{i}"
+
+    def create(self, nodes: int) -> None:
+        quota = max(1000, int(self.cpus * self.PERIOD_US))
+        if self.v2:  # the root must hand the cpu controller down to its children
+            (self.root / "cgroup.subtree_control").write_text("+cpu")
+        for i in range(nodes):
+            group = self.path(i)
+            group.mkdir()
+            self.made.append(group)
+            if self.v2:
+                (group / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+            else:
+                (group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                (group / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def argv(self, i: int, argv: Sequence[str]) -> list[str]:
+        """argv run inside node i's cgroup (its children inherit it)."""
+        script = 'echo $$ > "$1" && shift && exec "$@"'
+        return ["sh", "-c", script, "sh", str(self.path(i) / "cgroup.procs"), *argv]
+
+    def destroy(self, timeout_s: float = 10.0) -> None:
+        """Remove the cgroups (a cgroup goes once its killed processes have exited)."""
+        deadline = time.monotonic() + timeout_s
+        for group in reversed(self.made):
+            while group.exists():
+                try:
+                    group.rmdir()
+                except OSError:
+                    _kill_pids([int(p) for p in (group / "cgroup.procs").read_text().split()])
+                    if time.monotonic() > deadline:
+                        print(f"emulated cluster: could not remove cgroup {group}", file=sys.stderr)
+                        break
+                    time.sleep(0.1)
+        self.made.clear()
+
+
+def cgroup_cpu_root() -> tuple[Path, bool]:
+    """(the cgroup directory whose children get CPU caps, whether it is cgroup v2)."""
+    for root, v2 in ((Path("/sys/fs/cgroup"), True), (Path("/sys/fs/cgroup/cpu"), False)):
+        if v2 and "cpu" in _read_words(root / "cgroup.controllers"):
+            return root, True
+        if not v2 and (root / "cpu.cfs_quota_us").exists():
+            return root, False
+    raise HarnessError("emulated cluster: no cgroup CPU controller (v2 cpu.max or v1 cpu.cfs_quota_us) to cap nodes")
+
+
+def _read_words(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return []
+
+
 class EmulatedCluster:
     """P network namespaces joined by veth pairs to a bridge in its own namespace, links shaped with tbf.
 
@@ -260,9 +355,11 @@ class EmulatedCluster:
     rate:     per-node link rate in both directions: '100mbit', '1gbit', '10gbit', any '<x>[kmg]bit',
               bits/s, or None/'unshaped'.
     delay_ms: optional one-way delay added to every bridged IPv4 packet (NFQUEUE delay line).
+    cpus_per_node: optional cap on each node's CPU, in cores (`CpuCaps`); None: the nodes share the host.
     """
 
-    def __init__(self, nodes: int, rate: Union[str, float, None] = None, delay_ms: float = 0.0) -> None:
+    def __init__(self, nodes: int, rate: Union[str, float, None] = None, delay_ms: float = 0.0,
+                 cpus_per_node: Optional[float] = None) -> None:  # fmt: skip
         if nodes < 1 or nodes > 200:
             raise ValueError(f"nodes={nodes}: expected 1..200")
         self.nodes = nodes
@@ -274,6 +371,7 @@ class EmulatedCluster:
         self.delay_proc: Optional[subprocess.Popen] = None
         self._procs: list[subprocess.Popen] = []
         self._hosts: Optional[Path] = None  # hosts_file(), written on first use
+        self.caps = CpuCaps(self.tag, cpus_per_node) if cpus_per_node is not None else None
 
     # -- names and addresses
     def ns(self, i: int) -> str:
@@ -295,6 +393,7 @@ class EmulatedCluster:
             "namespaces": [self.ns(i) for i in range(self.nodes)],
             "addresses": [self.ip(i) for i in range(self.nodes)],
             "ifname": IFNAME,
+            "cpus_per_node": self.caps.cpus if self.caps else None,
         }
 
     # -- lifecycle
@@ -336,6 +435,8 @@ class EmulatedCluster:
                 self._shape(self.bridge_ns, port)  # node download
         if self.delay_ms > 0:
             self._start_delay_line()
+        if self.caps:
+            self.caps.create(self.nodes)
         self._wait_link()
 
     def _add_ns(self, name: str) -> None:
@@ -375,6 +476,8 @@ class EmulatedCluster:
             _kill_pids([int(p) for p in pids if p.isdigit() and int(p) != os.getpid()])
             run_cmd(["ip", "netns", "del", ns], check=False)
         self.created.clear()
+        if self.caps:
+            self.caps.destroy()
         if self._hosts is not None:
             shutil.rmtree(self._hosts.parent, ignore_errors=True)
             self._hosts = None
@@ -424,13 +527,17 @@ class EmulatedCluster:
                 *argv]  # fmt: skip
 
     def popen(self, i: int, argv: Sequence[str], env: Optional[dict] = None, log: Optional[Path] = None,
-              cwd: Optional[str] = None, own_hostname: bool = False) -> subprocess.Popen:  # fmt: skip
+              cwd: Optional[str] = None, own_hostname: bool = False,
+              capped: bool = True) -> subprocess.Popen:  # fmt: skip
         """Start argv inside node i's namespace (its own process group, killed by pgid on cleanup);
-        own_hostname: with node i's own hostname (`own_host_argv`)."""
+        own_hostname: with node i's own hostname (`own_host_argv`); capped: inside node i's CPU cap
+        where the cluster has one (False: a helper such as a Lighthouse, not one of the node's ranks)."""
         out = open(log, "w") if log is not None else None  # noqa: SIM115 (closed in wait_all)
-        argv = self.own_host_argv(i, argv) if own_hostname else list(argv)
+        argv = ["ip", "netns", "exec", self.ns(i), *(self.own_host_argv(i, argv) if own_hostname else argv)]
+        if self.caps and capped:  # outside the namespace: `ip netns exec` mounts a sysfs without cgroups
+            argv = self.caps.argv(i, argv)
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns(i), *argv],
+            argv,
             env=self.env_for(i, env), stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else None,
             start_new_session=True, cwd=cwd,
         )  # fmt: skip
@@ -736,6 +843,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         s.add_argument("--rate", default="1gbit", help="100mbit | 1gbit | 10gbit | <x>[kmg]bit | unshaped")
         s.add_argument("--delay_ms", type=float, default=0.0, help="one-way delay (NFQUEUE delay line)")
         s.add_argument("--payload_mb", type=float, default=None, help="self-check all-reduce size")
+        s.add_argument("--cpus_per_node", type=float, default=None, help="cap each node at this many cores")
     run = sub.choices["run"]
     run.add_argument("--check", action="store_true", help="run the self-check first")
     run.add_argument("--log_dir", default=None, help="per-node logs (default: a temp dir)")
@@ -749,9 +857,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.cmd == "cleanup":
             require_privileges()
             removed = cleanup_leftovers(force=a.all)
-            print(f"removed {len(removed)} namespace(s): {removed}")
+            print(f"removed {len(removed)} namespace(s) and cgroup(s): {removed}")
             return 0
-        with EmulatedCluster(a.nodes, a.rate, a.delay_ms) as cluster:
+        with EmulatedCluster(a.nodes, a.rate, a.delay_ms, a.cpus_per_node) as cluster:
             print(json.dumps(cluster.describe()))
             if a.cmd == "check" or a.check:
                 print(json.dumps(cluster.self_check(a.payload_mb)), flush=True)

@@ -223,3 +223,15 @@ def test_repetitions_combine_per_method_and_side_by_side_in_each_run():
     assert "2 of 3 runs" in table and "3 of 3 runs" in table
     with pytest.raises(ValueError, match="every run must hold the methods"):
         be.combine([runs[0], _run({"a": 1.0}, {"a": 1.0}, {"a": 1.0}, {"a": 0}, {"a": True})])
+
+
+def test_each_replica_gets_a_core_or_an_equal_share_and_the_report_says_which():
+    """bench_elastic's default CPU cap, and the caveat printed next to its tables: a run without the
+    setting (before caps existed) was uncapped and is reported so."""
+    from scripts import bench_elastic as be
+
+    assert be.default_cpus_per_node(4, 2) == 0.5 and be.default_cpus_per_node(4, 16) == 1.0
+    capped = be.cpu_note({"nodes": 4, "cpus_per_node": 0.5}, 2)
+    assert "capped at 0.5 core" in capped and "leaves its share idle" in capped
+    for settings in ({"nodes": 4, "cpus_per_node": None}, {"nodes": 4}):
+        assert "uncapped" in be.cpu_note(settings, 2) and "flatters step efficiency" in be.cpu_note(settings, 2)

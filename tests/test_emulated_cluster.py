@@ -90,6 +90,32 @@ def test_failure_still_removes_namespaces(tmp_path, namespaces):
     assert _ours(tag) == []
 
 
+BUSY_LOOP = "import time; t = time.time()\nwhile time.time() - t < 2.0: pass\nprint(time.process_time())"
+
+
+def test_a_capped_node_gets_at_most_its_share_of_a_core(tmp_path, namespaces):
+    """cpus_per_node: a node's processes run in a cgroup capped at that many cores (2 s of busy loop
+    get about 0.2 s of CPU at 0.1 core; uncapped, a second or so), and the cgroups go with the cluster.
+    The uncapped node beside it is the control: its busy loop is not held back."""
+    import sys
+
+    with ec.EmulatedCluster(nodes=2, rate=None, cpus_per_node=0.1) as cluster:
+        groups = [cluster.caps.path(i) for i in range(2)]
+        assert all(g.is_dir() for g in groups)
+        capped = cluster.popen(0, [sys.executable, "-c", BUSY_LOOP], log=tmp_path / "capped.log")
+        free = cluster.popen(1, [sys.executable, "-c", BUSY_LOOP], log=tmp_path / "free.log", capped=False)
+        assert cluster.wait_all([capped, free], timeout_s=60) == [0, 0]
+    cpu_capped = float((tmp_path / "capped.log").read_text().split()[-1])
+    cpu_free = float((tmp_path / "free.log").read_text().split()[-1])
+    assert cpu_capped < 0.45 < cpu_free, (cpu_capped, cpu_free)
+    assert not any(g.exists() for g in groups), "cgroups left behind"
+
+
+def test_a_cpu_cap_must_be_positive():
+    with pytest.raises(ValueError, match="cpus_per_node=0"):
+        ec.CpuCaps("c2z1", 0)
+
+
 def test_recommend_tau_formula():
     """co2_zero.tune_tau's arithmetic: tau_comm = ceil(margin * t_comm / t_step), the largest candidate wins."""
     rec = tune_tau.recommend_tau(t_comm=0.26, t_step=0.11, margin=1.5)
