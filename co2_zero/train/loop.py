@@ -242,7 +242,7 @@ def train(job: Job, clock: Clock, tally: Tally) -> int:
         if a.save_every and step % a.save_every == 0:
             save(job, clock, step)
         end = round_end(job, step)
-        show_membership_changes(job, tally)
+        report_membership(job, tally)
         if job.events.on:
             quorum = replicas_of_step(job)
             job.events.emit("step", step=step, replicas=len(quorum), quorum=quorum)
@@ -256,9 +256,10 @@ def train(job: Job, clock: Clock, tally: Tally) -> int:
     return step
 
 
-def show_membership_changes(job: Job, tally: Tally) -> None:
-    """Elastic: print the changes of the quorum this replica saw since the last call, as they happen
-    ("replicas 4 -> 3 at round 17"; rank 0)."""
+def report_membership(job: Job, tally: Tally) -> None:
+    """Elastic: what this replica saw of the membership since the last call, as it happens: the
+    changes of the quorum on the console ("replicas 4 -> 3 at round 17"; rank 0), and every round's
+    quorum and commit in the events log (`--events_jsonl`)."""
     membership = job.trainer.membership
     if membership is None:
         return
