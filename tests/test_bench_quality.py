@@ -128,8 +128,15 @@ def test_time_to_reach_ddps_final_loss_on_each_link():
                             {"nodes": 4, "tau": 64, "summary": p4}]}  # fmt: skip
     got = bq.time_to_target(results, rows, {"100mbit": throughput}, 4)
     ddp, co2 = got
-    assert ddp["tokens"] == pytest.approx(1000) and ddp["seconds"] == pytest.approx(20.0)
-    assert co2["tokens"] == pytest.approx(500) and co2["seconds"] == pytest.approx(2.5)
+    assert [t["margin"] for t in co2["targets"]] == list(bq.TARGET_MARGINS)
+    ddp_final, co2_final = ddp["targets"][0], co2["targets"][0]
+    assert ddp_final["tokens"] == pytest.approx(1000) and ddp_final["seconds"] == pytest.approx(20.0)
+    assert co2_final["tokens"] == pytest.approx(500) and co2_final["seconds"] == pytest.approx(2.5)
+    assert ddp["budget_seconds"] == pytest.approx(20.0) and co2["budget_seconds"] == pytest.approx(5.0)
+    # a loss within a margin above ddp's final is reached earlier: 5.0 -> 2.0 crosses 2.0 * 1.1 at 9/30
+    plus10 = next(t for t in co2["targets"] if t["margin"] == 0.10)
+    assert plus10["loss"] == pytest.approx(2.2) and plus10["tokens"] == pytest.approx(500 * (5.0 - 2.2) / 3.0)
+    assert plus10["seconds"] == pytest.approx(plus10["tokens"] / 200.0)
     assert co2["throughput"] == {"tokens_per_s": 200.0, "label": "co2", "tau": 8}
     # diloco's exchange is blocking local SGD's: its tokens/s stands in where diloco was not measured
     assert bq.link_tokens_per_s({"cells": [{"nodes": 4, "summary": {"localsgd": {"tokens_per_s": 9.0}}}]}, 4,
