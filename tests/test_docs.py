@@ -13,7 +13,8 @@
 - Every ```bash / ```sh block is either run (`<!-- run -->`), run by CI (`<!-- main-command -->`,
   `<!-- test-command -->`: .ci/run), or says what it needs that a test machine lacks
   (`<!-- needs: gpu -->`, `cluster`, `root`, `minutes`); an unmarked command block fails.
-- The README's throughput table is the one docs/hooks/benchmarks.py generates from benchmarks/*.json.
+- The README's throughput, elastic and quality tables are the ones docs/hooks/benchmarks.py generates
+  from benchmarks/*/*.json.
 """
 
 from __future__ import annotations
@@ -288,6 +289,17 @@ def test_readme_elastic_table_is_generated_from_the_benchmark_json():
     assert rows and "\n".join(rows) in readme, (
         "README.md's elastic table differs from benchmarks/elastic/elastic_runs.json; paste the output of "
         "`python docs/hooks/benchmarks.py` (its second table)"
+    )
+
+
+def test_readme_quality_table_is_generated_from_the_benchmark_json():
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    import benchmarks
+
+    rows = benchmarks.first_table(benchmarks.quality())
+    assert rows and "\n".join(rows) in (ROOT / "README.md").read_text(), (
+        "README.md's quality table differs from benchmarks/quality/quality.json; paste the output of "
+        "`python docs/hooks/benchmarks.py` (its third table)"
     )
 
 

@@ -160,5 +160,13 @@ def table_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("|")]
 
 
-if __name__ == "__main__":  # the README's copies: the throughput table, then the elastic one
-    print(throughput(), "", "\n".join(table_lines(elastic())), sep="\n")
+def first_table(text: str) -> list[str]:
+    """The rows of a generated block's first table (the quality study's: method × τ, best setting, loss)."""
+    lines = text.splitlines()
+    start = next((k for k, line in enumerate(lines) if line.startswith("|")), len(lines))
+    end = next((k for k in range(start, len(lines)) if not lines[k].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+if __name__ == "__main__":  # the README's copies: the throughput table, the elastic one, the quality one
+    print(throughput(), "", *table_lines(elastic()), "", *first_table(quality()), sep="\n")
