@@ -297,6 +297,15 @@ class CpuCaps:
         return self.root / f"{self.tag}n{i}"
 
     def create(self, nodes: int) -> None:
+        try:
+            self._create(nodes)
+        except OSError as error:
+            raise HarnessError(
+                f"emulated cluster: cannot cap each node's CPU at {self.cpus:g} core in {self.root} ({error}); "
+                f"run without a cap (cpus_per_node None, or --cpus_per_node 0)"
+            ) from error
+
+    def _create(self, nodes: int) -> None:
         quota = max(1000, int(self.cpus * self.PERIOD_US))
         if self.v2:  # the root must hand the cpu controller down to its children
             (self.root / "cgroup.subtree_control").write_text("+cpu")
