@@ -193,14 +193,23 @@ def _cleanup_cgroups(pattern: re.Pattern, force: bool) -> list[str]:
         m = pattern.match(group.name)
         if not m or not group.is_dir() or (not force and pid_alive(int(m.group(1)))):
             continue
-        _kill_pids([int(p) for p in _read_words(group / "cgroup.procs") if int(p) != os.getpid()])
-        time.sleep(0.2)
+        if remove_cgroup(group, timeout_s=2.0):
+            removed.append(str(group))
+    return removed
+
+
+def remove_cgroup(group: Path, timeout_s: float) -> bool:
+    """Kill what still runs in a cgroup and remove it once those processes have exited (True: gone)."""
+    deadline = time.monotonic() + timeout_s
+    while group.exists():
         try:
             group.rmdir()
-            removed.append(str(group))
         except OSError:
-            pass
-    return removed
+            _kill_pids([int(p) for p in _read_words(group / "cgroup.procs") if int(p) != os.getpid()])
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+    return True
 
 
 @contextmanager
@@ -326,27 +335,18 @@ class CpuCaps:
 
     def destroy(self, timeout_s: float = 10.0) -> None:
         """Remove the cgroups (a cgroup goes once its killed processes have exited)."""
-        deadline = time.monotonic() + timeout_s
         for group in reversed(self.made):
-            while group.exists():
-                try:
-                    group.rmdir()
-                except OSError:
-                    _kill_pids([int(p) for p in (group / "cgroup.procs").read_text().split()])
-                    if time.monotonic() > deadline:
-                        print(f"emulated cluster: could not remove cgroup {group}", file=sys.stderr)
-                        break
-                    time.sleep(0.1)
+            if not remove_cgroup(group, timeout_s):
+                print(f"emulated cluster: could not remove cgroup {group}", file=sys.stderr)
         self.made.clear()
 
 
 def cgroup_cpu_root() -> tuple[Path, bool]:
     """(the cgroup directory whose children get CPU caps, whether it is cgroup v2)."""
-    for root, v2 in ((Path("/sys/fs/cgroup"), True), (Path("/sys/fs/cgroup/cpu"), False)):
-        if v2 and "cpu" in _read_words(root / "cgroup.controllers"):
-            return root, True
-        if not v2 and (root / "cpu.cfs_quota_us").exists():
-            return root, False
+    if "cpu" in _read_words(Path("/sys/fs/cgroup/cgroup.controllers")):
+        return Path("/sys/fs/cgroup"), True
+    if Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
+        return Path("/sys/fs/cgroup/cpu"), False
     raise HarnessError("emulated cluster: no cgroup CPU controller (v2 cpu.max or v1 cpu.cfs_quota_us) to cap nodes")
 
 
