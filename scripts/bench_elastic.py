@@ -268,8 +268,8 @@ def combine(results: Sequence[dict]) -> dict:
     combined = {}
     for label in methods:
         runs = [r["methods"][label] for r in results]
-        medians = {key: [f[key]["median"] for f in (m["failures"] for m in runs) if f[key]] for key in
-                   ("kill_to_next_step_s", "restart_to_first_step_s")}  # fmt: skip
+        medians = {key: [f[key]["median"] for f in (m["failures"] for m in runs) if f.get(key)] for key in
+                   ("kill_to_next_step_s", "stall_s", "restart_to_first_step_s")}  # fmt: skip
         combined[label] = {
             "step_efficiency": [m["step_efficiency"] for m in runs],
             "tokens_per_s_failures": [m["failures"]["tokens_per_s"] for m in runs],
@@ -279,6 +279,7 @@ def combine(results: Sequence[dict]) -> dict:
                 for m, r in zip(runs, results)
             ],  # fmt: skip
             "kill_to_next_step_s": medians["kill_to_next_step_s"],
+            "stall_s": medians["stall_s"],
             "restart_to_first_step_s": medians["restart_to_first_step_s"],
             "rounds_dropped": [len(m["failures"]["rounds_dropped"]) for m in runs],
             "identical_at_end": sum(bool(m["failures"]["end"]["identical"]) for m in runs),
@@ -292,13 +293,14 @@ def combined_table(c: dict) -> str:
     """The markdown table of `combine`'s result: median [min–max] over the repetitions."""
     n, first = c["runs"], c["first"]
     head = ["method", "step efficiency", "tokens/s with failures", f"… over `{first}`'s", "tokens/s failure-free",
-            "kill → survivors' next step, s", "restart → joiner's first step, s", "rounds dropped",
-            "identical at end"]  # fmt: skip
+            "kill → survivors' next step, s", "survivors' longest pause, s", "restart → joiner's first step, s",
+            "rounds dropped", "identical at end"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, m in c["methods"].items():
         cells = [_spread(m["step_efficiency"], ".3f"), _spread(m["tokens_per_s_failures"], ",.0f"),
                  _spread(m[f"failures_over_{first}"], ".3f"), _spread(m["tokens_per_s_baseline"], ",.0f"),
                  _spread(m["kill_to_next_step_s"], ".1f") if m["kill_to_next_step_s"] else "–",
+                 _spread(m["stall_s"], ".1f") if m.get("stall_s") else "–",
                  _spread(m["restart_to_first_step_s"], ".1f") if m["restart_to_first_step_s"] else "–",
                  " / ".join(map(str, m["rounds_dropped"])), f"{m['identical_at_end']} of {n} runs"]  # fmt: skip
         lines.append(f"| `{label}` | " + " | ".join(cells) + " |")

@@ -187,13 +187,14 @@ def _run(efficiency: dict, failures: dict, baseline: dict, drops: dict, identica
 
     def method(label: str) -> dict:
         stats = {"median": 5.0, "max": 6.0, "n": 1, "missing": 0}
+        stall = {"median": 2.5, "max": 3.0, "n": 1, "missing": 0}
         joins = {"median": 10.0, "max": 11.0, "n": 1, "missing": 0}
         return {
             "step_efficiency": efficiency[label],
             "baseline": {"tokens_per_s": baseline[label]},
             "failures": {"tokens_per_s": failures[label], "kill_to_next_step_s": stats,
-                         "restart_to_first_step_s": joins, "rounds_dropped": list(range(drops[label])),
-                         "end": {"identical": identical[label]}},
+                         "stall_s": stall, "restart_to_first_step_s": joins,
+                         "rounds_dropped": list(range(drops[label])), "end": {"identical": identical[label]}},
         }  # fmt: skip
 
     return {"methods": {label: method(label) for label in efficiency}, "command": "python -m scripts.bench_elastic",
@@ -221,6 +222,7 @@ def test_repetitions_combine_per_method_and_side_by_side_in_each_run():
     table = be.combined_table(c)
     assert "| `b` | 0.800 [0.700–0.900] | 150 [50–300] | 1.000 [0.500–1.500] |" in table, table
     assert "2 of 3 runs" in table and "3 of 3 runs" in table
+    assert "| 5.0 [5.0–5.0] | 2.5 [2.5–2.5] | 10.0 [10.0–10.0] |" in table, table  # next step, pause, join
     with pytest.raises(ValueError, match="every run must hold the methods"):
         be.combine([runs[0], _run({"a": 1.0}, {"a": 1.0}, {"a": 1.0}, {"a": 0}, {"a": True})])
 

@@ -38,7 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _lighthouse() -> tuple[subprocess.Popen, str]:
+def _lighthouse(join_timeout_ms: int = 60000) -> tuple[subprocess.Popen, str]:
     """torchft's Lighthouse binary on an ephemeral port; returns the process and its address."""
     port = _free_port()
     binary = Path(sys.executable).with_name("torchft_lighthouse")
@@ -50,7 +50,7 @@ def _lighthouse() -> tuple[subprocess.Popen, str]:
             "--min_replicas",
             "1",
             "--join_timeout_ms",
-            "60000",
+            str(join_timeout_ms),
             "--quorum_tick_ms",
             "50",
             "--heartbeat_timeout_ms",
@@ -89,6 +89,8 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
         _die_at(*DYING_POINTS[die[0]], die[1])
     if plan.get("fail_exchange") is not None:
         _fail_exchange_at(plan["fail_exchange"])
+    if plan.get("straggle") is not None:
+        _straggle_at(*plan["straggle"])
     if plan.get("announce"):
         Path(plan["announce"]).touch()
     config = CO2Config(
@@ -112,7 +114,7 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
 DYING_POINTS = {
     "exchange": ("ElasticExchange", "_average", lambda self, args: self.round_index, "before"),
     "average": ("ElasticExchange", "_who_contributes", lambda self, args: self.round_index, "after"),
-    "round_end": ("Membership", "open_round", lambda self, args: args[0], "before"),
+    "round_end": ("Membership", "_check_replica_whole", lambda self, args: args[0], "before"),
 }
 
 
@@ -148,6 +150,20 @@ def _fail_exchange_at(round_index: int) -> None:
         return original(self, peers, index, contributors, injected if index == round_index else error)
 
     elastic.Membership.settle = failing
+
+
+def _straggle_at(round_index: int, seconds: float) -> None:
+    """Make this replica reach its round end `round_index` `seconds` late (heartbeating all along)."""
+    from co2_zero import elastic
+
+    original = elastic.Membership.prepare_background_round
+
+    def late(self, index):
+        if index == round_index:
+            time.sleep(seconds)
+        return original(self, index)
+
+    elastic.Membership.prepare_background_round = late
 
 
 def _model(config: Any, shards: int) -> torch.nn.Module:
@@ -217,7 +233,7 @@ def _train(replica: int, rank: int, opt: Any, model: torch.nn.Module, membership
             stalls.append(opt.last_round["round_end_s"])
         # Past the gate, wait for the restarted replica (slowly, no extra steps) until it is in the quorum.
         waiting = gate is not None and step >= gate[0] * TAU and len(membership.history[-1].replicas) < full_quorum
-        time.sleep(1.0 if waiting else STEP_SLEEP_S)
+        time.sleep(1.0 if waiting else plan.get("step_sleep_s", STEP_SLEEP_S))
     words = outer_state_words(opt.engine)
     partition_length = opt.engine.layout.length
     opt.finalize()  # waits for the last round's exchange: its record is in the history
@@ -237,9 +253,9 @@ def _train(replica: int, rank: int, opt: Any, model: torch.nn.Module, membership
 class Job:
     """A Lighthouse and replica processes in a temporary directory; everything is killed at the end."""
 
-    def __init__(self, tmp_path: Path, steps: int) -> None:
+    def __init__(self, tmp_path: Path, steps: int, join_timeout_ms: int = 60000) -> None:
         self.tmp, self.steps = tmp_path, steps
-        self.lighthouse, self.address = _lighthouse()
+        self.lighthouse, self.address = _lighthouse(join_timeout_ms)
         self.processes: list[Any] = []
         self.ctx = torch.multiprocessing.get_context("spawn")
 
@@ -276,8 +292,8 @@ class Job:
 def job_factory(tmp_path):
     jobs: list[Job] = []
 
-    def make(steps: int) -> Job:
-        jobs.append(Job(tmp_path, steps))
+    def make(steps: int, join_timeout_ms: int = 60000) -> Job:
+        jobs.append(Job(tmp_path, steps, join_timeout_ms))
         return jobs[-1]
 
     yield make
@@ -472,6 +488,52 @@ def test_a_last_round_cut_on_one_replica_only_still_ends_with_one_model(job_fact
     everyone = [set(range(replicas))] * rounds
     expected = _reference_final(everyone, [], rounds * TAU, replicas)
     torch.testing.assert_close(results[1]["final"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_survivors_quorum_waits_beside_the_next_round(job_factory):
+    """Replica 1 is SIGKILLed at its round end 2, as it would ask for the quorum; replica 0 asks for its
+    quorum in the background and trains round 3 meanwhile. Rounds last longer than the Lighthouse's
+    heartbeat timeout here, so the survivor never stalls at a round end for the lost peer (asked for on
+    the main thread, as before design §12's background quorum, it stalled the heartbeat timeout), and
+    its round 2 is averaged over itself alone, as the reference with that schedule."""
+    rounds, lost_round, step_sleep_s = 5, 2, 2 * HEARTBEAT_TIMEOUT_MS / 1000 / TAU
+    job = job_factory(rounds * TAU)
+    plan = {"start_replicas": 2, "replicas": 2, "step_sleep_s": step_sleep_s}
+    survivor = job.start(0, **plan)
+    dead = job.start(1, die=("round_end", lost_round), **plan)
+    job.wait([*survivor, *dead], timeout=300)
+    assert dead[0].exitcode == -signal.SIGKILL
+    result = job.result(0)
+    schedule = _schedule(result["history"], rounds)
+    assert schedule == [{0, 1}] * lost_round + [{0}] * (rounds - lost_round), schedule
+    stall = max(result["stalls"])
+    assert stall < HEARTBEAT_TIMEOUT_MS / 1000 / 2, f"the survivor stalled {stall:.1f} s at a round end"
+    expected = _reference_final(schedule, [], rounds * TAU, replicas=2)
+    torch.testing.assert_close(result["final"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_straggler_left_out_of_a_quorum_leaves_with_an_error(job_factory):
+    """Replica 2 reaches its round end 2 four seconds late, longer than the Lighthouse's join timeout (1 s):
+    the others average round 2 (and more) without it. It learns it is behind only in a quorum asked for
+    in the background, while its next round already trains from its own start point, where it cannot
+    heal: it leaves with a CO2Error that says so, and the others go on, identical, as the reference."""
+    rounds, late_round = 10, 2
+    job = job_factory(rounds * TAU, join_timeout_ms=1000)
+    plan = {"start_replicas": 3, "replicas": 3, "step_sleep_s": 0.3}  # the others still train when it is back
+    others = [p for r in range(2) for p in job.start(r, **plan)]
+    straggler = job.start(2, straggle=(late_round, 4.0), **plan)
+    job.wait([*others, *straggler], timeout=300)
+    error = job.result(2).get("error", "")
+    assert "replica 2 is behind its peers" in error and "restart it to rejoin" in error, error
+    results = [job.result(r) for r in range(2)]
+    _assert_identical_round_starts(results)
+    assert results[0]["history"] == results[1]["history"]
+    schedule = _schedule(results[0]["history"], rounds)
+    assert schedule[:late_round] == [{0, 1, 2}] * late_round and schedule[late_round] == {0, 1}, schedule
+    assert all(contributors in ({0, 1}, None) for contributors in schedule[late_round:]), schedule
+    assert torch.equal(results[0]["final"], results[1]["final"])
+    expected = _reference_final(schedule, [], rounds * TAU, replicas=3)
+    torch.testing.assert_close(results[0]["final"], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_one_lost_rank_takes_its_replica_out(job_factory):

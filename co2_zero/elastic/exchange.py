@@ -38,9 +38,11 @@ class _CutExchange(Exception):
 class ElasticExchange(OuterExchange):
     """The outer exchange over each round's quorum (docs/design.md §12).
 
-    Per round: the quorum (main thread, in `launch`); in the background, one small all-reduce of who
-    contributes, the average of the contributors' displacements, the commit vote, then the outer
-    step. A cut exchange leaves the base as the next start point and the outer state untouched.
+    Per round, in the background: the quorum, one small all-reduce of who contributes, the average
+    of the contributors' displacements, the commit vote, then the outer step. The quorum is asked for
+    on the main thread instead (in `launch`, where healing may rewrite the start point) after an
+    exchange this replica cut: it may be behind its peers. A cut exchange leaves the base as the next
+    start point and the outer state untouched.
     """
 
     def __init__(
@@ -49,24 +51,36 @@ class ElasticExchange(OuterExchange):
         super().__init__(config, topology, layout, device)
         self.membership = membership
         self.joined: Optional[Peers] = None  # the quorum `attach` joined, for the first round end
-        self.peers: Optional[Peers] = None  # this round's; set before launch, read by the worker
+        self.peers: Optional[Peers] = None  # this round's (None until the background quorum); the worker's
         self.round_index = -1
         self.contributors: tuple[int, ...] = ()
+        self.cut = False  # the last exchange was cut on this replica (set by the worker)
 
     def launch(self, job: PipelineJob):
-        peers, self.joined = self.joined or self.membership.open_round(job.round_index), None
+        membership = self.membership
+        if self.joined is not None:  # attach met this round end's quorum
+            self.peers, self.joined = self.joined, None
+        elif self.cut:  # this replica may be behind: heal before the next round starts from the start point
+            self.peers = membership.open_round(job.round_index)
+        else:
+            membership.prepare_background_round(job.round_index)
+            self.peers = None
         # A replica that healed in the quorum holds its peer's gap norms now.
-        job = job._replace(previous_update_sq_norms=self.membership.engine.previous_update_sq_norms)
-        self.peers, self.round_index = peers, job.round_index
+        job = job._replace(previous_update_sq_norms=membership.engine.previous_update_sq_norms)
+        self.round_index = job.round_index
         return super().launch(job)
 
     def outer_peers(self) -> tuple[Any, int]:
         return self.peers.group, len(self.contributors)
 
     def _pipeline(self, job: PipelineJob) -> RoundResult:
+        if self.peers is None:
+            self.peers = self.membership.background_quorum(job.round_index)
         try:
-            return super()._pipeline(job)
+            result, self.cut = super()._pipeline(job), False
+            return result
         except _CutExchange:
+            self.cut = True
             job.work.copy_(job.base)  # the skip path: the next start point is the base
             zeros = torch.zeros(self.layout.num_tensors, dtype=torch.float64, device=job.work.device)
             return RoundResult(zeros, None)
@@ -81,7 +95,7 @@ class ElasticExchange(OuterExchange):
             g = super()._average(work, g_buffer)
         except Exception as failure:  # a peer died or the group broke: the average is incomplete
             error = _collective_error(failure)
-            _drop_group(peers.group)
+            drop_group(peers.group)
         if not self.membership.settle(peers, self.round_index, self.contributors or None, error):
             raise _CutExchange()
         return g
@@ -106,7 +120,7 @@ class ElasticExchange(OuterExchange):
                 super()._average(torch.zeros(self.layout.padded, device=device), None)
         except Exception as failure:
             error = _collective_error(failure)
-            _drop_group(peers.group)
+            drop_group(peers.group)
         self.membership.end(peers, error)
 
     def close(self, join_s: float = 1.0) -> bool:
@@ -129,7 +143,7 @@ def _collective_error(failure: Exception) -> Exception:
     return failure
 
 
-def _drop_group(group: Any) -> None:
+def drop_group(group: Any) -> None:
     """Close this replica's connections of a quorum group whose collective failed, at once: a peer
     still inside that collective then fails too (gloo: 'Connection closed by peer') instead of
     waiting out the group's timeout for data this replica will never send, while the Lighthouse

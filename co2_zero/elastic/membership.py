@@ -21,7 +21,7 @@ from ..config import CO2Config
 from ..errors import CO2Error, missing_extra
 from ..partition import local_values
 from ..topology import Topology, collective_device
-from .exchange import ElasticExchange, Peers, check_supported
+from .exchange import ElasticExchange, Peers, check_supported, drop_group
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import RoundEngine
@@ -35,6 +35,21 @@ def _torchft() -> Any:
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise missing_extra("torchft", "elastic", error) from error
     return torchft
+
+
+@dataclass(frozen=True)
+class ServedState:
+    """What this replica sends a peer that heals from it: its state between two rounds, fixed when the
+    quorum is asked for. Tensors are references, cloned when served: none of them is written before
+    the quorum ends (the next start point is read-only during the round, the momentum is written by
+    the outer step, after the quorum, on the same thread); the counters are copies."""
+
+    next_start: torch.Tensor
+    momentum: torch.Tensor
+    previous_update_sq_norms: Optional[torch.Tensor]
+    rounds: int
+    inner_steps: int
+    skipped_rounds: int
 
 
 @dataclass
@@ -87,6 +102,8 @@ class Membership:
         self.engine: Optional[RoundEngine] = None
         self.timeout_s = 0.0
         self._received: Optional[int] = None  # inner_steps of the state a peer sent this replica
+        self._served: Optional[ServedState] = None  # what a healing peer gets from this replica now
+        self._background_round: Optional[int] = None  # the round whose quorum runs on the exchange's worker
 
     # ---- the engine's seam ---------------------------------------------------------------------------
 
@@ -166,10 +183,29 @@ class Membership:
             ) from error
 
     def open_round(self, round_index: int) -> Peers:
-        """The quorum for round `round_index`'s exchange (main thread, at the round end). A replica that
-        is behind (its last exchange was cut while its peers committed theirs) heals here."""
+        """The quorum for round `round_index`'s exchange, on the main thread at the round end. A replica
+        that is behind (its last exchange was cut while its peers committed theirs) heals here."""
         self._check_replica_whole(round_index)
         return self._quorum(round_index, joining=False)
+
+    def prepare_background_round(self, round_index: int) -> None:
+        """At the round end, on the main thread: the checks and the state to serve for a quorum that
+        `background_quorum` then asks for on the exchange's worker."""
+        self._check_replica_whole(round_index)
+        self._served = self._between_rounds()
+
+    def background_quorum(self, round_index: int) -> Peers:
+        """The quorum for round `round_index`'s exchange, asked for by its pipeline while the next round
+        computes: a lost peer's heartbeat timeout and a joiner's wait overlap training (design §12). Only
+        after a committed round, when this replica is not behind; it still serves healing peers."""
+        self._background_round = round_index
+        try:
+            return self._quorum(round_index, joining=False, served=self._served)
+        except CO2Error:  # the peers of this quorum must not wait for this replica in its average
+            drop_group(self.manager._pg)
+            raise
+        finally:
+            self._background_round = None
 
     def final_quorum(self, round_index: int) -> Peers:
         """finalize()'s last quorum. A replica that cut the last round while its peers committed it is a
@@ -215,9 +251,12 @@ class Membership:
                 f"leaves the job and the others go on: restart every rank of it to rejoin"
             ) from error
 
-    def _quorum(self, round_index: int, joining: bool) -> Peers:
+    def _quorum(self, round_index: int, joining: bool, served: Optional[ServedState] = None) -> Peers:
+        self._served = served or self._between_rounds()
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.timeout_s))
+        except CO2Error:
+            raise
         except Exception as error:
             raise CO2Error(
                 f"co2 elastic: round {round_index}: replica {self.replica_id} got no quorum from the Lighthouse "
@@ -261,25 +300,45 @@ class Membership:
 
     # ---- healing: what a live peer sends a replica that is behind ------------------------------------
 
-    def _state_dict(self) -> dict[str, Any]:
-        """The engine's state between two rounds (called on the sender's quorum thread while its main
-        thread waits for the quorum and no exchange runs). Copies: the transport serves them later."""
+    def _between_rounds(self) -> ServedState:
+        """The engine's state between two rounds, as the main thread holds it at a round end."""
         engine = self.engine
-        norms = engine.previous_update_sq_norms
+        return ServedState(
+            engine.next_start,
+            engine.momentum,
+            engine.previous_update_sq_norms,
+            engine.rounds,
+            engine.inner_steps,
+            engine.skipped_rounds,
+        )
+
+    def _state_dict(self) -> dict[str, Any]:
+        """What a healing peer receives (called on torchft's quorum thread, inside this replica's quorum):
+        the state fixed when the quorum was asked for. Copies: the transport serves them later."""
+        served, engine = self._served, self.engine
+        norms = served.previous_update_sq_norms
         return {
             "identity": _portable(engine.identity()),
-            "next_start": engine.next_start.clone(),
-            "momentum": engine.momentum.clone(),
+            "next_start": served.next_start.clone(),
+            "momentum": served.momentum.clone(),
             "previous_update_sq_norms": None if norms is None else norms.clone(),
-            "rounds": engine.rounds,
-            "inner_steps": engine.inner_steps,
-            "skipped_rounds": engine.skipped_rounds,
+            "rounds": served.rounds,
+            "inner_steps": served.inner_steps,
+            "skipped_rounds": served.skipped_rounds,
             "frozen": [local_values(p).clone() for _, p in engine.watch.frozen],
         }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a live peer's state (main thread, inside start_quorum)."""
         engine = self.engine
+        if self._background_round is not None:
+            raise CO2Error(
+                f"co2 elastic: round {self._background_round}: replica {self.replica_id} is behind its peers (they "
+                f"committed round(s) it did not take part in: it was left out of a quorum, e.g. it reached its "
+                f"round end later than the Lighthouse's join timeout after them) while its next round was "
+                f"already computing from its own start point; it leaves the job: restart it to rejoin from a "
+                f"live peer"
+            )
         mine = _portable(engine.identity())
         for key, value in mine.items():
             if state["identity"].get(key) != value:
