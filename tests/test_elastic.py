@@ -490,6 +490,7 @@ def test_a_last_round_cut_on_one_replica_only_still_ends_with_one_model(job_fact
     torch.testing.assert_close(results[1]["final"], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_survivors_quorum_waits_beside_the_next_round(job_factory):
     """Replica 1 is SIGKILLed at its round end 2, as it would ask for the quorum; replica 0 asks for its
     quorum in the background and trains round 3 meanwhile. Rounds last longer than the Lighthouse's
@@ -512,6 +513,7 @@ def test_the_survivors_quorum_waits_beside_the_next_round(job_factory):
     torch.testing.assert_close(result["final"], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_straggler_left_out_of_a_quorum_leaves_with_an_error(job_factory):
     """Replica 2 reaches its round end 2 four seconds late, longer than the Lighthouse's join timeout (1 s):
     the others average round 2 (and more) without it. It learns it is behind only in a quorum asked for
