@@ -200,7 +200,7 @@ class Membership:
         after a committed round, when this replica is not behind; it still serves healing peers."""
         self._background_round = round_index
         try:
-            return self._quorum(round_index, joining=False, served=self._served)
+            return self._quorum(round_index, joining=False, serve_now=False)
         except CO2Error:  # the peers of this quorum must not wait for this replica in its average
             drop_group(self.manager._pg)
             raise
@@ -251,8 +251,11 @@ class Membership:
                 f"leaves the job and the others go on: restart every rank of it to rejoin"
             ) from error
 
-    def _quorum(self, round_index: int, joining: bool, served: Optional[ServedState] = None) -> Peers:
-        self._served = served or self._between_rounds()
+    def _quorum(self, round_index: int, joining: bool, serve_now: bool = True) -> Peers:
+        """serve_now: a peer that heals from this replica gets its state as of now (main thread, between
+        rounds); False: as `prepare_background_round` fixed it."""
+        if serve_now:
+            self._served = self._between_rounds()
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.timeout_s))
         except CO2Error:
