@@ -13,13 +13,14 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 PENALTY_MODES = ("none", "constant", "adaptive")
 CLIP_MODES = ("none", "value", "norm")
 COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
 COMM_DTYPES = ("fp32", "bf16", "int8", "fp8")  # int8/fp8: block-quantized with error feedback (compress.py)
 NONFINITE_POLICIES = ("raise", "skip_round")
+STAND_INS = ("shared", "eager", "local")  # where a replica starts a round while the last average is in flight
 # The accepted values of every choice field, by dotted name (for messages that name another rank's value).
 CHOICES = {
     "gap_penalty.mode": PENALTY_MODES,
@@ -148,14 +149,28 @@ class CO2Config:
             "blocking outer steps (Local SGD, SlowMo, DiLoCo), on the same code path."
         },
     )
-    eager: bool = field(
-        default=False,
+    stand_in: str = field(
+        default="shared",
         metadata={
-            "doc": "Eager updates (Kale et al., arXiv 2502.12996): while a round's average is in flight, each "
-            "replica starts the next round from the shared start point plus an outer step on its own fresh "
-            "displacement, a stand-in for its share that the true average replaces when it arrives "
-            '(docs/design.md §3, "Eager updates"). Needs `overlap: true`, `clip.mode: none`, `comm_dtype` '
-            "`fp32` or `bf16` and `nonfinite: raise`; costs up to 2Ψ/S fp32 words per rank.",
+            "doc": "Where each replica starts a round while the last average is in flight; the true average "
+            'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `shared`: the shared '
+            "start point, as published. `eager`: plus an outer step on the replica's own share of the average "
+            "(Kale et al., arXiv 2502.12996). `local`: the outer step the average will take, on the replica's "
+            "own displacement instead (with the outer momentum). Other than `shared`: needs `overlap: true`, "
+            "`clip.mode: none`, `comm_dtype` `fp32` or `bf16` and `nonfinite: raise`; costs up to 2Ψ/S fp32 "
+            "words per rank.",
+        },
+    )
+    sync_delay: Optional[int] = field(
+        default=None,
+        metadata={
+            "doc": "Inner steps of the next round the exchange has to finish in: the average in flight is "
+            "applied after that many steps of the round after it, each replica's progress in those steps "
+            "kept on top of it (a rebase). `null` (the default): tau, the round end (CO2 as published). A "
+            "smaller value hides any exchange shorter than that many steps and brings the loss towards "
+            "blocking DiLoCo's; set it to the exchange's time over the step time, rounded up "
+            '(docs/design.md §3, "The sync delay"). Needs `overlap: true`; not with an elastic membership.',
+            "accepted": "null, or an integer in [1, tau]",
         },
     )
     gap_penalty: Union[GapPenalty, Mapping[str, Any]] = field(
@@ -220,23 +235,42 @@ class CO2Config:
         seconds = f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
         _check_number("timeout_s", self.timeout_s, seconds, lambda v: 0 < v <= MAX_TIMEOUT_S)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        _check_bool("eager", self.eager)
-        if self.eager:
-            self._check_eager_combination()
+        _check_choice("stand_in", self.stand_in, STAND_INS)
+        if self.sync_delay is not None:
+            self._check_sync_delay()
+        if self.stand_in != "shared":
+            self._check_stand_in_combination()
         _as_floats(self, "outer_lr", "outer_momentum", "timeout_s")
 
-    def _check_eager_combination(self) -> None:
-        """The fields `eager: true` is defined with (docs/design.md §3, "Eager updates"); each refusal
-        names the field, its value and what eager accepts."""
+    @property
+    def steps_before_apply(self) -> int:
+        """Inner steps into a round at which the average of the round before it is applied: 0 in blocking
+        mode (at once), else `sync_delay` (tau when unset: the round end)."""
+        if not self.overlap:
+            return 0
+        return self.tau if self.sync_delay is None else self.sync_delay
+
+    def _check_sync_delay(self) -> None:
+        _check_int("sync_delay", self.sync_delay, 1)
+        if self.sync_delay > self.tau:
+            _fail("sync_delay", self.sync_delay, f"null, or an integer in [1, tau={self.tau}]")
+        if not self.overlap:
+            _fail(
+                "sync_delay", self.sync_delay, "null when overlap=False (a blocking round applies its average at once)"
+            )
+
+    def _check_stand_in_combination(self) -> None:
+        """The fields a stand-in other than `shared` is defined with (docs/design.md §3, "Stand-ins"); each
+        refusal names the field, its value and what the stand-in accepts."""
         needs = (
             ("overlap", self.overlap, (True,), "true (a blocking round has no average in flight to stand in for)"),
-            ("clip.mode", self.clip.mode, ("none",), "'none' (the clip cannot see the replica's own correction)"),
+            ("clip.mode", self.clip.mode, ("none",), "'none' (a stand-in's momentum does not see the clip)"),
             ("comm_dtype", self.comm_dtype, ("fp32", "bf16"), "'fp32' or 'bf16'"),
             ("nonfinite", self.nonfinite, ("raise",), "'raise' (a skipped round would leave its stand-in behind)"),
         )
         for name, value, accepted, what in needs:
             if value not in accepted:
-                _fail(name, value, f"{what} when eager=True")
+                _fail(name, value, f"{what} when stand_in={self.stand_in!r}")
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:
@@ -265,6 +299,7 @@ class CO2Config:
         """Hash of the fields that change the trajectory (not timeouts, collectives or sharding)."""
         plumbing = ("timeout_s", "collective", "shards_per_replica")  # the result is independent of them
         math = {k: v for k, v in self.to_dict().items() if k not in plumbing}
+        math["sync_delay"] = self.steps_before_apply  # null and tau are the same schedule
         return hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:16]
 
     def resolve_shards(self, world_size: int) -> int:

@@ -8,9 +8,11 @@ and a `refresh` callback that spreads a rewritten partition to the rest of its r
 2. D = start point - live parameters, computed in the retiring buffer; launch the pipeline on it,
 3. live parameters <- next start point; refresh; the two partition buffers trade roles.
 
-Only step 3 ever writes the live parameters. The engine's lifecycle is an explicit `Phase`; what
-`overlap` changes is decided in one place, `OverlapRule`. Start-up lives in `startup`, the module
-buffers in `buffers`, the state as plain data in `engine_state`.
+With a sync delay d < tau the average is applied d steps into the next round instead (the
+replica's progress since the round start kept on top of it, `_apply_mid_round`); step 3 and that
+apply are the only writes of the live parameters. The engine's lifecycle is an explicit `Phase`;
+what `overlap` and the sync delay change is decided in one place, `ApplySchedule`. Start-up lives in
+`startup`, the module buffers in `buffers`, the state as plain data in `engine_state`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .buffers import ModuleBuffers
 from .comm import OuterExchange, PipelineJob, largest_abs
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError, collective_error
-from .outer import eager_start
+from .outer import eager_start, local_start, track_momentum
 from .partition import ParameterWatch, Partition
 from .topology import Topology
 
@@ -55,32 +57,48 @@ class RoundPlan:
     base: torch.Tensor  # the start point the outer update applies to
     work: torch.Tensor  # receives D; the pipeline leaves the next start point in it
     wait_at_once: bool  # wait for the pipeline before step 3 (blocking mode)
+    swap: bool  # the buffers trade roles at this round end (else when the average is applied mid-round)
     gap: Optional[torch.Tensor]  # the previous update's per-tensor squared norms (staleness), or None
 
 
 @dataclass(frozen=True)
-class OverlapRule:
-    """Everything `overlap` changes, decided here only (docs/design.md §3, "Blocking mode").
+class ApplySchedule:
+    """When a round's average is applied, decided here only (docs/design.md §3, "Blocking mode" and
+    "The sync delay"): `steps` inner steps into the next round.
 
-    Overlap: D overwrites the retiring start point B and the update applies to x_{t+1}, a round late,
-    with a staleness gap. Blocking: D goes to the spare buffer and the update applies to x_t at once,
-    without a gap. Either way the live parameters then take `next_start` and the buffers swap.
+    - tau (overlap, the default): at the next round end, a round late, with a staleness gap. D
+      overwrites the retiring start point B and the update applies to x_{t+1}; the buffers swap.
+    - 0 (blocking): at once. D goes to the spare buffer, the update applies to x_t without a gap.
+    - 0 < d < tau (a sync delay): D goes to the spare buffer, the update applies to the base D was
+      measured from, and the buffers swap when it is applied, d steps into the next round.
     """
 
-    enabled: bool
+    steps: int
+    tau: int
 
     def plan(self, start_point: torch.Tensor, next_start: torch.Tensor, gap: Optional[torch.Tensor]) -> RoundPlan:
-        if self.enabled:
-            return RoundPlan(base=next_start, work=start_point, wait_at_once=False, gap=gap)
-        return RoundPlan(base=start_point, work=next_start, wait_at_once=True, gap=None)
+        if self.steps == self.tau:
+            return RoundPlan(base=next_start, work=start_point, wait_at_once=False, swap=True, gap=gap)
+        if self.steps == 0:
+            return RoundPlan(base=start_point, work=next_start, wait_at_once=True, swap=True, gap=None)
+        return RoundPlan(base=start_point, work=next_start, wait_at_once=False, swap=False, gap=gap)
+
+    def applies_mid_round(self, inner_steps: int) -> bool:
+        """Whether the average in flight is applied after this inner step (not at a round end)."""
+        return 0 < self.steps < self.tau and inner_steps % self.tau == self.steps
+
+    def unapplied_after(self, inner_steps: int, rounds: int) -> bool:
+        """Whether a launched average is still to be applied after `inner_steps` (a loaded state)."""
+        return 0 < self.steps < self.tau and rounds > 0 and inner_steps % self.tau < self.steps
 
     def last_start(self, start_point: torch.Tensor, next_start: torch.Tensor) -> torch.Tensor:
-        """The start point the last finished round produced, which finalize() gives every rank."""
-        return next_start if self.enabled else start_point
+        """The start point the last finished round produced, once applied, which finalize() gives every
+        rank."""
+        return next_start if self.steps == self.tau else start_point
 
     def carried_next_start(self, next_start: torch.Tensor) -> Optional[torch.Tensor]:
         """The next start point as state: in blocking mode it is a spare buffer, carried as None."""
-        return next_start if self.enabled else None
+        return next_start if self.steps else None
 
 
 class RoundEngine:
@@ -107,7 +125,7 @@ class RoundEngine:
     ) -> None:
         partition.check_views()
         self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
-        self.overlap = OverlapRule(config.overlap)
+        self.schedule = ApplySchedule(config.steps_before_apply, config.tau)
         module_buffers = list(module.buffers()) if module is not None else []
         self.buffers = ModuleBuffers([*buffers, *module_buffers], topology, config)
         self.watch = ParameterWatch.collect(params, module)
@@ -124,6 +142,8 @@ class RoundEngine:
         self.phase = Phase.IDLE
         self._pending: Optional[Future] = None
         self._pending_index = -1  # the round whose pipeline `_pending` runs
+        self._unapplied = False  # a sync delay < tau: the last launched average is still to be applied
+        self._mid_round_wait_s = 0.0  # blocked in this round's mid-round apply
         self._failure: Optional[CO2Error] = None
         self.last_round: dict[str, Any] = {}
         self._bytes_reported = 0  # of exchange.bytes_sent, already in some last_round
@@ -139,11 +159,11 @@ class RoundEngine:
         self.momentum = torch.zeros(self.exchange.slice_length, dtype=torch.float32, device=device)
         reduce_scatter = self.exchange.strategy == "reduce_scatter"
         self.g_buffer = torch.zeros_like(self.momentum) if reduce_scatter else None
-        # eager: this replica's own round start (shared start + its correction) and the momentum of its
-        # own shares (only with outer momentum); docs/design.md §3, "Eager updates"
-        eager = self.config.eager
-        self.own_start = self.start_point.clone() if eager else None
-        self.own_momentum = torch.zeros_like(self.start_point) if eager and self.config.outer_momentum else None
+        # a stand-in (docs/design.md §3, "Stand-ins"): this replica's own round start, and (with outer
+        # momentum) eager's momentum of its own shares or local's copy of the whole outer momentum
+        stand_in = self.config.stand_in != "shared"
+        self.own_start = self.start_point.clone() if stand_in else None
+        self.own_momentum = torch.zeros_like(self.start_point) if stand_in and self.config.outer_momentum else None
         self.previous_update_sq_norms: Optional[torch.Tensor] = None
         self.inner_steps = 0
         self.rounds = 0
@@ -197,25 +217,49 @@ class RoundEngine:
         self.check_usable()
         self.inner_steps += 1
         if self.inner_steps % self.config.tau:
+            if self._unapplied and self.schedule.applies_mid_round(self.inner_steps):
+                self._apply_mid_round()
             return False
         self._round_end()
         return True
+
+    def _apply_mid_round(self) -> None:
+        """Sync delay d < tau, d steps into round t+1: wait for pipeline t and rebase, live x <- x + (x_{t+1}
+        - y), y being where this replica's round started (the shared start, or its stand-in), so the d
+        steps' progress is kept on top of the new start point; the buffers trade roles. The retiring start
+        point is the scratch buffer; with a stand-in, y becomes the new shared start (it is spent)."""
+        self._mid_round_wait_s += self._wait_pending()
+        self._track_applied_step(self.start_point, self.next_start)
+        retiring = self.start_point
+        self.partition.subtract_from(self.round_start, out=retiring)  # y - x
+        torch.sub(self.next_start, retiring, out=retiring)  # x_{t+1} - y + x
+        self.start_point, self.next_start = self.next_start, retiring
+        self._unapplied = False
+        self._set_live(retiring)
+        if self.own_start is not None:
+            self.own_start.copy_(self.start_point)
 
     def _round_end(self) -> None:
         """Steps 1-3 of the module docstring, then the module buffers; fills `last_round`."""
         began = time.perf_counter()
         self._check_parameters_unchanged()
-        wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
+        wait_s = self._wait_pending() + self._mid_round_wait_s  # step 1: next_start now holds x_{t+1}
+        self._mid_round_wait_s = 0.0
+        if self.schedule.steps == self.config.tau:  # the average in flight is applied at this round end
+            self._track_applied_step(self.start_point, self.next_start)
         self._check_steps()  # the last round end's (arrived with its pipeline)
         self.announcements.post(self.inner_steps, finalizing=False)
         sent = self._exchange_bytes_since_last_report()
-        plan = self.overlap.plan(self.start_point, self.next_start, self.previous_update_sq_norms)
+        plan = self.schedule.plan(self.start_point, self.next_start, self.previous_update_sq_norms)
         reset_inner = self._launch(plan)  # step 2
         if plan.wait_at_once:
             wait_s += self._wait_pending()
             sent += self._exchange_bytes_since_last_report()
-        self.start_point, self.next_start = self.next_start, self.start_point
-        self._set_live(self.round_start)  # step 3: x <- Nx (eager: plus this replica's correction); refresh
+        if plan.swap:
+            self.start_point, self.next_start = self.next_start, self.start_point
+        else:  # applied mid-round (`_apply_mid_round`)
+            self._unapplied = True
+        self._set_live(self.round_start)  # step 3: x <- Nx (or this replica's stand-in); refresh
         self.rounds += 1
         if self.buffers:  # a peer that finalized never averages them: learn it first
             self._check_steps()
@@ -234,14 +278,17 @@ class RoundEngine:
         }
 
     def _launch(self, plan: RoundPlan) -> bool:
-        """D = (this replica's round start) - x into `plan.work`; eager: the next own start from D, before
-        the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's own
-        D is non-finite under "skip_round" (its inner state must then be reset)."""
+        """D = (this replica's round start) - x into `plan.work`; a stand-in: the next own start from D,
+        before the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's
+        own D is non-finite under "skip_round" (its inner state must then be reset)."""
         self.partition.subtract_from(self.round_start, out=plan.work)
         reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(plan.work[: self.layout.length])
-        if self.own_start is not None:
-            hyper, replicas = self.exchange.hyper, self.topology.replicas
+        hyper = self.exchange.hyper
+        if self.config.stand_in == "eager":
+            replicas = self.topology.replicas
             eager_start(plan.work, plan.base, self.own_momentum, hyper=hyper, replicas=replicas, out=self.own_start)
+        elif self.config.stand_in == "local":
+            local_start(plan.work, plan.base, self.own_momentum, hyper=hyper, out=self.own_start)
         job = PipelineJob(plan.work, plan.base, self.momentum, self.g_buffer, plan.gap, self.rounds)
         try:
             self._pending, self._pending_index = self.exchange.launch(job), self.rounds
@@ -258,10 +305,16 @@ class RoundEngine:
             stacklevel=5,
         )
 
+    def _track_applied_step(self, before: torch.Tensor, after: torch.Tensor) -> None:
+        """The `local` stand-in's copy of the outer momentum follows each outer step applied to the shared
+        start (`outer.track_momentum`); before the first round end nothing was applied (before == after)."""
+        if self.config.stand_in == "local" and self.own_momentum is not None and self.rounds:
+            track_momentum(self.own_momentum, before, after, hyper=self.exchange.hyper)
+
     @property
     def round_start(self) -> torch.Tensor:
-        """Where this replica's current round started: the shared start point B, or with eager B plus
-        this replica's own correction (docs/design.md §3)."""
+        """Where this replica's current round started: the shared start point B, or its stand-in until the
+        average in flight is applied (docs/design.md §3)."""
         return self.start_point if self.own_start is None else self.own_start
 
     def _exchange_bytes_since_last_report(self) -> int:
@@ -292,7 +345,9 @@ class RoundEngine:
             self.exchange.agree_final(self.rounds)
         except CO2Error as error:
             self._fail(error)
-        self._set_live(self.overlap.last_start(self.start_point, self.next_start))
+        if self._unapplied:  # a sync delay: the last average arrived before its apply point
+            self.start_point, self.next_start, self._unapplied = self.next_start, self.start_point, False
+        self._set_live(self.schedule.last_start(self.start_point, self.next_start))
         self._average_buffers("finalize")
         self.phase = Phase.FINALIZED
         self.close(join_s=self.config.timeout_s)
@@ -416,6 +471,7 @@ class RoundEngine:
         self.check_state_dict(state)
         self._wait_pending()
         engine_state.load_state_dict(self, state)
+        self._unapplied = self.schedule.unapplied_after(self.inner_steps, self.rounds)
 
     def restart_from_start_point(self) -> None:
         """Set the live parameters to the current start point (a resharded state resumes at the
@@ -427,7 +483,7 @@ class RoundEngine:
         """Bytes of CO2 state this rank holds (docs/design.md §4: 2Ψ/S + 2Ψ/N fp32 words with
         reduce_scatter, 3Ψ/S with all_reduce, plus one float64 norm per tensor), and the outer step's segment
         index (`outer.SegmentIndex`, about 2·√(elements · segments) ids); int8/fp8 add the error-feedback
-        residuals, Ψ/S + Ψ/N; eager its own start and own-share momentum, up to 2Ψ/S."""
+        residuals, Ψ/S + Ψ/N; a stand-in its own start and momentum, up to 2Ψ/S."""
         tensors = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]
         tensors += [self.own_start, self.own_momentum]
         tensors += list(self.exchange.residuals or ())

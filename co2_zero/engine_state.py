@@ -56,12 +56,13 @@ def state_dict(engine: RoundEngine) -> dict[str, Any]:
         "rounds": engine.rounds,
         "skipped_rounds": engine.skipped_rounds,
         "start_point": engine.start_point,
-        "next_start": engine.overlap.carried_next_start(engine.next_start),
+        "next_start": engine.schedule.carried_next_start(engine.next_start),
         "momentum": engine.momentum,
         "previous_update_sq_norms": engine.previous_update_sq_norms,
         # comm_dtype int8/fp8: the error-feedback residuals (comm.Residuals), else None
         "residuals": None if engine.exchange.residuals is None else engine.exchange.residuals._asdict(),
-        # eager: this replica's own round start and the momentum of its own shares, else None
+        # a stand-in: this replica's own round start and its momentum (eager: of its own shares; local: a
+        # copy of the outer momentum), else None
         "own_start": engine.own_start,
         "own_momentum": engine.own_momentum,
     }
@@ -93,7 +94,7 @@ def _check_tensors(engine: RoundEngine, state: dict[str, Any]) -> None:
     """Every tensor of `state` has this engine's shape and dtype (and is present iff it has one)."""
     expected = {
         "start_point": engine.start_point,
-        "next_start": engine.overlap.carried_next_start(engine.next_start),
+        "next_start": engine.schedule.carried_next_start(engine.next_start),
         "momentum": engine.momentum,
     }
     for key, like in expected.items():
@@ -101,7 +102,7 @@ def _check_tensors(engine: RoundEngine, state: dict[str, Any]) -> None:
     norms = state.get("previous_update_sq_norms")
     if norms is not None:
         _check_tensor("previous_update_sq_norms", norms, torch.zeros(engine.layout.num_tensors, dtype=torch.float64))
-    for key in ("own_start", "own_momentum"):  # absent from a resharded state: no correction to carry
+    for key in ("own_start", "own_momentum"):  # absent from a resharded state: no stand-in to carry
         if state.get(key) is not None:
             _check_tensor(key, state[key], getattr(engine, key))
     residuals = state.get("residuals")

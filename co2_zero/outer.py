@@ -45,6 +45,7 @@ class OuterHyper(NamedTuple):
     penalty_strength: float  # γ of "adaptive"
     clip: str  # "none" | "value" | "norm"
     clip_threshold: float  # φ
+    staleness: float = 1.0  # the share of a round computed before the average in flight is applied: sync delay / τ
 
     @classmethod
     def from_config(cls, config: CO2Config) -> OuterHyper:
@@ -58,6 +59,7 @@ class OuterHyper(NamedTuple):
             penalty_strength=float(penalty.strength),
             clip=clip.mode,
             clip_threshold=float(clip.threshold),
+            staleness=config.steps_before_apply / config.tau,
         )
 
 
@@ -208,8 +210,9 @@ def outer_step(
        outer_momentum = 0 without Nesterov: m = g/Λ is then never read again). base: the start point
        the update applies to. segments: the tensor pieces of the slice; counted: the pieces this rank
        counts in global norms. previous_update_sq_norms: this rank's partial ‖u‖² of the previous
-       step (the staleness gap is δ = -outer_lr * u), or None when there is no gap (blocking mode,
-       first step).
+       step (the staleness gap is δ = -outer_lr * u, its norm scaled by `hyper.staleness`: the share of
+       the round its displacement computed before the previous average was applied), or None when there
+       is no gap (blocking mode, first step).
 
     A fixed number of kernels whatever the number of tensors, and one host sync: whether the norms
     are finite, which decides between raising/skipping and updating. The caller runs this on its
@@ -227,7 +230,7 @@ def outer_step(
         return OuterResult(torch.zeros(num_tensors, dtype=torch.float64, device=g.device), False)
 
     if hyper.penalty != "none":  # g <- g / Λ
-        g_norms, gap_norms = norms_sq[:num_tensors].sqrt(), alpha * norms_sq[num_tensors:].sqrt()
+        g_norms, gap_norms = norms_sq[:num_tensors].sqrt(), alpha * hyper.staleness * norms_sq[num_tensors:].sqrt()
         segments.scale_(g, gap_penalty(hyper, g_norms, gap_norms).reciprocal().to(g.dtype))
     if beta or hyper.nesterov:  # m <- β·m + g/Λ
         m = torch.add(g, momentum, alpha=beta, out=momentum) if beta else momentum.copy_(g)
@@ -273,3 +276,42 @@ def eager_start(
         out.add_(displacement, alpha=-alpha / replicas)
     else:
         torch.add(shared_start, own_momentum, alpha=-alpha, out=out)
+
+
+def local_start(
+    displacement: torch.Tensor,
+    shared_start: torch.Tensor,
+    stand_in_momentum: Optional[torch.Tensor],
+    *,
+    hyper: OuterHyper,
+    out: torch.Tensor,
+) -> None:
+    """This replica's next round start under the `local` stand-in (docs/design.md §3, "Stand-ins"): the
+    outer step the average in flight will take from `shared_start`, on the replica's own displacement D
+    instead, `shared_start - α·u` with m' = β·m + D and u = β·m' + D (Nesterov) or m'; m is the outer
+    momentum as of `shared_start` (`stand_in_momentum`, `track_momentum`; None when β = 0). Nothing is
+    updated: the true step replaces this one when the average arrives. No penalty, no clip. Elementwise."""
+    alpha, beta = hyper.outer_lr, hyper.outer_momentum
+    if not beta:  # u = D
+        torch.add(shared_start, displacement, alpha=-alpha, out=out)
+        return
+    if hyper.nesterov:  # u = β²·m + (1 + β)·D
+        torch.add(shared_start, stand_in_momentum, alpha=-alpha * beta * beta, out=out)
+        out.add_(displacement, alpha=-alpha * (1.0 + beta))
+    else:  # u = β·m + D
+        torch.add(shared_start, stand_in_momentum, alpha=-alpha * beta, out=out)
+        out.add_(displacement, alpha=-alpha)
+
+
+def track_momentum(
+    stand_in_momentum: torch.Tensor, before: torch.Tensor, after: torch.Tensor, *, hyper: OuterHyper
+) -> None:
+    """The outer momentum m, on the whole partition, from the shared start's move `before -> after` = -α·u
+    (the outer step applied to it): u = m (heavy ball), or u = β·m + g with m = β·m_old + g, so m =
+    (u + β·m_old) / (1 + β) (Nesterov). Exact without a clip; the momentum itself may live sharded over
+    the outer group (reduce_scatter), while the `local` stand-in needs all of it. In place, elementwise."""
+    alpha, beta = hyper.outer_lr, hyper.outer_momentum
+    if hyper.nesterov:
+        stand_in_momentum.mul_(beta).sub_(after, alpha=1.0 / alpha).add_(before, alpha=1.0 / alpha).div_(1.0 + beta)
+    else:
+        torch.sub(before, after, out=stand_in_momentum).div_(alpha)

@@ -7,9 +7,14 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
   ddp                 all-reduce every step (no τ, no outer step: one run per seed serves every τ)
   diloco              blocking DiLoCo: overlap off, Nesterov outer momentum, no gap penalty (train_lm's preset)
   co2                 CO2 as shipped (CO2Config's defaults) but the outer lr / momentum of the cell
-  co2_eager           the same with the config field `eager: true` (unavailable where CO2Config lacks it)
+  co2_eager           the same with `stand_in: eager` (Kale et al.'s eager updates)
   diloco_eager        the paper's "1-outer-step eager" (Kale et al. 2502.12996): DiLoCo's outer step
-                      (Nesterov, no gap penalty), overlapped one round late, with `eager: true`
+                      (Nesterov, no gap penalty), overlapped one round late, with `stand_in: eager`
+  co2_local           co2 with `stand_in: local` (below)
+  diloco_local        the same with `stand_in: local`: each replica starts a round from the outer step
+                      the average will take, on its own displacement instead
+  diloco_local_sync   the same with `sync_delay: SYNC_DELAY`: the average is applied that many steps into
+                      the next round (not at its end), the replicas' progress rebased on it
   torchft_diloco      torchft's DiLoCo and Streaming DiLoCo (2 fragments), driven by scripts/torchft_peer.py
   torchft_streaming   --replicas P: a Lighthouse and P replicas of one rank, the diloco preset's outer
                       optimizer (Nesterov) at the cell's outer lr / momentum, fp32 (unavailable without torchft)
@@ -37,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import os
+import platform
 import resource
 import shlex
 import statistics
@@ -44,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -52,8 +59,14 @@ from scripts import bench_convergence as bc
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "scripts" / "torchft_peer.py"
-CO2_FAMILY = ("diloco", "co2", "co2_eager", "diloco_eager")
-EAGER = ("co2_eager", "diloco_eager")  # the methods with the config field `eager: true`
+CO2_FAMILY = ("diloco", "co2", "co2_eager", "co2_local", "diloco_eager", "diloco_local", "diloco_local_sync")
+STAND_IN = {"co2_eager": "eager", "co2_local": "local", "diloco_eager": "eager", "diloco_local": "local",
+            "diloco_local_sync": "local"}  # fmt: skip
+# with the config field `sync_delay`: min(SYNC_DELAY, τ) steps, what the study model's exchange needs at 100 Mbit/s
+# (its blocking DiLoCo runs 18% slower than CO2 at τ 32 there: the exchange takes about 6 of its steps)
+SYNCED = ("diloco_local_sync",)
+SYNC_DELAY = 8
+DILOCO_STEP = ("diloco", "diloco_eager", "diloco_local", "diloco_local_sync")  # the diloco preset's outer step
 PEERS = {"torchft_diloco": "diloco", "torchft_streaming": "streaming"}  # method -> the peer's algorithm
 METHODS = ("ddp", *CO2_FAMILY, *PEERS)
 # (outer lrs, outer momenta) tried per method at every τ. The DiLoCo family keeps Nesterov 0.9 and
@@ -71,6 +84,9 @@ GRIDS = {
     "co2": CO2_GRID,
     "co2_eager": ((0.5, 0.7, 1.0), (0.8, 0.9)),
     "diloco_eager": ((0.5, 0.7, 1.0), (0.5, 0.9)),
+    "co2_local": ((0.5, 0.7, 1.0), (0.5, 0.8)),
+    "diloco_local": NESTEROV_GRID,
+    "diloco_local_sync": NESTEROV_GRID,
     "torchft_diloco": NESTEROV_GRID,
     "torchft_streaming": NESTEROV_GRID,
 }
@@ -82,6 +98,9 @@ THROUGHPUT_LABELS = {
     "co2": ("co2",),
     "co2_eager": ("co2",),
     "diloco_eager": ("co2",),
+    "co2_local": ("co2",),
+    "diloco_local": ("co2",),
+    "diloco_local_sync": ("co2_sync8", "co2"),
 }
 PUBLISHED = {
     "ddp": "–",
@@ -89,6 +108,9 @@ PUBLISHED = {
     "co2": "ours before (benchmarks, compressed exchange): +16–20% at τ 27–64 with 12–27 rounds",
     "co2_eager": "eager recovers most of the one-step delay's loss: Kale et al. 2502.12996",
     "diloco_eager": "the paper's own setting of eager: Kale et al. 2502.12996",
+    "co2_local": "–",
+    "diloco_local": "–",
+    "diloco_local_sync": "Streaming DiLoCo applies its overlapped sync a few steps late: Douillard et al. 2501.18512",
     "torchft_diloco": "as diloco",
     "torchft_streaming": "similar to DiLoCo at ~100× less bandwidth: Douillard et al. 2501.18512",
 }
@@ -165,14 +187,20 @@ def grids(overrides: Sequence[str]) -> dict:
 
 def unavailable(method: str) -> Optional[str]:
     """Why `method` cannot run in this tree, or None."""
-    if method in EAGER:
+    if method in STAND_IN:
         from co2_zero import CO2Config
         from co2_zero.train.args import CO2_FLAGS
 
-        if "eager" not in {f.name for f in dataclasses.fields(CO2Config)}:
-            return "unavailable: needs the eager field (CO2Config.eager)"
-        if "eager" not in CO2_FLAGS:
-            return "unavailable: needs train_lm.py's --eager flag"
+        if "stand_in" not in {f.name for f in dataclasses.fields(CO2Config)}:
+            return "unavailable: needs the stand_in field (CO2Config.stand_in)"
+        if "stand_in" not in CO2_FLAGS:
+            return "unavailable: needs train_lm.py's --stand_in flag"
+    if method in SYNCED:
+        from co2_zero import CO2Config
+        from co2_zero.train.args import CO2_FLAGS
+
+        if "sync_delay" not in {f.name for f in dataclasses.fields(CO2Config)} or "sync_delay" not in CO2_FLAGS:
+            return "unavailable: needs the sync_delay field (CO2Config.sync_delay) and train_lm.py's --sync_delay"
     if method in PEERS:
         if not PEER.is_file():
             return "unavailable: needs scripts/torchft_peer.py"
@@ -191,9 +219,11 @@ def train_flags(cell: Cell, steps: int, eval_points: int, common: Sequence[str])
              "--seed", str(cell.seed), "--no_progress", *common]  # fmt: skip
     if cell.method == "ddp":
         return [*flags, "--method", "ddp"]
-    method = ["--method", "diloco"] if cell.method in ("diloco", "diloco_eager", *PEERS) else ["--method", "co2"]
-    eager = ["--eager"] if cell.method in EAGER else []
-    eager += ["--overlap"] if cell.method == "diloco_eager" else []  # the diloco preset blocks; eager overlaps
+    method = ["--method", "diloco"] if cell.method in (*DILOCO_STEP, *PEERS) else ["--method", "co2"]
+    eager = ["--stand_in", STAND_IN[cell.method]] if cell.method in STAND_IN else []
+    # the diloco preset blocks; its overlapped variants overlap
+    eager += ["--overlap"] if cell.method in DILOCO_STEP and cell.method != "diloco" else []
+    eager += ["--sync_delay", str(min(SYNC_DELAY, cell.tau))] if cell.method in SYNCED else []
     return [*flags, *method, *eager, "--outer_lr", str(cell.outer_lr), "--outer_momentum", str(cell.momentum)]
 
 
@@ -321,7 +351,8 @@ def run_cell(cell: Cell, a, steps: int, cells_dir: Path, log_root: Path) -> dict
     records = [json.loads(line) for line in out_json.read_text().splitlines()]
     result = {**dataclasses.asdict(cell), "name": cell.name, "command": command, **run_config(a),
               "wall_s": round(time.time() - began, 1), "cpu_s": round(_children_cpu_s() - cpu_before, 1),
-              "host": {"cores": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()},
+              "host": {"cores": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
+                       "python": platform.python_version(), "torch": metadata.version("torch")},
               "finished": time.strftime("%Y-%m-%d %H:%M:%S"), **bc.curve(records)}  # fmt: skip
     tmp = cells_dir / f".{cell.name}.tmp"
     tmp.write_text(json.dumps(result, indent=1))

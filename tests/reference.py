@@ -26,7 +26,8 @@ DEFAULTS: dict[str, Any] = {
     "outer_momentum": 0.0,
     "nesterov": False,
     "overlap": True,
-    "eager": False,
+    "stand_in": "shared",
+    "sync_delay": None,
     "gap_penalty": {"mode": "adaptive", "value": 1.0, "strength": 2.0},
     "clip": {"mode": "none", "threshold": 1.0},
 }
@@ -43,8 +44,13 @@ def resolve_config(config: dict) -> dict[str, Any]:
         raise ValueError(f"unknown gap_penalty mode {cfg['gap_penalty']['mode']!r}")
     if cfg["clip"]["mode"] not in ("none", "value", "norm"):
         raise ValueError(f"unknown clip mode {cfg['clip']['mode']!r}")
-    if cfg["eager"] and (not cfg["overlap"] or cfg["clip"]["mode"] != "none"):
-        raise ValueError("eager needs overlap and no clip")
+    if cfg["stand_in"] not in ("shared", "eager", "local"):
+        raise ValueError(f"unknown stand_in {cfg['stand_in']!r}")
+    if cfg["stand_in"] != "shared" and (not cfg["overlap"] or cfg["clip"]["mode"] != "none"):
+        raise ValueError("a stand-in needs overlap and no clip")
+    delay = cfg["sync_delay"]
+    if delay is not None and (not cfg["overlap"] or not 1 <= delay <= cfg["tau"]):
+        raise ValueError("sync_delay needs overlap and 1 <= sync_delay <= tau")
     return cfg
 
 
@@ -58,6 +64,18 @@ def eager_starts(shared: Params, owns: list[Params], ends: list[Params], h: list
         h[r] = {n: beta * h[r][n] + a[n] for n in shared}
         v = {n: beta * h[r][n] + a[n] for n in shared} if cfg["nesterov"] else h[r]
         owns[r] = {n: shared[n] - alpha * v[n] for n in shared}
+
+
+def local_starts(shared: Params, owns: list[Params], ends: list[Params], m: Params, cfg: dict[str, Any]) -> None:
+    """The `local` stand-in (docs/design.md §3): replica r's next round start is the outer step the
+    average will take from ``shared``, with the outer momentum ``m`` as of ``shared`` (not updated), on
+    its own displacement (own start − own end) instead of the average. Replaces ``owns[r]``."""
+    alpha, beta = cfg["outer_lr"], cfg["outer_momentum"]
+    for r in range(len(owns)):
+        d = {n: owns[r][n] - ends[r][n] for n in shared}
+        m_next = {n: beta * m[n] + d[n] for n in shared}
+        u = {n: beta * m_next[n] + d[n] for n in shared} if cfg["nesterov"] else m_next
+        owns[r] = {n: shared[n] - alpha * u[n] for n in shared}
 
 
 def outer_step(base: Params, g: Params, gap: Params, m: Params, cfg: dict[str, Any]) -> tuple[Params, Params, Params]:
@@ -185,17 +203,25 @@ def simulate(
     exchange was cut: then every replica skips it (the next start point is the
     base, the momentum is unchanged and the update counts as zero for the next
     gap). Replicas outside the set still train (their result is simply unused).
-    With ``eager`` (overlap only), each replica's displacement is measured from
-    its own round start, which is the shared start plus its own correction
-    (:func:`eager_starts`); ``record`` keeps the shared start points and
-    ``finalize`` gives every replica the shared one.
+    With a ``stand_in`` other than ``shared`` (overlap only), each replica's
+    displacement is measured from its own round start, its stand-in
+    (:func:`eager_starts`, :func:`local_starts`); ``record`` keeps the shared start
+    points and ``finalize`` gives every replica the shared one.
     ``joins``: (replica, round) pairs: the replica (re)joined at the end of round
     - 1, so its inner optimizer is built anew before that round's first step.
+    ``sync_delay`` d < tau in the config: :func:`simulate_sync_delay`.
     """
+    if config.get("sync_delay") not in (None, config.get("tau", DEFAULTS["tau"])):
+        if exchange is not None or schedule is not None or joins or fresh_inner_at is not None or trace is not None:
+            raise ValueError("a sync delay is simulated without a compressed exchange, membership, joins or trace")
+        return simulate_sync_delay(
+            make_model, make_optimizer, batch, loss_fn, config, replicas, steps, finalize, shards, shard_batch,
+            record=record, step_record=step_record,
+        )  # fmt: skip
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
-    if cfg["eager"] and (exchange is not None or schedule is not None):
-        raise ValueError("eager is not simulated with a compressed exchange or elastic membership")
+    if cfg["stand_in"] != "shared" and (exchange is not None or schedule is not None):
+        raise ValueError("a stand-in is not simulated with a compressed exchange or elastic membership")
     if replicas < 1 or shards < 1 or steps < 0:
         raise ValueError("replicas and shards must be >= 1 and steps >= 0")
     if shards > 1 and shard_batch is None:
@@ -247,6 +273,8 @@ def simulate(
             else:
                 gap = {n: torch.tensor(0.0) for n in start}
             base = pending if overlap else start
+            if cfg["stand_in"] == "local":  # from the next start, with the momentum before this round's step
+                local_starts(base, owns, xs, m, cfg)
             if g is None:
                 result = {n: v.clone() for n, v in base.items()}
                 u, lam = {n: torch.zeros_like(v) for n, v in base.items()}, {}
@@ -272,9 +300,9 @@ def simulate(
                 start, pending = pending, result
             else:
                 start = result
-            if cfg["eager"]:
+            if cfg["stand_in"] == "eager":
                 eager_starts(start, owns, xs, own_momenta, cfg)
-            else:
+            elif cfg["stand_in"] == "shared":
                 owns = [start] * replicas
             for model, own in zip(models, owns):
                 _set_params(model, own)
@@ -304,3 +332,96 @@ def round_starts(*args: Any, **kwargs: Any) -> list[Params]:
     starts: list[Params] = []
     simulate(*args, record=starts, **kwargs)
     return starts
+
+
+def simulate_sync_delay(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    batch: Callable[[int, int], Batch],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    config: dict,
+    replicas: int,
+    steps: int,
+    finalize: bool = True,
+    shards: int = 1,
+    shard_batch: Callable[[int, int, int], Batch] | None = None,
+    *,
+    record: list[Params] | None = None,
+    step_record: list[list[Params]] | None = None,
+) -> list[Params]:
+    """CO2 with a sync delay d < tau, written as the algorithm reads (docs/design.md §3, "The sync delay").
+
+    At the end of round t the replicas' mean displacement Δ̄_t, each measured from where its replica
+    started the round, goes through the outer step on the shared start S_t the round was rebased on:
+    S_{t+1} = outer_step(S_t, Δ̄_t), its staleness gap α·‖u_{t−1}‖ scaled by d/tau. The replicas start
+    round t+1 from S_t or their stand-in (:func:`eager_starts`, :func:`local_starts`). After d inner steps
+    of round t+1, S_{t+1} arrives: every replica moves by S_{t+1} − (where it started the round), keeping
+    its d steps of progress, and the round's start becomes S_{t+1} for every replica. ``finalize`` applies
+    a result that has not arrived yet and gives every replica the shared start. Arguments as
+    :func:`simulate`; ``record`` receives the shared start after every round end (x_0 first).
+    """
+    cfg = resolve_config(config)
+    tau, delay, alpha = cfg["tau"], cfg["sync_delay"], cfg["outer_lr"]
+    models = [make_model() for _ in range(replicas)]
+    for model in models[1:]:
+        _set_params(model, _params(models[0]))
+        _set_buffers(model, _buffers(models[0]))
+    for model in models:
+        model.train()
+    opts = [make_optimizer(list(model.parameters())) for model in models]
+    bufs = [[_buffers(model) for _ in range(shards)] for model in models]
+
+    shared = _params(models[0])  # S_t
+    owns = [shared] * replicas  # where each replica started the current round
+    own_momenta = [{n: torch.zeros_like(v) for n, v in shared.items()} for _ in range(replicas)]
+    m = {n: torch.zeros_like(v) for n, v in shared.items()}
+    u_prev: Params | None = None
+    arriving: Params | None = None  # S_{t+1}, applied d steps into round t+1
+    if record is not None:
+        record.append({n: v.clone() for n, v in shared.items()})
+
+    for k in range(steps):
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            micro = [batch(r, k)] if shards == 1 else [shard_batch(r, s, k) for s in range(shards)]  # type: ignore[misc]
+            _inner_step(model, opt, loss_fn, micro, bufs[r])
+        if arriving is not None and (k + 1) % tau == delay:
+            for model, own in zip(models, owns):
+                x = _params(model)
+                _set_params(model, {n: x[n] + (arriving[n] - own[n]) for n in x})
+            shared, arriving = arriving, None
+            owns = [shared] * replicas
+        if (k + 1) % tau == 0:
+            ends = [_params(model) for model in models]
+            g = {n: torch.stack([owns[r][n] - ends[r][n] for r in range(replicas)]).mean(0) for n in shared}
+            if u_prev is None:
+                gap = {n: torch.tensor(0.0) for n in shared}
+            else:
+                gap = {n: alpha * (delay / tau) * torch.linalg.vector_norm(u_prev[n]) for n in shared}
+            if cfg["stand_in"] == "local":  # with the momentum before this round's step
+                local_starts(shared, owns, ends, m, cfg)
+            arriving, u_prev, _ = outer_step(shared, g, gap, m, cfg)
+            if cfg["stand_in"] == "eager":
+                eager_starts(shared, owns, ends, own_momenta, cfg)
+            elif cfg["stand_in"] == "shared":
+                owns = [shared] * replicas
+            for model, own in zip(models, owns):
+                _set_params(model, own)
+            _average_float_buffers(bufs)
+            if record is not None:
+                record.append({n: v.clone() for n, v in shared.items()})
+        if step_record is not None:
+            step_record.append([_params(model) for model in models])
+
+    if finalize:
+        final = arriving if arriving is not None else shared
+        for model in models:
+            _set_params(model, final)
+        _average_float_buffers(bufs)
+
+    out: list[Params] = []
+    for model, replica_bufs in zip(models, bufs):
+        _set_buffers(model, replica_bufs[0])
+        state = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state.update(_buffers(model))
+        out.append(state)
+    return out

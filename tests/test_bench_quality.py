@@ -74,9 +74,14 @@ def test_flags_of_each_method():
     diloco = bq.train_flags(bq.Cell("diloco", 32, 0.7, 0.9, 5), 640, 2, common)
     assert diloco[:6] == ["--tau", "32", "--log_every", "32", "--eval_every", "10"]
     assert diloco[-6:] == ["--method", "diloco", "--outer_lr", "0.7", "--outer_momentum", "0.9"]
-    assert "--eager" in bq.train_flags(bq.Cell("co2_eager", 8, 1.0, 0.0, 5), 640, 2, common)
+    eager = bq.train_flags(bq.Cell("co2_eager", 8, 1.0, 0.0, 5), 640, 2, common)
+    assert eager[eager.index("--stand_in") + 1] == "eager" and "--sync_delay" not in eager
     paper = bq.train_flags(bq.Cell("diloco_eager", 8, 0.7, 0.9, 5), 640, 2, common)
-    assert {"--eager", "--overlap"} <= set(paper) and paper[paper.index("--method") + 1] == "diloco", paper
+    assert {"--stand_in", "--overlap"} <= set(paper) and paper[paper.index("--method") + 1] == "diloco", paper
+    synced = bq.train_flags(bq.Cell("diloco_local_sync", 32, 0.7, 0.9, 5), 640, 2, common)
+    assert synced[synced.index("--sync_delay") + 1] == str(bq.SYNC_DELAY) and "local" in synced
+    short = bq.train_flags(bq.Cell("diloco_local_sync", 4, 0.7, 0.9, 5), 640, 2, common)
+    assert short[short.index("--sync_delay") + 1] == "4"  # at most τ
     ddp = bq.train_flags(bq.Cell("ddp", None, None, None, 5), 640, 2, common)
     assert ddp[:6] == ["--tau", "1", "--log_every", "320", "--eval_every", "1"] and "--outer_lr" not in ddp
     peer = bq.peer_command(bq.Cell("torchft_streaming", 32, 0.7, 0.9, 5), 640, 2, common, 4, bq.Path("x.jsonl"))
@@ -87,8 +92,8 @@ def test_flags_of_each_method():
 def test_unavailable_methods_say_why(monkeypatch):
     from co2_zero import CO2Config
 
-    if "eager" not in {f.name for f in bq.dataclasses.fields(CO2Config)}:  # reported, never run as plain co2
-        assert bq.unavailable("co2_eager") == "unavailable: needs the eager field (CO2Config.eager)"
+    if "stand_in" not in {f.name for f in bq.dataclasses.fields(CO2Config)}:  # reported, never run as plain co2
+        assert bq.unavailable("co2_eager") == "unavailable: needs the stand_in field (CO2Config.stand_in)"
     assert bq.unavailable("co2") is None and bq.unavailable("ddp") is None
     monkeypatch.setattr(bq, "PEER", bq.ROOT / "no_such_peer.py")
     assert bq.unavailable("torchft_diloco") == "unavailable: needs scripts/torchft_peer.py"

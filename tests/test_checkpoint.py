@@ -37,7 +37,19 @@ CONFIGS = {
         "outer_momentum": 0.9,
         "nesterov": True,
         "collective": "reduce_scatter",
-        "eager": True,
+        "stand_in": "eager",
+    },
+    # a sync delay: saved at step 7, before round 1's average is applied at step 8 (docs/design.md §3); with
+    # the local stand-in, each rank's copy of the outer momentum travels too
+    "sync_delay": {"tau": 3, "sync_delay": 2, "outer_lr": 0.8, "outer_momentum": 0.5, "collective": "all_reduce"},
+    "sync_delay-local": {
+        "tau": 3,
+        "sync_delay": 2,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "nesterov": True,
+        "collective": "reduce_scatter",
+        "stand_in": "local",
     },
 }
 SAVE_AT, TOTAL = 7, 14  # 7 = mid-round, with round 1's exchange in flight

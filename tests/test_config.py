@@ -41,7 +41,8 @@ BAD_FIELDS = [
     ("gap_penalty", {"mode": "constant", "value": float("inf")}, "gap_penalty.value"),
     ("clip", {"mode": "norm", "threshold": float("inf")}, "clip.threshold"),
     ("nonfinite", "ignore", "nonfinite"),
-    ("eager", "yes", "eager"),
+    ("stand_in", True, "stand_in"),
+    ("sync_delay", "4", "sync_delay"),
 ]
 
 
@@ -54,14 +55,39 @@ BAD_FIELDS = [
         ({"nonfinite": "skip_round"}, "nonfinite", "skip_round"),
     ],
 )
-def test_eager_refuses_what_it_is_not_defined_with(other, named, value):
-    """docs/design.md §3, "Eager updates": each refused field is named with its value and what eager accepts."""
+@pytest.mark.parametrize("stand_in", ["eager", "local"])
+def test_stand_in_refuses_what_it_is_not_defined_with(other, named, value, stand_in):
+    """docs/design.md §3, "Stand-ins": each refused field is named with its value and what the stand-in accepts."""
     with pytest.raises(ValueError) as info:
-        CO2Config.from_dict({"eager": True, **other})
+        CO2Config.from_dict({"stand_in": stand_in, **other})
     message = str(info.value)
-    assert f"{named}={value!r}" in message and "accepted" in message and "eager=True" in message
-    assert not CO2Config.from_dict(other).eager  # fine without eager
-    assert CO2Config.from_dict({"eager": True, "comm_dtype": "bf16"}).eager
+    assert f"{named}={value!r}" in message and "accepted" in message and f"stand_in={stand_in!r}" in message
+    assert CO2Config.from_dict(other).stand_in == "shared"  # fine without a stand-in
+    assert CO2Config.from_dict({"stand_in": stand_in, "comm_dtype": "bf16"}).stand_in == stand_in
+
+
+@pytest.mark.parametrize(
+    "section,accepted",
+    [
+        ({"sync_delay": 0}, "an integer >= 1"),
+        ({"sync_delay": 13}, "null, or an integer in [1, tau=12]"),
+        ({"sync_delay": 2.0}, "an integer >= 1"),
+        ({"sync_delay": 4, "overlap": False}, "null when overlap=False"),
+        ({"stand_in": "fresh"}, "'shared' | 'eager' | 'local'"),
+    ],
+)
+def test_sync_delay_and_stand_in_refusals_name_what_is_accepted(section, accepted):
+    with pytest.raises(ValueError) as info:
+        CO2Config.from_dict(section)
+    key = next(iter(section))
+    assert f"{key}={section[key]!r}" in str(info.value) and accepted in str(info.value), str(info.value)
+
+
+def test_sync_delay_default_is_the_round_end():
+    """null and tau are one schedule (and one checkpoint hash); blocking applies at once."""
+    assert CO2Config().steps_before_apply == 12 and CO2Config(tau=5, sync_delay=2).steps_before_apply == 2
+    assert CO2Config(overlap=False).steps_before_apply == 0
+    assert CO2Config(sync_delay=12).math_hash() == CO2Config().math_hash() != CO2Config(sync_delay=11).math_hash()
 
 
 @pytest.mark.parametrize("field,value,named", BAD_FIELDS)
@@ -102,7 +128,7 @@ def test_math_hash_ignores_plumbing_only():
     assert base.math_hash() == CO2Config(timeout_s=5, collective="all_reduce").math_hash()
     assert base.math_hash() != CO2Config(tau=3).math_hash()
     assert base.math_hash() != CO2Config(clip={"mode": "value"}).math_hash()
-    assert base.math_hash() != CO2Config(eager=True).math_hash()
+    assert base.math_hash() != CO2Config(stand_in="eager").math_hash() != CO2Config(stand_in="local").math_hash()
 
 
 def test_shards_node_reads_local_world_size(monkeypatch):

@@ -645,3 +645,19 @@ def test_engines_that_are_not_elastic_refuse_a_membership_naming_what_is(build, 
     message = str(refused.value)
     assert f"{entry_point} takes no membership=" in message, message
     assert "plain parameters" in message and "FSDP2" in message, message
+
+
+@pytest.mark.parametrize("field,value", [("sync_delay", 2), ("stand_in", "local"), ("stand_in", "eager")])
+def test_elastic_mode_refuses_what_its_quorums_cannot_heal(monkeypatch, field, value):
+    """Quorums form and heal at round ends (design §12): an average applied mid-round, or a replica's own
+    stand-in, is refused at construction, naming the field, its value and what is accepted."""
+    from types import SimpleNamespace
+
+    from co2_zero import CO2Config, CO2Error
+    from co2_zero.elastic import exchange
+
+    monkeypatch.setattr(exchange.dist, "get_backend", lambda group: "gloo")
+    topology = SimpleNamespace(replicas=1, world_size=1, outer_group=None)
+    exchange.check_supported(CO2Config(tau=4), topology)  # the defaults are accepted
+    with pytest.raises(CO2Error, match=f"{field}={value!r} is not supported; accepted: "):
+        exchange.check_supported(CO2Config(tau=4, **{field: value}), topology)

@@ -63,14 +63,81 @@ SCENARIOS = {
     # eager updates (docs/design.md §3): replicas start rounds from the shared start plus their own
     # correction; with the gap penalty (Nesterov) and without it (heavy ball)
     "eager-nesterov-adaptive-allreduce": dict(
-        config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce", "eager": True},
+        config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce", "stand_in": "eager"},
         steps=8,
         model="uneven",
     ),
     "eager-heavyball-none-reducescatter": dict(
-        config={**HEAVY_BALL, "tau": 3, "gap_penalty": {"mode": "none"}, "collective": "reduce_scatter", "eager": True},
+        config={
+            **HEAVY_BALL,
+            "tau": 3,
+            "gap_penalty": {"mode": "none"},
+            "collective": "reduce_scatter",
+            "stand_in": "eager",
+        },
         steps=9,
         optimizer="adam",
+    ),
+    # a sync delay (docs/design.md §3): the average is applied d steps into the next round, each replica's
+    # progress rebased on it; with eager and the gap penalty, and without either. 13 steps end before the
+    # last average is applied (finalize applies it), 11 after
+    "syncdelay-eager-nesterov-adaptive-allreduce": dict(
+        config={
+            **NESTEROV,
+            "tau": 4,
+            "sync_delay": 2,
+            "gap_penalty": ADAPTIVE,
+            "collective": "all_reduce",
+            "stand_in": "eager",
+        },
+        steps=13,
+        model="uneven",
+    ),
+    "syncdelay-eager-heavyball-none-reducescatter": dict(
+        config={
+            **HEAVY_BALL,
+            "tau": 3,
+            "sync_delay": 1,
+            "gap_penalty": {"mode": "none"},
+            "collective": "reduce_scatter",
+            "stand_in": "eager",
+        },
+        steps=11,
+        optimizer="adam",
+    ),
+    # the local stand-in: the outer step on the replica's own displacement, with the outer momentum that
+    # each rank follows from the applied steps (sharded with reduce_scatter); at the round end and mid-round
+    "local-nesterov-adaptive-reducescatter": dict(
+        config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter", "stand_in": "local"},
+        steps=9,
+        model="uneven",
+    ),
+    "syncdelay-local-nesterov-none-reducescatter": dict(
+        config={
+            **NESTEROV,
+            "tau": 4,
+            "sync_delay": 1,
+            "gap_penalty": {"mode": "none"},
+            "stand_in": "local",
+            "collective": "reduce_scatter",
+        },
+        steps=13,
+        optimizer="adam",
+    ),
+    "syncdelay-local-heavyball-adaptive-allreduce": dict(
+        config={
+            **HEAVY_BALL,
+            "tau": 3,
+            "sync_delay": 2,
+            "gap_penalty": ADAPTIVE,
+            "stand_in": "local",
+            "collective": "all_reduce",
+        },
+        steps=11,
+    ),
+    "syncdelay-heavyball-adaptive-reducescatter": dict(
+        config={**HEAVY_BALL, "tau": 3, "sync_delay": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+        steps=11,
     ),
 }
 RESUME = dict(config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE}, steps=8, save_at=4, model="uneven")
@@ -440,11 +507,11 @@ def test_frozen_parameter_stays_put(results):
 
 def test_replicas_identical_at_every_round_start(results):
     """Bit for bit: the shared start point B on the ranks of each outer group; the live parameters too,
-    except with eager, where each replica adds its own correction (docs/design.md §3)."""
+    except with a stand-in, where each replica starts from its own (docs/design.md §3)."""
     for world, per_rank in results.items():
         shards = world // 2
         for name, sc in SCENARIOS.items():
-            tau, eager = sc["config"]["tau"], sc["config"].get("eager", False)
+            tau, eager = sc["config"]["tau"], sc["config"].get("stand_in", "shared") != "shared"
             for rank in range(shards, world):
                 peer = per_rank[rank % shards][name]["shared"]
                 assert all(torch.equal(a, b) for a, b in zip(per_rank[rank][name]["shared"], peer)), (world, name)
@@ -474,7 +541,7 @@ def test_state_bytes_match_memory_formula(results, world):
                 words = 2 * padded + 2 * padded // replicas
             else:
                 words = 3 * padded
-            if sc["config"].get("eager"):  # its own start, and the momentum of its own shares
+            if sc["config"].get("stand_in", "shared") != "shared":  # its own start, and its stand-in's momentum
                 words += padded * (2 if sc["config"]["outer_momentum"] else 1)
             # plus the outer step's segment index (its size is tested in test_outer_kernels.py)
             assert got["bytes"] == 4 * words + 8 * len(params) + got["index_bytes"], (name, rank)

@@ -356,7 +356,7 @@ def paper_eager_round_starts(c: dict, replicas: int, rounds: int) -> list[list[P
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_eager_is_the_papers_eager_update(nesterov: bool) -> None:
     """The shared start plus each replica's correction (docs/design.md §3) is the paper's algorithm."""
-    c = cfg(overlap=True, eager=True, outer_lr=0.7, outer_momentum=0.6, nesterov=nesterov)
+    c = cfg(overlap=True, stand_in="eager", outer_lr=0.7, outer_momentum=0.6, nesterov=nesterov)
     rounds = 4
     per_step: list = []
     trace: list[dict] = []

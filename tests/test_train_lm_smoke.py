@@ -307,8 +307,10 @@ def test_co2_settings_precedence(tmp_path):
     assert (c.tau, c.outer_momentum, c.gap_penalty.mode, c.clip.mode) == (7, 0.3, "adaptive", "norm")
     c = train_args.co2_config(train_args.get_args(["--deepspeed_config", str(path)]))  # engine plain: file unused
     assert (c.tau, c.outer_momentum) == (12, 0.0)
-    assert c.eager is False  # the default stays off until issue 22's study decides
-    assert train_args.co2_config(train_args.get_args(["--eager"])).eager is True
+    assert (c.stand_in, c.sync_delay) == ("shared", None)  # CO2Config's defaults
+    assert train_args.co2_config(train_args.get_args(["--eager"])).stand_in == "eager"
+    local = train_args.co2_config(train_args.get_args(["--stand_in", "local", "--sync_delay", "3", "--tau", "8"]))
+    assert (local.stand_in, local.sync_delay) == ("local", 3)
 
 
 def test_token_files_are_read_as_uint16(tmp_path):

@@ -34,7 +34,8 @@ CO2_FLAGS = {
     "overlap": "overlap", "gap_penalty": ("gap_penalty", "mode"), "gap_strength": ("gap_penalty", "strength"),
     "gap_value": ("gap_penalty", "value"), "clip": ("clip", "mode"), "clip_threshold": ("clip", "threshold"),
     "shards_per_replica": "shards_per_replica", "collective": "collective", "comm_dtype": "comm_dtype",
-    "timeout_s": "timeout_s", "nonfinite": "nonfinite", "eager": "eager",
+    "timeout_s": "timeout_s", "nonfinite": "nonfinite", "stand_in": "stand_in",
+    "sync_delay": "sync_delay",
 }  # fmt: skip
 PRESET = "default: the --method preset, else the config's co2 section, else CO2Config's"
 ELASTIC_ENGINES = ("plain", "fsdp")
@@ -115,8 +116,11 @@ def _co2_flags(p: argparse.ArgumentParser) -> None:
     a("--outer_momentum", type=float, default=None, help=f"{PRESET} 0.0")
     a("--nesterov", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} off")
     a("--overlap", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} on")
-    a("--eager", default=None, action=argparse.BooleanOptionalAction,
-      help=f"eager updates (Kale et al. 2025; docs/design.md §3); {PRESET} off")  # fmt: skip
+    a("--stand_in", default=None, choices=("shared", "eager", "local"),
+      help=f"where a replica starts a round while the average is in flight (design §3); {PRESET} shared")  # fmt: skip
+    a("--eager", dest="stand_in", action="store_const", const="eager", help="--stand_in eager (default: off)")
+    a("--sync_delay", type=int, default=None,
+      help=f"inner steps of the next round the exchange must finish in (design §3); {PRESET} tau")  # fmt: skip
     a("--gap_penalty", default=None, choices=("none", "constant", "adaptive"), help=f"{PRESET} adaptive")
     a("--gap_strength", type=float, default=None, help=f"adaptive: 1 + strength*|gap|/|g|; {PRESET} 2.0")
     a("--gap_value", type=float, default=None, help=f"constant: divide by this; {PRESET} 1.0")
