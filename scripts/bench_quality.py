@@ -100,7 +100,7 @@ THROUGHPUT_LABELS = {
     "diloco_eager": ("co2",),
     "co2_local": ("co2",),
     "diloco_local": ("co2",),
-    "diloco_local_sync": ("co2_sync8", "co2"),
+    "diloco_local_sync": (),  # applied after SYNC_DELAY steps: only its own run says whether that hides the exchange
 }
 PUBLISHED = {
     "ddp": "–",
@@ -161,7 +161,8 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--throughput", nargs="+", metavar="RATE=FILE",
                    default=[f"100mbit={THROUGHPUT_DIR / 'throughput_P4_100mbit_study.json'}",
                             f"1gbit={THROUGHPUT_DIR / 'throughput_P4_1gbit_study.json'}"],
-                   help="bench_throughput.py results whose P = --nodes cell gives each method's tokens/s")  # fmt: skip
+                   help="bench_throughput.py results whose P = --nodes cell gives each method's tokens/s; "
+                        "RATE:METHOD=FILE: METHOD's own, its run recorded as co2 (with METHOD's flags)")  # fmt: skip
     p.add_argument("--max_cells", type=int, default=0, help="stop after this many runs (0: all)")
     p.add_argument("--plan", action="store_true", help="print the cells left and an estimate of their hours")
     p.add_argument("--summary", action="store_true", help="only build the summary from the cells there are")
@@ -423,15 +424,16 @@ def table_rows(results: dict[str, dict], methods: Sequence[str], taus: Sequence[
     return rows
 
 
-def link_tokens_per_s(throughput: dict, nodes: int, method: str, tau: Optional[int] = None) -> Optional[dict]:
+def link_tokens_per_s(throughput: dict, nodes: int, method: str, tau: Optional[int] = None,
+                      labels: Optional[Sequence[str]] = None) -> Optional[dict]:  # fmt: skip
     """The measured steady-state tokens/s of `method` in a bench_throughput.py result's P = `nodes`
-    cell: {tokens_per_s, label, tau} of the first of THROUGHPUT_LABELS[method] it has, or None. A local-
-    step method run at τ `tau` takes only a run at that τ or below: a larger τ exchanges less often, so a
-    run at a smaller τ is a lower bound of its speed, one at a larger τ would overstate it."""
+    cell: {tokens_per_s, label, tau} of the first of `labels` (default THROUGHPUT_LABELS[method]) it has,
+    or None. A local-step method run at τ `tau` takes only a run at that τ or below: a larger τ exchanges
+    less often, so a run at a smaller τ is a lower bound of its speed, one at a larger τ would overstate it."""
     for cell in throughput["cells"]:
         if cell["nodes"] != nodes:
             continue
-        for label in THROUGHPUT_LABELS.get(method, ()):
+        for label in labels if labels is not None else THROUGHPUT_LABELS.get(method, ()):
             if label in cell["summary"]:
                 row = cell["summary"][label]
                 measured_tau = row.get("tau", cell.get("tau"))
@@ -459,8 +461,13 @@ def time_to_target(results: dict[str, dict], rows: Sequence[dict], throughputs: 
     for row in rows:
         curve = mean_curve(seed_runs(results, row_setting(row)))
         tokens = [bcomp.seconds_to_reach(curve, ddp_final * (1 + m)) for m in margins]
-        for rate, throughput in throughputs.items():
-            speed = link_tokens_per_s(throughput, nodes, row["method"], row["tau"])
+        for rate in link_rates(throughputs):
+            own = throughputs.get(f"{rate}:{row['method']}")  # the method's own run, as co2
+            if own is not None:
+                speed = link_tokens_per_s(own, nodes, row["method"], row["tau"], labels=("co2",))
+                speed = speed and {**speed, "label": "its own run"}
+            else:
+                speed = link_tokens_per_s(throughputs[rate], nodes, row["method"], row["tau"])
             per_s = speed["tokens_per_s"] if speed else None
             targets = [{"margin": m, "loss": ddp_final * (1 + m), "tokens": t,
                         "seconds": t / per_s if t is not None and per_s else None}
@@ -468,6 +475,11 @@ def time_to_target(results: dict[str, dict], rows: Sequence[dict], throughputs: 
             out.append({"method": row["method"], "tau": row["tau"], "rate": rate, "throughput": speed,
                         "targets": targets, "budget_seconds": curve[0][-1] / per_s if per_s else None})  # fmt: skip
     return out
+
+
+def link_rates(throughputs: dict) -> list[str]:
+    """The link rates of --throughput's files (RATE=FILE; not a method's own RATE:METHOD=FILE)."""
+    return [key for key in throughputs if ":" not in key]
 
 
 def summary(a, results: dict[str, dict], steps: int, out_dir: Path) -> dict:
@@ -585,7 +597,7 @@ def plots(result: dict, results: dict[str, dict], out_dir: Path) -> None:
         fig.tight_layout()
         fig.savefig(out_dir / f"quality_tau{tau}.png", dpi=110)
         plt.close(fig)
-    for rate in result["throughput_files"]:
+    for rate in link_rates(result["throughput_files"]):
         speeds = {(r["method"], r["tau"]): r["throughput"] for r in result["time_to_target"] if r["rate"] == rate}
         fig, ax = plt.subplots(figsize=(7, 4.5))
         shown = []

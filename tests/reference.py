@@ -163,6 +163,60 @@ def _inner_step(
     opt.step()
 
 
+def _start_replicas(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    replicas: int,
+    shards: int,
+) -> tuple[list[nn.Module], list[torch.optim.Optimizer], list[list[Params]]]:
+    """The replicas' models (replica 0's x_0 and buffers everywhere, even if the caller forgot to seed),
+    inner optimizers, and the buffers each of the S ranks of a replica keeps (its own forward passes)."""
+    models = [make_model() for _ in range(replicas)]
+    for model in models[1:]:
+        _set_params(model, _params(models[0]))
+        _set_buffers(model, _buffers(models[0]))
+    for model in models:
+        model.train()
+    opts = [make_optimizer(list(model.parameters())) for model in models]
+    return models, opts, [[_buffers(model) for _ in range(shards)] for model in models]
+
+
+def _results(models: list[nn.Module], bufs: list[list[Params]]) -> list[Params]:
+    """Per replica, detached clones of its named parameters and (shard 0's) buffers."""
+    out: list[Params] = []
+    for model, replica_bufs in zip(models, bufs):
+        _set_buffers(model, replica_bufs[0])
+        state = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state.update(_buffers(model))
+        out.append(state)
+    return out
+
+
+def _next_round(
+    models: list[nn.Module],
+    bufs: list[list[Params]],
+    shared: Params,
+    owns: list[Params],
+    ends: list[Params],
+    own_momenta: list[Params],
+    cfg: dict[str, Any],
+    record: list[Params] | None,
+) -> list[Params]:
+    """Start the next round at a round end: every replica at its stand-in (eager's made here; local's
+    before the outer step, which moves the momentum they read) or at the shared start ``shared``; buffers
+    averaged; ``shared`` recorded. Returns where each replica starts."""
+    if cfg["stand_in"] == "eager":
+        eager_starts(shared, owns, ends, own_momenta, cfg)
+    elif cfg["stand_in"] == "shared":
+        owns = [shared] * len(models)
+    for model, own in zip(models, owns):
+        _set_params(model, own)
+    _average_float_buffers(bufs)
+    if record is not None:
+        record.append({n: v.clone() for n, v in shared.items()})
+    return owns
+
+
 def simulate(
     make_model: Callable[[], nn.Module],
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
@@ -209,15 +263,8 @@ def simulate(
     points and ``finalize`` gives every replica the shared one.
     ``joins``: (replica, round) pairs: the replica (re)joined at the end of round
     - 1, so its inner optimizer is built anew before that round's first step.
-    ``sync_delay`` d < tau in the config: :func:`simulate_sync_delay`.
+    ``sync_delay`` d < tau in the config: :func:`_simulate_sync_delay`.
     """
-    if config.get("sync_delay") not in (None, config.get("tau", DEFAULTS["tau"])):
-        if exchange is not None or schedule is not None or joins or fresh_inner_at is not None or trace is not None:
-            raise ValueError("a sync delay is simulated without a compressed exchange, membership, joins or trace")
-        return simulate_sync_delay(
-            make_model, make_optimizer, batch, loss_fn, config, replicas, steps, finalize, shards, shard_batch,
-            record=record, step_record=step_record,
-        )  # fmt: skip
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
     if cfg["stand_in"] != "shared" and (exchange is not None or schedule is not None):
@@ -227,15 +274,15 @@ def simulate(
     if shards > 1 and shard_batch is None:
         raise ValueError("shards > 1 needs shard_batch")
 
-    models = [make_model() for _ in range(replicas)]
-    for model in models[1:]:  # enforce a common x_0 even if the caller forgot to seed
-        _set_params(model, _params(models[0]))
-        _set_buffers(model, _buffers(models[0]))
-    for model in models:
-        model.train()
-    opts = [make_optimizer(list(model.parameters())) for model in models]
-    # Each of the S ranks of a replica keeps its own buffers (its own forward passes).
-    bufs = [[_buffers(model) for _ in range(shards)] for model in models]
+    models, opts, bufs = _start_replicas(make_model, make_optimizer, replicas, shards)
+    if cfg["sync_delay"] not in (None, tau):
+        if exchange is not None or schedule is not None or joins or fresh_inner_at is not None or trace is not None:
+            raise ValueError("a sync delay is simulated without a compressed exchange, membership, joins or trace")
+
+        def micro(r: int, k: int) -> list[Batch]:
+            return [batch(r, k)] if shards == 1 else [shard_batch(r, s, k) for s in range(shards)]  # type: ignore[misc]
+
+        return _simulate_sync_delay(models, opts, bufs, micro, loss_fn, cfg, steps, finalize, record, step_record)
 
     start = _params(models[0])  # B: this round's start point x_t
     pending = {n: v.clone() for n, v in start.items()}  # overlap: x_{t+1}
@@ -300,15 +347,7 @@ def simulate(
                 start, pending = pending, result
             else:
                 start = result
-            if cfg["stand_in"] == "eager":
-                eager_starts(start, owns, xs, own_momenta, cfg)
-            elif cfg["stand_in"] == "shared":
-                owns = [start] * replicas
-            for model, own in zip(models, owns):
-                _set_params(model, own)
-            _average_float_buffers(bufs)
-            if record is not None:
-                record.append({n: v.clone() for n, v in start.items()})
+            owns = _next_round(models, bufs, start, owns, xs, own_momenta, cfg, record)
         if step_record is not None:
             step_record.append([_params(model) for model in models])
 
@@ -318,13 +357,7 @@ def simulate(
             _set_params(model, final)
         _average_float_buffers(bufs)
 
-    out: list[Params] = []
-    for model, replica_bufs in zip(models, bufs):
-        _set_buffers(model, replica_bufs[0])  # report shard 0's buffers
-        state = {n: p.detach().clone() for n, p in model.named_parameters()}
-        state.update(_buffers(model))
-        out.append(state)
-    return out
+    return _results(models, bufs)
 
 
 def round_starts(*args: Any, **kwargs: Any) -> list[Params]:
@@ -334,20 +367,17 @@ def round_starts(*args: Any, **kwargs: Any) -> list[Params]:
     return starts
 
 
-def simulate_sync_delay(
-    make_model: Callable[[], nn.Module],
-    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    batch: Callable[[int, int], Batch],
+def _simulate_sync_delay(
+    models: list[nn.Module],
+    opts: list[torch.optim.Optimizer],
+    bufs: list[list[Params]],
+    micro: Callable[[int, int], list[Batch]],
     loss_fn: Callable[[Tensor, Tensor], Tensor],
-    config: dict,
-    replicas: int,
+    cfg: dict[str, Any],
     steps: int,
-    finalize: bool = True,
-    shards: int = 1,
-    shard_batch: Callable[[int, int, int], Batch] | None = None,
-    *,
-    record: list[Params] | None = None,
-    step_record: list[list[Params]] | None = None,
+    finalize: bool,
+    record: list[Params] | None,
+    step_record: list[list[Params]] | None,
 ) -> list[Params]:
     """CO2 with a sync delay d < tau, written as the algorithm reads (docs/design.md §3, "The sync delay").
 
@@ -357,19 +387,10 @@ def simulate_sync_delay(
     round t+1 from S_t or their stand-in (:func:`eager_starts`, :func:`local_starts`). After d inner steps
     of round t+1, S_{t+1} arrives: every replica moves by S_{t+1} − (where it started the round), keeping
     its d steps of progress, and the round's start becomes S_{t+1} for every replica. ``finalize`` applies
-    a result that has not arrived yet and gives every replica the shared start. Arguments as
-    :func:`simulate`; ``record`` receives the shared start after every round end (x_0 first).
+    a result that has not arrived yet and gives every replica the shared start. ``micro(r, k)``: replica
+    r's shard batches of step k; ``record`` receives the shared start after every round end (x_0 first).
     """
-    cfg = resolve_config(config)
-    tau, delay, alpha = cfg["tau"], cfg["sync_delay"], cfg["outer_lr"]
-    models = [make_model() for _ in range(replicas)]
-    for model in models[1:]:
-        _set_params(model, _params(models[0]))
-        _set_buffers(model, _buffers(models[0]))
-    for model in models:
-        model.train()
-    opts = [make_optimizer(list(model.parameters())) for model in models]
-    bufs = [[_buffers(model) for _ in range(shards)] for model in models]
+    tau, delay, alpha, replicas = cfg["tau"], cfg["sync_delay"], cfg["outer_lr"], len(models)
 
     shared = _params(models[0])  # S_t
     owns = [shared] * replicas  # where each replica started the current round
@@ -382,8 +403,7 @@ def simulate_sync_delay(
 
     for k in range(steps):
         for r, (model, opt) in enumerate(zip(models, opts)):
-            micro = [batch(r, k)] if shards == 1 else [shard_batch(r, s, k) for s in range(shards)]  # type: ignore[misc]
-            _inner_step(model, opt, loss_fn, micro, bufs[r])
+            _inner_step(model, opt, loss_fn, micro(r, k), bufs[r])
         if arriving is not None and (k + 1) % tau == delay:
             for model, own in zip(models, owns):
                 x = _params(model)
@@ -400,15 +420,7 @@ def simulate_sync_delay(
             if cfg["stand_in"] == "local":  # with the momentum before this round's step
                 local_starts(shared, owns, ends, m, cfg)
             arriving, u_prev, _ = outer_step(shared, g, gap, m, cfg)
-            if cfg["stand_in"] == "eager":
-                eager_starts(shared, owns, ends, own_momenta, cfg)
-            elif cfg["stand_in"] == "shared":
-                owns = [shared] * replicas
-            for model, own in zip(models, owns):
-                _set_params(model, own)
-            _average_float_buffers(bufs)
-            if record is not None:
-                record.append({n: v.clone() for n, v in shared.items()})
+            owns = _next_round(models, bufs, shared, owns, ends, own_momenta, cfg, record)
         if step_record is not None:
             step_record.append([_params(model) for model in models])
 
@@ -418,10 +430,4 @@ def simulate_sync_delay(
             _set_params(model, final)
         _average_float_buffers(bufs)
 
-    out: list[Params] = []
-    for model, replica_bufs in zip(models, bufs):
-        _set_buffers(model, replica_bufs[0])
-        state = {n: p.detach().clone() for n, p in model.named_parameters()}
-        state.update(_buffers(model))
-        out.append(state)
-    return out
+    return _results(models, bufs)

@@ -153,6 +153,28 @@ def test_time_to_reach_ddps_final_loss_on_each_link():
     assert bq.link_tokens_per_s(throughput, 4, "ddp", 8)["tokens_per_s"] == 50.0
 
 
+def test_a_method_with_its_own_throughput_run_takes_that_speed_and_no_other():
+    """RATE:METHOD=FILE: bench_throughput's co2 run with METHOD's flags (a sync delay hides the exchange
+    only if it is long enough: CO2's own tokens/s would not say so); without one such a method has none."""
+    results = {}
+    for name, cell in _study().items():  # the co2 cells, as diloco_local_sync's
+        cell = dict(cell, method="diloco_local_sync") if cell["method"] == "co2" else cell
+        results[name.replace("co2_", "diloco_local_sync_")] = cell
+    rows = bq.table_rows(results, ["ddp", "diloco_local_sync"], [8], {"diloco_local_sync": ((0.5, 1.0), (0.0,))}, 1)
+    main = {
+        "cells": [{"nodes": 4, "tau": 8, "summary": {"ddp": {"tokens_per_s": 50.0}, "co2": {"tokens_per_s": 200.0}}}]
+    }
+    own = {"cells": [{"nodes": 4, "tau": 8, "summary": {"co2": {"tokens_per_s": 150.0}}}]}
+    assert bq.link_rates({"100mbit": main, "100mbit:diloco_local_sync": own}) == ["100mbit"]
+    got = bq.time_to_target(results, rows, {"100mbit": main, "100mbit:diloco_local_sync": own}, 4)
+    assert [(r["method"], r["throughput"]["tokens_per_s"]) for r in got] == [
+        ("ddp", 50.0),
+        ("diloco_local_sync", 150.0),
+    ]
+    assert got[1]["throughput"]["label"] == "its own run"
+    assert bq.time_to_target(results, rows, {"100mbit": main}, 4)[1]["throughput"] is None
+
+
 # ---- the torchft cells: real runs (a Lighthouse and 2 replicas) next to train_lm.py's diloco ------------
 
 TINY_STUDY = {"steps": 16, "nodes": 2, "eval_points": 2,
