@@ -138,6 +138,12 @@ def _scenarios(shards: int) -> dict:
             ),
             steps=9,
         ),
+        # ZeRO-2 with a sync delay: the average is applied one optimizer step into the next round, the
+        # rebased masters spread by DeepSpeed's own all-gather mid-round (docs/design.md §3)
+        "z2-sync-delay": dict(
+            config=ds_config("ds_zero2_co2", {**s, **HEAVY_BALL, "tau": 3, "sync_delay": 1, "gap_penalty": ADAPTIVE}),
+            steps=8,
+        ),
         # ZeRO-2, the default co2 section, no gradient_clipping key, no LR scheduler.
         "z2-defaults": dict(
             config=ds_config("ds_zero2_co2", s, co2_only=True, drop=no_clip_key, gradient_accumulation_steps=1),

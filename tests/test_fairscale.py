@@ -75,6 +75,13 @@ SHARDED = {
         steps=6,
         model="single",
     ),
+    # a sync delay: the rebased partition is broadcast by OSS mid-round
+    "sdp-syncdelay-reducescatter": dict(
+        config={**NESTEROV, "tau": 3, "sync_delay": 1, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+        steps=8,
+        model="uneven",
+        optimizer="adam",
+    ),
     # built by wrap(); BatchNorm statistics of every rank are averaged at round ends
     "wrap-overlap-batchnorm-buffers": dict(
         config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce"},
