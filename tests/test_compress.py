@@ -41,10 +41,14 @@ SCENARIOS_R2 = {
         config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter", "comm_dtype": "int8"},
         steps=13, model="uneven",
     ),
+    # The norm clip's global norm sums in another order here (per segment) than in the reference (one
+    # vector_norm), so a displacement value on an int8 rounding boundary can round the other way; the runs
+    # then differ by up to a quantum (5.2e-5 here) until the error feedback takes it back: `atol` allows that
+    # (test_reference_without_error_feedback_would_not_match shows it still tells a wrong exchange apart).
     "int8-overlap-allreduce-clipnorm": dict(
         config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "clip": {"mode": "norm", "threshold": 0.1},
                 "collective": "all_reduce", "comm_dtype": "int8"},
-        steps=10, model="uneven", optimizer="adam",
+        steps=10, model="uneven", optimizer="adam", atol=6e-5,
     ),
     "fp8-blocking-reducescatter": dict(
         config={**NESTEROV, "overlap": False, "tau": 2, "gap_penalty": {"mode": "none"},
@@ -323,9 +327,10 @@ def _check_against_reference(results: list, scenarios: dict, name: str) -> None:
         got = per_rank[name]
         assert got["strategy"] == sc["config"]["collective"]
         assert len(got["starts"]) == len(starts)
+        atol = sc.get("atol", 1e-6)
         for t, (a, e) in enumerate(zip(got["starts"], starts)):
-            assert_close(a, e, f"{name} rank {rank} round-{t} start")
-        assert_close(got["final"], finals[rank], f"{name} rank {rank} final")
+            assert_close(a, e, f"{name} rank {rank} round-{t} start", atol=atol)
+        assert_close(got["final"], finals[rank], f"{name} rank {rank} final", atol=atol)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS_R2))
@@ -338,20 +343,23 @@ def test_four_replicas_match_reference(results_r4, name):
     _check_against_reference(results_r4, SCENARIOS_R4, name)
 
 
-def test_reference_without_error_feedback_would_not_match(results_r2):
-    """The comparison can tell: a reference that drops the residuals ends far from the library."""
-    name = "int8-overlap-reducescatter"
+@pytest.mark.parametrize("name", ["int8-overlap-reducescatter", "int8-overlap-allreduce-clipnorm"])
+def test_reference_without_error_feedback_would_not_match(results_r2, name):
+    """The comparison can tell: a reference that drops the residuals ends far from the library, beyond
+    the scenario's tolerance."""
     sc = SCENARIOS_R2[name]
+    collective = sc["config"]["collective"]
 
     class NoFeedback(CompressedExchange):
         def _send(self, vector, residual):
             return super()._send(vector, torch.zeros_like(residual))
 
     starts: list = []
-    simulate(lambda: _model(sc["model"]), lambda p: models.make_optimizer("sgd", p), models.batch, models.loss_fn,
-             sc["config"], 2, sc["steps"], record=starts, exchange=NoFeedback("int8", "reduce_scatter", 2))  # fmt: skip
+    simulate(lambda: _model(sc["model"]), lambda p: models.make_optimizer(sc.get("optimizer", "sgd"), p),
+             models.batch, models.loss_fn, sc["config"], 2, sc["steps"], record=starts,
+             exchange=NoFeedback("int8", collective, 2))  # fmt: skip
     last = results_r2[0][name]["starts"][-1]
-    assert max(float((last[k] - v).abs().max()) for k, v in starts[-1].items()) > 1e-4
+    assert max(float((last[k] - v).abs().max()) for k, v in starts[-1].items()) > 3 * sc.get("atol", 1e-5)
 
 
 def test_replicas_identical_at_every_round_start(results_r2, results_r4):
