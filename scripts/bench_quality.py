@@ -106,7 +106,7 @@ PUBLISHED = {
     "co2_eager": "eager recovers most of the one-step delay's loss: Kale et al. 2502.12996",
     "diloco_eager": "the paper's own setting of eager: Kale et al. 2502.12996",
     "co2_local": "–",
-    "diloco_local_sync": "Streaming DiLoCo applies its overlapped sync a few steps late: Douillard et al. 2501.18512",
+    "diloco_local_sync": "a sync overlapped by a few steps costs about nothing: Douillard et al. 2501.18512",
     "torchft_diloco": "as diloco",
     "torchft_streaming": "similar to DiLoCo at ~100× less bandwidth: Douillard et al. 2501.18512",
 }
