@@ -143,7 +143,7 @@ class RoundEngine:
         self._pending: Optional[Future] = None
         self._pending_index = -1  # the round whose pipeline `_pending` runs
         self._unapplied = False  # a sync delay < tau: the last launched average is still to be applied
-        self._mid_round_wait_s = 0.0  # blocked in this round's mid-round apply
+        self._mid_round_s = (0.0, 0.0)  # this round's apply point (sync delay): (blocked, in all)
         self._failure: Optional[CO2Error] = None
         self.last_round: dict[str, Any] = {}
         self._bytes_reported = 0  # of exchange.bytes_sent, already in some last_round
@@ -228,7 +228,8 @@ class RoundEngine:
         - y), y being where this replica's round started (the shared start, or its stand-in), so the d
         steps' progress is kept on top of the new start point; the buffers trade roles. The retiring start
         point is the scratch buffer; with a stand-in, y becomes the new shared start (it is spent)."""
-        self._mid_round_wait_s += self._wait_pending()
+        began = time.perf_counter()
+        wait_s = self._wait_pending()
         self._track_applied_step(self.start_point, self.next_start)
         retiring = self.start_point
         self.partition.subtract_from(self.round_start, out=retiring)  # y - x
@@ -238,13 +239,13 @@ class RoundEngine:
         self._set_live(retiring)
         if self.own_start is not None:
             self.own_start.copy_(self.start_point)
+        self._mid_round_s = (wait_s, time.perf_counter() - began)
 
     def _round_end(self) -> None:
         """Steps 1-3 of the module docstring, then the module buffers; fills `last_round`."""
         began = time.perf_counter()
         self._check_parameters_unchanged()
-        wait_s = self._wait_pending() + self._mid_round_wait_s  # step 1: next_start now holds x_{t+1}
-        self._mid_round_wait_s = 0.0
+        wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
         if self.schedule.steps == self.config.tau:  # the average in flight is applied at this round end
             self._track_applied_step(self.start_point, self.next_start)
         self._check_steps()  # the last round end's (arrived with its pipeline)
@@ -266,11 +267,13 @@ class RoundEngine:
         buffer_bytes, buffers_restored = self._average_buffers(f"round {self.rounds - 1}")
         if reset_inner:
             self._warn_inner_reset()
+        apply_wait_s, apply_s = self._mid_round_s  # with a sync delay, counted with this round end's
+        self._mid_round_s = (0.0, 0.0)
         self.last_round = {
             "round": self.rounds - 1,
             "inner_step": self.inner_steps,
-            "wait_s": wait_s,
-            "round_end_s": time.perf_counter() - began,
+            "wait_s": wait_s + apply_wait_s,
+            "round_end_s": time.perf_counter() - began + apply_s,
             "skipped_rounds": self.skipped_rounds,
             "inner_state_reset": reset_inner,
             "buffers_restored": buffers_restored,

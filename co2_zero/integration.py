@@ -117,7 +117,8 @@ class CO2Steps:
 
     @property
     def last_round(self) -> dict[str, Any]:
-        """The last round end: round, inner_step, wait_s, round_end_s, bytes_sent (what this rank sent
+        """The last round end: round, inner_step, wait_s and round_end_s (blocked on the exchange, and all
+        the round end took; with a sync delay, the apply point's counted in), bytes_sent (what this rank sent
         since the previous report), skipped_rounds (rounds whose outer update was skipped so far),
         inner_state_reset (this rank reset its inner state), buffers_restored (some rank's float module
         buffers held NaN/Inf, so every rank kept the last agreed buffers instead of averaging)."""

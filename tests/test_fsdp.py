@@ -226,10 +226,13 @@ def _run_scenario(rank: int, shards: int, mesh, sc: dict) -> dict:
     round_ended = []
     shared = [opt.engine.start_point.clone()]  # the shared start point B at every round start
 
+    timings = []  # (wait_s, round_end_s) of every round end
+
     def after_step(optimizer, args, kwargs):
         round_ended.append(opt.round_ended)
         if opt.round_ended:
             shared.append(opt.engine.start_point.clone())
+            timings.append((opt.last_round["wait_s"], opt.last_round["round_end_s"]))
 
     opt.register_step_post_hook(after_step)
     _train(model, opt, rank, shards, 0, sc["steps"], record=steps)
@@ -238,6 +241,7 @@ def _run_scenario(rank: int, shards: int, mesh, sc: dict) -> dict:
         "partition_length": flat.numel(),
         "steps": steps,
         "round_ended": round_ended,
+        "timings": timings,
         "shared": shared,
         "bytes": opt.co2_state_bytes(),
         "index_bytes": opt.engine.exchange.index_bytes,
@@ -453,6 +457,8 @@ def test_every_inner_step_matches_reference(results, world, name):
         _assert_close(got["final"], finals[rank // shards], f"{name} rank {rank} final")
         tau = sc["config"]["tau"]
         assert got["round_ended"] == [(k + 1) % tau == 0 for k in range(sc["steps"])]
+        # the time blocked is part of the time taken, the apply point's too (a sync delay)
+        assert all(0 <= wait <= took for wait, took in got["timings"]), got["timings"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
