@@ -156,7 +156,9 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "quality"))
     p.add_argument("--throughput", nargs="+", metavar="RATE=FILE",
                    default=[f"100mbit={THROUGHPUT_DIR / 'throughput_P4_100mbit_study.json'}",
-                            f"1gbit={THROUGHPUT_DIR / 'throughput_P4_1gbit_study.json'}"],
+                            f"1gbit={THROUGHPUT_DIR / 'throughput_P4_1gbit_study.json'}",
+                            f"100mbit:diloco_local_sync={THROUGHPUT_DIR / 'throughput_P4_100mbit_study_sync8.json'}",
+                            f"1gbit:diloco_local_sync={THROUGHPUT_DIR / 'throughput_P4_1gbit_study_sync8.json'}"],
                    help="bench_throughput.py results whose P = --nodes cell gives each method's tokens/s; "
                         "RATE:METHOD=FILE: METHOD's own, its run recorded as co2 (with METHOD's flags)")  # fmt: skip
     p.add_argument("--max_cells", type=int, default=0, help="stop after this many runs (0: all)")
