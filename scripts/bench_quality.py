@@ -442,15 +442,19 @@ def link_tokens_per_s(throughput: dict, nodes: int, method: str, tau: Optional[i
 
 
 def own_run_tokens_per_s(own: dict, main: dict, nodes: int, tau: Optional[int]) -> Optional[dict]:
-    """A method's own bench_throughput run (recorded as co2), on the scale of the `main` file: its
-    fraction of compute-only in its own run times compute-only's tokens/s in `main` (the two files ran at
-    other times, on a host whose speed drifts; every other method's tokens/s comes from `main`)."""
+    """A method's own bench_throughput run (recorded as co2), on the scale of the `main` file: its speed
+    relative to a run both files have, side by side in its own file (blocking DiLoCo, else compute-only),
+    times that run's tokens/s in `main`. The files ran at other times, on a host whose speed and
+    contention drift; every other method's tokens/s comes from `main`."""
     ran = link_tokens_per_s(own, nodes, "co2", tau, labels=("co2",))
-    none = link_tokens_per_s(main, nodes, "none", None, labels=("none",))
-    ratio = next((c["summary"]["co2"].get("ratio_to_none") for c in own["cells"] if c["nodes"] == nodes), None)
-    if ran is None or none is None or ratio is None:
-        return None
-    return {**ran, "tokens_per_s": ratio * none["tokens_per_s"], "label": f"its own run: {ratio:.3f} of none"}
+    for anchor in ("diloco", "none"):
+        there = link_tokens_per_s(own, nodes, anchor, None, labels=(anchor,))
+        here = link_tokens_per_s(main, nodes, anchor, None, labels=(anchor,))
+        if ran is not None and there is not None and here is not None:
+            ratio = ran["tokens_per_s"] / there["tokens_per_s"]
+            label = f"its own run: {ratio:.3f} × {anchor}'s beside it"
+            return {**ran, "tokens_per_s": ratio * here["tokens_per_s"], "label": label}
+    return None
 
 
 # the losses the wall-clock table asks each method to reach: ddp's mean final loss, then that plus a margin

@@ -161,15 +161,15 @@ def test_a_method_with_its_own_throughput_run_takes_that_speed_and_no_other():
         cell = dict(cell, method="diloco_local_sync") if cell["method"] == "co2" else cell
         results[name.replace("co2_", "diloco_local_sync_")] = cell
     rows = bq.table_rows(results, ["ddp", "diloco_local_sync"], [8], {"diloco_local_sync": ((0.5, 1.0), (0.0,))}, 1)
-    summary = {"none": {"tokens_per_s": 250.0}, "ddp": {"tokens_per_s": 50.0}, "co2": {"tokens_per_s": 200.0}}
+    summary = {"diloco": {"tokens_per_s": 100.0}, "ddp": {"tokens_per_s": 50.0}, "co2": {"tokens_per_s": 200.0}}
     main = {"cells": [{"nodes": 4, "tau": 8, "summary": summary}]}
-    own_run = {"none": {"tokens_per_s": 400.0}, "co2": {"tokens_per_s": 360.0, "ratio_to_none": 0.9}}
-    own = {"cells": [{"nodes": 4, "tau": 8, "summary": own_run}]}  # a faster host: on main's scale, 0.9 x 250
+    own_run = {"none": {"tokens_per_s": 400.0}, "diloco": {"tokens_per_s": 300.0}, "co2": {"tokens_per_s": 360.0}}
+    own = {"cells": [{"nodes": 4, "tau": 8, "summary": own_run}]}  # a faster host: 1.2 x diloco's beside it
     assert bq.link_rates({"100mbit": main, "100mbit:diloco_local_sync": own}) == ["100mbit"]
     got = bq.time_to_target(results, rows, {"100mbit": main, "100mbit:diloco_local_sync": own}, 4)
     speeds = [(r["method"], r["throughput"]["tokens_per_s"]) for r in got]
-    assert speeds == [("ddp", 50.0), ("diloco_local_sync", 225.0)]
-    assert got[1]["throughput"]["label"] == "its own run: 0.900 of none"
+    assert speeds == [("ddp", 50.0), ("diloco_local_sync", pytest.approx(120.0))]
+    assert got[1]["throughput"]["label"] == "its own run: 1.200 × diloco's beside it"
     assert bq.time_to_target(results, rows, {"100mbit": main}, 4)[1]["throughput"] is None
 
 
