@@ -119,6 +119,8 @@ class BackgroundWorker:
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.Queue[Optional[tuple[Callable[[], Any], Future]]] = queue.Queue()
+        self._unfinished = 0  # jobs submitted and not yet done
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -130,19 +132,33 @@ class BackgroundWorker:
                     future.set_result(job())
                 except BaseException as error:  # delivered to whoever waits on the future
                     future.set_exception(error)
+            with self._lock:
+                self._unfinished -= 1
+
+    @property
+    def idle(self) -> bool:
+        """No job queued or running: the thread ends as soon as it is scheduled once closed."""
+        with self._lock:
+            return self._unfinished == 0
 
     def submit(self, job: Callable[[], Any]) -> Future:
         future: Future = Future()
+        with self._lock:
+            self._unfinished += 1
         self._jobs.put((job, future))
         return future
 
-    def close(self, timeout: float = 1.0) -> bool:
-        """Stop after the jobs already queued; True if the thread has ended within `timeout`.
+    def close(self, timeout: float = 1.0, idle_timeout: Optional[float] = None) -> bool:
+        """Stop after the jobs already queued; True if the thread has ended within `timeout` (an idle
+        worker's: `idle_timeout`, when given, it cannot be stuck in a collective).
 
         Joining matters: a thread that used torch's C++ code (gloo, tensor ops) and still runs or ends
         while the interpreter shuts down aborts the process ("terminate called without an active
-        exception"); so an orderly close waits for the thread, not just a moment.
+        exception"); so an orderly close waits for the thread, not just a moment, and on a busy host an
+        idle thread may take longer than a moment to be scheduled and end.
         """
+        if idle_timeout is not None and self.idle:
+            timeout = max(timeout, idle_timeout)
         self._jobs.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=timeout)
@@ -364,5 +380,6 @@ class OuterExchange:
         return sum(i.nbytes for i in indexes.values())
 
     def close(self, join_s: float = 1.0) -> bool:
-        """Stop the background worker; True if it ended within `join_s` seconds."""
-        return self.worker.close(join_s)
+        """Stop the background worker; True if it ended within `join_s` seconds (an idle one's: within
+        timeout_s, as it cannot be stuck in a collective)."""
+        return self.worker.close(join_s, idle_timeout=self.config.timeout_s)

@@ -203,8 +203,8 @@ class RoundEngine:
     def close(self, join_s: float = 1.0) -> None:
         """Stop the background worker and release the CO2 process groups (not the inner group,
         which the integration's framework keeps using). Also runs at interpreter exit. join_s: how
-        long to wait for the worker to end; short by default, as a failed engine's worker may be stuck
-        in a collective, and finalize()'s idle worker gets timeout_s."""
+        long to wait for a busy worker to end; short by default, as a failed engine's worker may be stuck
+        in a collective (an idle worker gets timeout_s: it ends as soon as it is scheduled)."""
         shutdown = self._at_exit.detach()  # None: closed already
         if shutdown is not None:
             _, function, args, _ = shutdown
