@@ -35,7 +35,10 @@ def _train(rank: int, opt: CO2Optimizer, model: torch.nn.Module, steps: int, bef
 def peer_lost(rank: int, world: int, how: str) -> dict:
     """Rank 1 dies (or hangs) before the first round end; rank 0 must fail within the deadline."""
     model = models.make_model("mlp")
-    config = CO2Config(tau=2, timeout_s=TIMEOUT_S, outer_momentum=0.5, overlap=how != "exit-blocking")
+    sync_delay = 1 if how.endswith("sync-delay") else None  # then rank 0 waits at the apply point, mid-round
+    config = CO2Config(
+        tau=2, timeout_s=TIMEOUT_S, outer_momentum=0.5, overlap=how != "exit-blocking", sync_delay=sync_delay
+    )
     opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config)
     if rank == 1:
         _train(rank, opt, model, 1)
@@ -47,11 +50,11 @@ def peer_lost(rank: int, world: int, how: str) -> dict:
     try:
         _train(rank, opt, model, 40)
     except CO2Error as error:
-        return {"error": error, "elapsed": time.monotonic() - began}
+        return {"error": error, "elapsed": time.monotonic() - began, "at_step": opt.engine.inner_steps}
     return {"error": None, "elapsed": time.monotonic() - began}
 
 
-@pytest.mark.parametrize("how", ["exit", "hang", "exit-blocking"])
+@pytest.mark.parametrize("how", ["exit", "hang", "exit-blocking", "hang-sync-delay"])
 def test_lost_peer_fails_within_timeout_naming_round_and_group(how):
     """Blocking mode names the round like overlap mode does (round 0 for the first round, not -1)."""
     result = run_ranks(peer_lost, 2, how, allow_exit=(1,), timeout=60)[0]
@@ -59,9 +62,11 @@ def test_lost_peer_fails_within_timeout_naming_round_and_group(how):
     assert isinstance(error, CO2Error), f"rank 0 finished 40 steps without noticing its peer: {result}"
     message = str(error)
     assert "round 0" in message and "outer group" in message and "[0, 1]" in message, message
-    if how == "hang":
+    if how.startswith("hang"):
         assert isinstance(error, CO2TimeoutError) and f"timeout_s={TIMEOUT_S:g}" in message, repr(error)
     assert result["elapsed"] < TIMEOUT_S + 6.0, result
+    if how.endswith("sync-delay"):  # waited for at the apply point (inner step 3), not at round 1's end (4)
+        assert result["at_step"] == 3, result
 
 
 def peer_frozen(rank: int, world: int, where: str) -> dict:
