@@ -88,7 +88,7 @@ class ApplySchedule:
         return 0 < self.steps < self.tau and inner_steps % self.tau == self.steps
 
     def unapplied_after(self, inner_steps: int, rounds: int) -> bool:
-        """Whether a launched average is still to be applied after `inner_steps` (a loaded state)."""
+        """Whether a launched average is still to be applied after `inner_steps` (finalize applies it)."""
         return 0 < self.steps < self.tau and rounds > 0 and inner_steps % self.tau < self.steps
 
     def last_start(self, start_point: torch.Tensor, next_start: torch.Tensor) -> torch.Tensor:
@@ -142,7 +142,6 @@ class RoundEngine:
         self.phase = Phase.IDLE
         self._pending: Optional[Future] = None
         self._pending_index = -1  # the round whose pipeline `_pending` runs
-        self._unapplied = False  # a sync delay < tau: the last launched average is still to be applied
         self._mid_round_s = (0.0, 0.0)  # this round's apply point (sync delay): (blocked, in all)
         self._failure: Optional[CO2Error] = None
         self.last_round: dict[str, Any] = {}
@@ -217,7 +216,7 @@ class RoundEngine:
         self.check_usable()
         self.inner_steps += 1
         if self.inner_steps % self.config.tau:
-            if self._unapplied and self.schedule.applies_mid_round(self.inner_steps):
+            if self.rounds and self.schedule.applies_mid_round(self.inner_steps):  # round 0 has none in flight
                 self._apply_mid_round()
             return False
         self._round_end()
@@ -235,7 +234,6 @@ class RoundEngine:
         self.partition.subtract_from(self.round_start, out=retiring)  # y - x
         torch.sub(self.next_start, retiring, out=retiring)  # x_{t+1} - y + x
         self.start_point, self.next_start = self.next_start, retiring
-        self._unapplied = False
         self._set_live(retiring)
         if self.own_start is not None:
             self.own_start.copy_(self.start_point)
@@ -256,10 +254,8 @@ class RoundEngine:
         if plan.wait_at_once:
             wait_s += self._wait_pending()
             sent += self._exchange_bytes_since_last_report()
-        if plan.swap:
+        if plan.swap:  # else the buffers trade roles at the apply point (`_apply_mid_round`)
             self.start_point, self.next_start = self.next_start, self.start_point
-        else:  # applied mid-round (`_apply_mid_round`)
-            self._unapplied = True
         self._set_live(self.round_start)  # step 3: x <- Nx (or this replica's stand-in); refresh
         self.rounds += 1
         if self.buffers:  # a peer that finalized never averages them: learn it first
@@ -348,8 +344,8 @@ class RoundEngine:
             self.exchange.agree_final(self.rounds)
         except CO2Error as error:
             self._fail(error)
-        if self._unapplied:  # a sync delay: the last average arrived before its apply point
-            self.start_point, self.next_start, self._unapplied = self.next_start, self.start_point, False
+        if self.schedule.unapplied_after(self.inner_steps, self.rounds):  # arrived before its apply point
+            self.start_point, self.next_start = self.next_start, self.start_point
         self._set_live(self.schedule.last_start(self.start_point, self.next_start))
         self._average_buffers("finalize")
         self.phase = Phase.FINALIZED
@@ -474,7 +470,6 @@ class RoundEngine:
         self.check_state_dict(state)
         self._wait_pending()
         engine_state.load_state_dict(self, state)
-        self._unapplied = self.schedule.unapplied_after(self.inner_steps, self.rounds)
 
     def restart_from_start_point(self) -> None:
         """Set the live parameters to the current start point (a resharded state resumes at the
