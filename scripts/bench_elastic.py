@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from scripts import emulated_cluster as ec
+from scripts import torchft_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = {  # label -> the module every replica runs, and its own flags ({P}: the number of nodes)
@@ -400,9 +401,7 @@ class Job:
         return next(i for i in reversed(self.incarnations) if i.node == node)
 
     def lighthouse(self) -> Any:
-        binary = str(Path(sys.executable).parent / "torchft_lighthouse")
-        argv = [binary, "--bind", f"[::]:{LIGHTHOUSE_PORT}", "--min_replicas", "1", "--join_timeout_ms", "5000",
-                "--quorum_tick_ms", "100"]  # fmt: skip
+        argv = torchft_peer.lighthouse_argv(1, bind=f"[::]:{LIGHTHOUSE_PORT}")
         return self.cluster.popen(0, argv, log=self.log_dir / "lighthouse.log", capped=False)
 
     def wait_first_steps(self, timeout_s: float) -> float:

@@ -98,7 +98,12 @@ THROUGHPUT_LABELS = {
     "diloco_eager": ("co2",),
     "co2_local": ("co2",),
     "diloco_local_sync": (),  # applied after SYNC_DELAY steps: only its own run says whether that hides the exchange
+    "torchft_diloco": (),  # torchft's own runs (bench_throughput's torchft labels): OWN_RUN_LABELS
+    "torchft_streaming": (),
 }
+# method -> the bench_throughput run label of its own run (--throughput RATE:METHOD=FILE)
+OWN_RUN_LABELS = {"diloco_local_sync": "co2", "torchft_diloco": "torchft-diloco",
+                  "torchft_streaming": "torchft-streaming"}  # fmt: skip
 PUBLISHED = {
     "ddp": "–",
     "diloco": "+2.0% (35M, M=4, H=30), +0.3% (2.4B, M=4): Charles et al. 2503.09799",
@@ -158,9 +163,11 @@ def get_args(argv: Optional[Sequence[str]] = None):
                    default=[f"100mbit={THROUGHPUT_DIR / 'throughput_P4_100mbit_study.json'}",
                             f"1gbit={THROUGHPUT_DIR / 'throughput_P4_1gbit_study.json'}",
                             f"100mbit:diloco_local_sync={THROUGHPUT_DIR / 'throughput_P4_100mbit_study_sync8.json'}",
-                            f"1gbit:diloco_local_sync={THROUGHPUT_DIR / 'throughput_P4_1gbit_study_sync8.json'}"],
+                            f"1gbit:diloco_local_sync={THROUGHPUT_DIR / 'throughput_P4_1gbit_study_sync8.json'}",
+                            *(f"{rate}:{method}={THROUGHPUT_DIR / f'throughput_P4_{rate}_study_torchft.json'}"
+                              for rate in ("100mbit", "1gbit") for method in PEERS)],
                    help="bench_throughput.py results whose P = --nodes cell gives each method's tokens/s; "
-                        "RATE:METHOD=FILE: METHOD's own, its run recorded as co2 (with METHOD's flags)")  # fmt: skip
+                        "RATE:METHOD=FILE: METHOD's own run, labelled OWN_RUN_LABELS[METHOD] there")  # fmt: skip
     p.add_argument("--max_cells", type=int, default=0, help="stop after this many runs (0: all)")
     p.add_argument("--plan", action="store_true", help="print the cells left and an estimate of their hours")
     p.add_argument("--summary", action="store_true", help="only build the summary from the cells there are")
@@ -441,12 +448,12 @@ def link_tokens_per_s(throughput: dict, nodes: int, method: str, tau: Optional[i
     return None
 
 
-def own_run_tokens_per_s(own: dict, main: dict, nodes: int, tau: Optional[int]) -> Optional[dict]:
-    """A method's own bench_throughput run (recorded as co2), on the scale of the `main` file: its speed
+def own_run_tokens_per_s(own: dict, main: dict, nodes: int, tau: Optional[int], label: str) -> Optional[dict]:
+    """A method's own bench_throughput run (labelled `label` there), on the scale of the `main` file: its speed
     relative to a run both files have, side by side in its own file (blocking DiLoCo, else compute-only),
     times that run's tokens/s in `main`. The files ran at other times, on a host whose speed and
     contention drift; every other method's tokens/s comes from `main`."""
-    ran = link_tokens_per_s(own, nodes, "co2", tau, labels=("co2",))
+    ran = link_tokens_per_s(own, nodes, label, tau, labels=(label,))
     for anchor in ("diloco", "none"):
         there = link_tokens_per_s(own, nodes, anchor, None, labels=(anchor,))
         here = link_tokens_per_s(main, nodes, anchor, None, labels=(anchor,))
@@ -476,9 +483,9 @@ def time_to_target(results: dict[str, dict], rows: Sequence[dict], throughputs: 
         curve = mean_curve(seed_runs(results, row_setting(row)))
         tokens = [bcomp.seconds_to_reach(curve, ddp_final * (1 + m)) for m in margins]
         for rate in link_rates(throughputs):
-            own = throughputs.get(f"{rate}:{row['method']}")  # the method's own run, as co2
+            own = throughputs.get(f"{rate}:{row['method']}")  # the method's own run
             if own is not None:
-                speed = own_run_tokens_per_s(own, throughputs[rate], nodes, row["tau"])
+                speed = own_run_tokens_per_s(own, throughputs[rate], nodes, row["tau"], OWN_RUN_LABELS[row["method"]])
             else:
                 speed = link_tokens_per_s(throughputs[rate], nodes, row["method"], row["tau"])
             per_s = speed["tokens_per_s"] if speed else None

@@ -4,10 +4,13 @@ For every cell (nodes P x link rate) it builds the cluster (scripts/emulated_clu
 bandwidth self-check, runs scripts/tune_tau.py once per CO2 wire format asked for (co2 = fp32,
 co2-bf16, co2-int8: `comm_dtype`) to pick τ for that cell, then runs scripts/train_lm.py once per
 method and repetition (in a rotated order each repetition, so slow drift of the host does not favour
-one). Every method runs at the same τ, fp32's pick (or --tau); a compressed co2 whose own pick is
-smaller also runs at that τ ("co2-int8 @tuned"): what the fewer bytes buy. The figure of merit is
-each run's steady-state tokens/s divided by that of `none` (no communication at all: compute-only)
-in the same repetition of the same cluster.
+one). `torchft-diloco` and `torchft-streaming` are torchft's own DiLoCo and Streaming DiLoCo (2
+fragments) on the same model (scripts/torchft_peer.py): a Lighthouse on node 0 and one replica per
+node, each replica in its node's namespace with its own hostname; they run --rounds × τ steps (no
+--max_seconds) and their JSON lines are merged (tokens summed). Every method runs at the same τ,
+fp32's pick (or --tau); a compressed co2 whose own pick is smaller also runs at that τ ("co2-int8
+@tuned"): what the fewer bytes buy. The figure of merit is each run's steady-state tokens/s divided
+by that of `none` (no communication at all: compute-only) in the same repetition of the same cluster.
 
 Steady state: the first logged round (start-up, and for CO2 a round with nothing in flight) is
 dropped; tokens/s is measured from the end of that round to the end of the run, excluding validation.
@@ -41,11 +44,15 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from scripts import emulated_cluster as ec
+from scripts import torchft_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "scripts" / "train_lm.py")
 TUNE = str(ROOT / "scripts" / "tune_tau.py")
-METHODS = ("none", "ddp", "co2", "co2-bf16", "co2-int8", "localsgd", "slowmo", "diloco")
+PEERS = {"torchft-diloco": "diloco", "torchft-streaming": "streaming"}  # run label -> torchft_peer --peer
+METHODS = ("none", "ddp", "co2", "co2-bf16", "co2-int8", "localsgd", "slowmo", "diloco", *PEERS)
+LIGHTHOUSE_PORT = 29510  # on node 0, for the torchft runs
+STORE_PORT = 29400  # each torchft replica's own store (its Manager's), on its node
 CO2_FAMILY = ("co2", "co2-bf16", "co2-int8", "localsgd", "slowmo", "diloco")
 TUNED = "@tuned"  # suffix of a compressed co2 run at its own tuner's τ
 
@@ -56,7 +63,10 @@ def comm_dtype(label: str) -> str:
 
 
 def run_flags(label: str, model: list[str], co2_flags: list[str]) -> list[str]:
-    """train_lm.py flags of a run label besides tau and the run length: method, wire format, model."""
+    """train_lm.py flags of a run label besides tau and the run length: method, wire format, model. A
+    torchft run takes the diloco preset's outer step, as the quality study's torchft cells do."""
+    if label in PEERS:
+        return ["--method", "diloco", *model]
     if not label.startswith("co2"):
         return ["--method", label, *model]
     return ["--method", "co2", "--comm_dtype", comm_dtype(label), *model, *co2_flags]
@@ -131,9 +141,10 @@ def train_args(label: str, tau: int, steps: int, flags: list[str], max_seconds: 
     same per-round sync as CO2's log line); ddp every min(4, tau) steps, so that even a slow link
     gives it a few log intervals within --max_seconds (it only stops at a log line)."""
     log_every = min(4, tau) if label == "ddp" else tau
+    length = [] if label in PEERS else ["--max_seconds", str(max_seconds)]  # torchft's replicas stop at --max_steps
     return [
-        "--tau", str(tau), "--log_every", str(log_every), "--max_steps", str(steps),
-        "--max_seconds", str(max_seconds), "--eval_every", "0", "--eval_batches", "2", "--data_bytes", "1000000",
+        "--tau", str(tau), "--log_every", str(log_every), "--max_steps", str(steps), *length,
+        "--eval_every", "0", "--eval_batches", "2", "--data_bytes", "1000000",
         "--warmup_steps", "5", "--no_progress", *flags, "--out_json", str(out_json),
     ]  # fmt: skip
 
@@ -168,16 +179,47 @@ def run_one(cluster: ec.EmulatedCluster, label: str, tau: int, rep: int, a, log_
     args = train_args(label.removesuffix(TUNED).strip(), tau, steps, flags, a.max_seconds, out_json)
     host = ec.wait_for_idle_cpus(a.max_busy, a.wait_busy_s)
     began = time.time()
-    cluster.torchrun(TRAIN, args, log_dir=log_dir, timeout_s=600)
-    records = [json.loads(line) for line in out_json.read_text().splitlines()]
+    if label in PEERS:
+        records = run_peer(cluster, PEERS[label], args[:-2], log_dir, timeout_s=600)
+        script = ["scripts/torchft_peer.py", "--peer", PEERS[label]]
+    else:
+        cluster.torchrun(TRAIN, args, log_dir=log_dir, timeout_s=600)
+        records = [json.loads(line) for line in out_json.read_text().splitlines()]
+        script = ["scripts/train_lm.py"]
     run = {"label": label, "tau": tau, "rep": rep, "host_before": host, "wall_s": round(time.time() - began, 1),
-           "command": shlex.join(["scripts/train_lm.py", *args[:-2]]),
+           "command": shlex.join([*script, *args[:-2]]),
            "final_val_loss": records[-1].get("val_loss")}  # fmt: skip
     try:
         run.update(steady_state(records, a.min_intervals))
     except ValueError as error:  # too few log lines: recorded, left out of the medians
         run["error"] = str(error)
     return run
+
+
+def run_peer(cluster: ec.EmulatedCluster, peer: str, flags: list[str], log_dir: Path, timeout_s: float) -> list[dict]:
+    """torchft's `peer` job on the cluster: a Lighthouse on node 0 waiting for every node, one replica
+    (scripts/torchft_peer.py with `flags`) per node with its own hostname and store; the replicas' JSON
+    lines merged. Raises HarnessError with the logs' tails if a replica fails or misses timeout_s."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    bind = f"[::]:{LIGHTHOUSE_PORT}"
+    lighthouse = cluster.popen(0, torchft_peer.lighthouse_argv(cluster.nodes, bind), log=log_dir / "lighthouse.log",
+                               capped=False)  # fmt: skip
+    parts = [log_dir / f"replica{i}.jsonl" for i in range(cluster.nodes)]
+    try:
+        procs = [cluster.popen(i, [sys.executable, "-m", "scripts.torchft_peer", "--peer", peer, *flags,
+                                   "--lighthouse", f"http://{cluster.ip(0)}:{LIGHTHOUSE_PORT}", "--replica_id",
+                                   str(i), "--out_json", str(parts[i])],
+                               env={"MASTER_ADDR": cluster.ip(i), "MASTER_PORT": str(STORE_PORT)}, cwd=str(ROOT),
+                               log=part.with_suffix(".log"), own_hostname=True)
+                 for i, part in enumerate(parts)]  # fmt: skip
+        codes = cluster.wait_all(procs, timeout_s)
+    finally:
+        cluster.kill(lighthouse)
+    if any(codes):
+        tails = "\n".join(f"--- replica {i} (exit {c}):\n" + ec.log_tail(part.with_suffix(".log"))
+                          for i, (c, part) in enumerate(zip(codes, parts)) if c)  # fmt: skip
+        raise ec.HarnessError(f"torchft {peer}: replicas failed, exit codes {codes}; logs in {log_dir}\n{tails}")
+    return torchft_peer.merge_records([[json.loads(x) for x in p.read_text().splitlines()] for p in parts])
 
 
 def run_cell(nodes: int, rate: str, a, log_root: Path) -> dict:

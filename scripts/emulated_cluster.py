@@ -587,7 +587,8 @@ class EmulatedCluster:
                                     log=log_dir / f"node{i}.log"))  # fmt: skip
         codes = self.wait_all(procs, timeout_s)
         if any(codes):
-            tails = "\n".join(f"--- node {i} (exit {c}) {log_dir / f'node{i}.log'}:\n" + _tail(log_dir / f"node{i}.log")
+            logs = [log_dir / f"node{i}.log" for i in range(self.nodes)]
+            tails = "\n".join(f"--- node {i} (exit {c}) {logs[i]}:\n" + log_tail(logs[i])
                               for i, c in enumerate(codes) if c)  # fmt: skip
             raise HarnessError(f"emulated cluster: ranks failed, exit codes {codes}\n{tails}")
         return codes
@@ -677,7 +678,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _tail(path: Path, n: int = 3000) -> str:
+def log_tail(path: Path, n: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
     except OSError:
@@ -877,7 +878,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 log_dir = a.log_dir or tempfile.mkdtemp(prefix="c2z-logs-")
                 print(f"logs: {log_dir}", file=sys.stderr)
                 cluster.torchrun(a.script, args, log_dir=log_dir)
-                print(_tail(Path(log_dir) / "node0.log", 4000))
+                print(log_tail(Path(log_dir) / "node0.log", 4000))
     except (HarnessError, ShapingError) as error:
         print(error, file=sys.stderr)
         return 2

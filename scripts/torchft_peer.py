@@ -314,10 +314,11 @@ def launch(args: argparse.Namespace) -> int:
     return 0
 
 
-def lighthouse_argv(replicas: int) -> list[str]:
-    """torchft's Lighthouse on an ephemeral port; a quorum only of all the replicas (a failure-free job)."""
+def lighthouse_argv(min_replicas: int, bind: str = "[::]:0") -> list[str]:
+    """torchft's Lighthouse at `bind` (default an ephemeral port) forming quorums of at least
+    `min_replicas` (all of them: a failure-free job; 1: an elastic one)."""
     binary = Path(sys.executable).with_name("torchft_lighthouse")
-    return [str(binary), "--bind", "[::]:0", "--min_replicas", str(replicas), "--join_timeout_ms", "5000",
+    return [str(binary), "--bind", bind, "--min_replicas", str(min_replicas), "--join_timeout_ms", "5000",
             "--quorum_tick_ms", "100"]  # fmt: skip
 
 

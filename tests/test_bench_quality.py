@@ -153,22 +153,29 @@ def test_time_to_reach_ddps_final_loss_on_each_link():
     assert bq.link_tokens_per_s(throughput, 4, "ddp", 8)["tokens_per_s"] == 50.0
 
 
-def test_a_method_with_its_own_throughput_run_takes_that_speed_and_no_other():
-    """RATE:METHOD=FILE: bench_throughput's co2 run with METHOD's flags (a sync delay hides the exchange
-    only if it is long enough: CO2's own tokens/s would not say so); without one such a method has none."""
+@pytest.mark.parametrize(
+    ("method", "label"), [("diloco_local_sync", "co2"), ("torchft_streaming", "torchft-streaming")]
+)
+def test_a_method_with_its_own_throughput_run_takes_that_speed_and_no_other(method, label):
+    """RATE:METHOD=FILE: METHOD's own bench_throughput run, under its label there (diloco_local_sync: the
+    co2 run with its flags, since a sync delay hides the exchange only if it is long enough; torchft: its
+    own runs), scaled by blocking DiLoCo beside it; without one such a method has no speed."""
+    assert bq.OWN_RUN_LABELS[method] == label
     results = {}
-    for name, cell in _study().items():  # the co2 cells, as diloco_local_sync's
-        cell = dict(cell, method="diloco_local_sync") if cell["method"] == "co2" else cell
-        results[name.replace("co2_", "diloco_local_sync_")] = cell
-    rows = bq.table_rows(results, ["ddp", "diloco_local_sync"], [8], {"diloco_local_sync": ((0.5, 1.0), (0.0,))}, 1)
+    for name, cell in _study().items():  # the co2 cells, as the method's
+        cell = dict(cell, method=method) if cell["method"] == "co2" else cell
+        results[name.replace("co2_", f"{method}_")] = cell
+    rows = bq.table_rows(results, ["ddp", method], [8], {method: ((0.5, 1.0), (0.0,))}, 1)
     summary = {"diloco": {"tokens_per_s": 100.0}, "ddp": {"tokens_per_s": 50.0}, "co2": {"tokens_per_s": 200.0}}
     main = {"cells": [{"nodes": 4, "tau": 8, "summary": summary}]}
-    own_run = {"none": {"tokens_per_s": 400.0}, "diloco": {"tokens_per_s": 300.0}, "co2": {"tokens_per_s": 360.0}}
+    decoy = "torchft-streaming" if label == "co2" else "co2"  # another run of that file: not this method's
+    own_run = {"none": {"tokens_per_s": 400.0}, "diloco": {"tokens_per_s": 300.0}, label: {"tokens_per_s": 360.0},
+               decoy: {"tokens_per_s": 390.0}}  # fmt: skip
     own = {"cells": [{"nodes": 4, "tau": 8, "summary": own_run}]}  # a faster host: 1.2 x diloco's beside it
-    assert bq.link_rates({"100mbit": main, "100mbit:diloco_local_sync": own}) == ["100mbit"]
-    got = bq.time_to_target(results, rows, {"100mbit": main, "100mbit:diloco_local_sync": own}, 4)
+    assert bq.link_rates({"100mbit": main, f"100mbit:{method}": own}) == ["100mbit"]
+    got = bq.time_to_target(results, rows, {"100mbit": main, f"100mbit:{method}": own}, 4)
     speeds = [(r["method"], r["throughput"]["tokens_per_s"]) for r in got]
-    assert speeds == [("ddp", 50.0), ("diloco_local_sync", pytest.approx(120.0))]
+    assert speeds == [("ddp", 50.0), (method, pytest.approx(120.0))]
     assert got[1]["throughput"]["label"] == "its own run: 1.200 × diloco's beside it"
     assert bq.time_to_target(results, rows, {"100mbit": main}, 4)[1]["throughput"] is None
 

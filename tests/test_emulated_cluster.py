@@ -126,3 +126,25 @@ def test_recommend_tau_formula():
     assert rec["tau_efficiency"] == 18  # ceil(19 * 0.1 / 0.11)
     assert rec["tau"] == 18
     assert tune_tau.recommend_tau(0.0, 0.1)["tau"] == 1
+
+
+@pytest.mark.slow
+def test_torchft_replicas_run_one_per_node_and_merge(tmp_path, namespaces):
+    """bench_throughput's torchft runs: a Lighthouse on node 0, one torchft_peer replica per namespace with
+    its own store; the merged records count both replicas' tokens at every round end. A replica that
+    fails is reported with its log, and the namespaces still go."""
+    pytest.importorskip("torchft", reason="the torchft runs need torchft")
+    from scripts import bench_throughput as bt
+
+    flags = ["--tau", "2", "--max_steps", "6", "--method", "diloco", "--timeout_s", "60", *TINY]
+    with ec.EmulatedCluster(nodes=2, rate=None) as cluster:
+        tag = cluster.tag
+        records = bt.run_peer(cluster, "diloco", flags, tmp_path / "ok", timeout_s=120)
+        with pytest.raises(ec.HarnessError, match=r"(?s)exit codes \[2, 2\].*--n_layer=-1 is invalid"):
+            bt.run_peer(cluster, "diloco", [*flags, "--n_layer", "-1"], tmp_path / "bad", timeout_s=120)
+    assert _ours(tag) == [], "namespaces left behind"
+    rounds = [r for r in records if not r.get("summary")]
+    assert [r["step"] for r in rounds] == [0, 2, 4, 6]
+    assert [r["tokens"] for r in rounds] == [2 * step * 4 * 32 for step in (0, 2, 4, 6)]  # 2 replicas, 4 × 32 a step
+    assert records[-1]["summary"] and records[-1]["replicas"] == 2
+    assert "listening on" in (tmp_path / "ok" / "lighthouse.log").read_text()
