@@ -256,6 +256,22 @@ def test_engines_agree_when_every_rank_is_a_replica(resumed):
 # ---- in process -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads from /proc (Linux)")
+@pytest.mark.parametrize("method", ["co2", "none"])
+def test_no_process_group_outlives_the_job(tmp_path, method):
+    """Once the job has returned, none of its gloo groups is alive: one alive then ends with the
+    interpreter, where its threads can abort the process (torch._dynamo imported after the world group
+    kept that group; reference cycles kept the CO2 groups)."""
+    worker = ROOT / "tests" / "workers" / "threads_after_job.py"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    flags = ["--method", method, "--tau", "2", "--max_steps", "4", *TINY]
+    proc = subprocess.run([*launcher, str(worker), str(tmp_path), *flags], check=False, cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    alive = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)}
+    assert alive == {0: [], 1: []}
+
+
 def test_model_presets_and_overrides():
     default = train_args.get_args([])
     shape = (default.model, default.n_layer, default.n_head, default.n_embd, default.block_size, default.vocab_size)

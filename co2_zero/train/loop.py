@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import socket
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
+import torch._dynamo  # noqa: F401  before any process group (below)
 import torch.distributed as dist
 
 from . import checkpoints
@@ -26,17 +28,28 @@ from .events import Events, parameter_digest, stop_step
 from .model import flops_per_token, gpt_from_args
 from .state import Clock, Console, RoundEnd, Tally
 
+# Every process group of the job must end before the interpreter shuts down: gloo's threads, ended with
+# it, can abort the process ("terminate called without an active exception"; docs/design.md §8). Two
+# things keep a group past destroy_process_group(): torch._dynamo imported after init_process_group (the
+# first torch.optim optimizer imports it) holds the default group to the end, hence its import above; and
+# reference cycles among the job's objects hold the CO2 groups until a collection, hence gc in main().
 DESCRIPTION = "Train a GPT with CO2 or a baseline: a tiny byte-level model on CPUs, GPT-2 sizes on GPUs."
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`co2-train` / `python -m co2_zero.train` / scripts/train_lm.py: one training job; returns 0."""
-    job = build(get_args(argv, DESCRIPTION))
+    run(get_args(argv, DESCRIPTION))
+    gc.collect()  # the finished job's process groups end here, with the interpreter alive (see below)
+    return 0
+
+
+def run(args: Any) -> None:
+    """Build, train and finish one job."""
+    job = build(args)
     clock, tally = Clock(), Tally()
     initial = start(job, clock)
     step = train(job, clock, tally)
     finish(job, clock, tally, step, initial)
-    return 0
 
 
 # ---- the run's state ---------------------------------------------------------------------------------
