@@ -84,7 +84,7 @@ GRIDS = {
     "co2_eager": ((0.5, 0.7, 1.0), (0.8, 0.9)),
     "diloco_eager": ((0.5, 0.7, 1.0), (0.5, 0.9)),
     "co2_local": ((0.5, 0.7, 1.0), (0.8,)),  # eager's best momentum; 0.5 lost on the device (1.56 vs 1.47)
-    "diloco_local_sync": ((0.5, 0.7), (0.9,)),  # lr 1 lost on the device at τ 32 (1.495 vs 1.431)
+    "diloco_local_sync": NESTEROV_GRID,
     "torchft_diloco": NESTEROV_GRID,
     "torchft_streaming": NESTEROV_GRID,
 }
