@@ -11,6 +11,7 @@ stuck suite. gloo on the CPU by default; the GPU suite passes `backend="nccl"` (
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import torch
+import torch._dynamo  # noqa: F401  before any process group: imported after, it keeps the group (design §8)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -49,6 +51,7 @@ def _entry(fn: Callable, rank: int, world_size: int, workdir: str, args: tuple, 
         Path(f"{workdir}/error{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)  # do not wait on peers that may be stuck in a collective with us
     dist.destroy_process_group()
+    gc.collect()  # groups kept by reference cycles end now, not with the interpreter (design §8)
 
 
 @contextlib.contextmanager
