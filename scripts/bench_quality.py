@@ -542,6 +542,25 @@ def _setting(row: dict) -> str:
     return "–" if row["outer_lr"] is None else f"lr {row['outer_lr']:g}, m {row['momentum']:g}"
 
 
+def overview(result: dict) -> list[str]:
+    """The README's table: per method (in METHODS order) and τ, its best setting's mean final validation
+    loss, the gap of the means to ddp and the seeds run; ddp's one row under every τ, – where a grid is
+    not done. The full table (settings, ranges, published gaps) is markdown()'s."""
+    taus, rows = result["taus"], {(r["method"], r["tau"]): r for r in result["table"]}
+    lines = ["| method | " + " | ".join(f"τ = {t}" for t in taus) + " |", "|---" * (len(taus) + 1) + "|"]
+    for method in (m for m in METHODS if any(key[0] == m for key in rows)):
+        cells = []
+        for tau in taus:
+            row = rows.get((method, None if method == "ddp" else tau))
+            if row is None:
+                cells.append("–")
+                continue
+            v, gap = row["final_val_loss"], "" if method == "ddp" else f"{100 * row['gap_of_means']:+.1f}%, "
+            cells.append(f"{v['mean']:.4f} ({gap}{v['n']})")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     lines = [
         "# Quality at speed: validation loss of local-step methods against DDP (issue 22)",

@@ -263,3 +263,21 @@ def test_peer_job_flags_and_merged_records(tmp_path):
                          "val_loss_replicas": [3.0, 3.5]}  # fmt: skip
     with pytest.raises(ValueError, match="different steps"):
         tp.merge_records([a, [start, {**a[1], "steps": 12}]])
+
+
+def test_readme_overview_is_one_row_per_method_with_every_tau():
+    """overview(): ddp's loss under every τ, a method's best setting where its grid is done, – elsewhere,
+    methods in METHODS order whatever the table's order."""
+    loss = lambda mean, n: {"mean": mean, "min": mean, "max": mean, "n": n}  # noqa: E731
+    result = {"taus": [8, 32], "table": [
+        {"method": "diloco", "tau": 32, "final_val_loss": loss(1.02, 3), "gap_of_means": 0.02},
+        {"method": "ddp", "tau": None, "final_val_loss": loss(1.0, 3), "gap_of_means": 0.0},
+        {"method": "co2", "tau": 8, "final_val_loss": loss(1.1, 1), "gap_of_means": 0.1},
+    ]}  # fmt: skip
+    assert bq.overview(result) == [
+        "| method | τ = 8 | τ = 32 |",
+        "|---|---|---|",
+        "| ddp | 1.0000 (3) | 1.0000 (3) |",
+        "| diloco | – | 1.0200 (+2.0%, 3) |",
+        "| co2 | 1.1000 (+10.0%, 1) | – |",
+    ]

@@ -120,17 +120,27 @@ def elastic() -> str:
     return bench_elastic.report(json.loads(one.read_text()))
 
 
+QUALITY = BENCH / "quality" / "quality.json"
+
+
 def quality() -> str:
     """The quality study (benchmarks/quality/, scripts/bench_quality.py): its summary as far as its cells
     go; the summary names the cells still to run."""
-    path = BENCH / "quality" / "quality.json"
-    if not path.exists():
+    if not QUALITY.exists():
         return "*Not summarized yet: `python -m scripts.bench_quality --summary` writes quality.json.*"
     sys.path.insert(0, str(ROOT))
     from scripts import bench_quality
 
-    body = bench_quality.markdown(json.loads(path.read_text()))
+    body = bench_quality.markdown(json.loads(QUALITY.read_text()))
     return body.split("\n", 2)[2]  # without its title: the page has its own heading
+
+
+def quality_overview() -> list[str]:
+    """The README's quality table: method × τ, the best setting's loss and gap to ddp."""
+    sys.path.insert(0, str(ROOT))
+    from scripts import bench_quality
+
+    return bench_quality.overview(json.loads(QUALITY.read_text()))
 
 
 TABLES: dict[str, Callable[[], str]] = {
@@ -160,13 +170,5 @@ def table_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("|")]
 
 
-def first_table(text: str) -> list[str]:
-    """The rows of a generated block's first table (the quality study's: method × τ, best setting, loss)."""
-    lines = text.splitlines()
-    start = next((k for k, line in enumerate(lines) if line.startswith("|")), len(lines))
-    end = next((k for k in range(start, len(lines)) if not lines[k].startswith("|")), len(lines))
-    return lines[start:end]
-
-
 if __name__ == "__main__":  # the README's copies: the throughput table, the elastic one, the quality one
-    print(throughput(), "", *table_lines(elastic()), "", *first_table(quality()), sep="\n")
+    print(throughput(), "", *table_lines(elastic()), "", *quality_overview(), sep="\n")
