@@ -20,7 +20,8 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
                       optimizer (Nesterov) at the cell's outer lr / momentum, fp32 (unavailable without torchft)
 
 Tuning: per method and τ, every (outer lr, momentum) of the method's grid with the first seed; the
-best is then confirmed with the other seeds. Each run is one cell, (method, τ, outer lr, momentum,
+best is then confirmed with the other seeds. co2_local and diloco_eager, the stand-in ablation, run at
+τ 32 only (ABLATION_TAUS). Each run is one cell, (method, τ, outer lr, momentum,
 seed), written to <out_dir>/cells/<name>.json when it finishes; a cell whose JSON exists is skipped,
 so the study resumes where it stopped. The summary (also alone: --summary) writes
 
@@ -88,6 +89,9 @@ GRIDS = {
     "torchft_diloco": NESTEROV_GRID,
     "torchft_streaming": NESTEROV_GRID,
 }
+# the stand-in ablation's own methods run at these τ only (every other method at every --taus): which
+# stand-in a one-round-late average needs is asked once, where the study's comparison is closest
+ABLATION_TAUS = {"co2_local": (32,), "diloco_eager": (32,)}
 # method -> bench_throughput run labels whose tokens/s it has on a link, first found wins: blocking
 # DiLoCo exchanges exactly what blocking Local SGD does (the outer step differs only in its math)
 THROUGHPUT_LABELS = {
@@ -263,12 +267,12 @@ def best_setting(results: dict[str, dict], cells: Sequence[Cell]) -> Optional[Ce
 def planned_cells(methods: Sequence[str], taus: Sequence[int], seeds: Sequence[int], grid: dict,
                   results: dict[str, dict]) -> tuple[list[Cell], dict[tuple, int]]:  # fmt: skip
     """(every cell known so far, in run order; (method, τ) -> confirmation cells not known yet).
-    ddp: one cell per seed. Others, per τ: the grid at the first seed, then the grid's best at the
-    other seeds (known only once the grid is complete)."""
+    ddp: one cell per seed. Others, per τ (ABLATION_TAUS's methods: only at theirs): the grid at the
+    first seed, then the grid's best at the other seeds (known only once the grid is complete)."""
     cells = [Cell("ddp", None, None, None, s) for s in seeds] if "ddp" in methods else []
     pending = {}
     for tau in taus:
-        for method in (m for m in methods if m != "ddp"):
+        for method in (m for m in methods if m != "ddp" and tau in ABLATION_TAUS.get(m, (tau,))):
             tried = grid_cells(method, tau, grid[method], seeds[0])
             cells += tried
             best = best_setting(results, tried)

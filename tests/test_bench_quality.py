@@ -49,6 +49,14 @@ def test_the_grid_runs_at_the_first_seed_and_its_best_is_confirmed_at_the_others
     assert bq.cells_to_run(["co2"], [8], SEEDS, GRID, done) == ([], {})  # every cell done: nothing is run again
 
 
+def test_the_stand_in_ablation_runs_only_at_its_own_tau():
+    """ABLATION_TAUS's methods get no cell at another τ; the issue's methods get one at every τ."""
+    grid = {"co2_local": ((0.5,), (0.8,)), "co2": ((0.5,), (0.0,))}
+    todo, pending = bq.cells_to_run(["co2_local", "co2"], [8, 32], SEEDS, grid, {})
+    assert [(c.method, c.tau) for c in todo] == [("co2", 8), ("co2_local", 32), ("co2", 32)]
+    assert set(pending) == {("co2", 8), ("co2_local", 32), ("co2", 32)}
+
+
 def test_cells_of_another_study_are_refused_and_half_written_ones_ignored(tmp_path):
     config = {"steps": 100, "nodes": 4, "model": "m", "extra": "e", "eval_points": 2}
     cell = bq.Cell("ddp", None, None, None, 1)
