@@ -206,9 +206,8 @@ def run_peer(cluster: ec.EmulatedCluster, peer: str, flags: list[str], log_dir: 
                                capped=False)  # fmt: skip
     parts = [log_dir / f"replica{i}.jsonl" for i in range(cluster.nodes)]
     try:
-        procs = [cluster.popen(i, [sys.executable, "-m", "scripts.torchft_peer", "--peer", peer, *flags,
-                                   "--lighthouse", f"http://{cluster.ip(0)}:{LIGHTHOUSE_PORT}", "--replica_id",
-                                   str(i), "--out_json", str(parts[i])],
+        url = f"http://{cluster.ip(0)}:{LIGHTHOUSE_PORT}"
+        procs = [cluster.popen(i, torchft_peer.replica_argv(["--peer", peer, *flags], url, i, part),
                                env={"MASTER_ADDR": cluster.ip(i), "MASTER_PORT": str(STORE_PORT)}, cwd=str(ROOT),
                                log=part.with_suffix(".log"), own_hostname=True)
                  for i, part in enumerate(parts)]  # fmt: skip

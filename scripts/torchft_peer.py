@@ -302,8 +302,7 @@ def launch(args: argparse.Namespace) -> int:
         procs.append(_popen(lighthouse_argv(args.replicas), lighthouse_log, die_with_launcher))
         url = lighthouse_url(procs[0], lighthouse_log)
         for i in range(args.replicas):
-            argv = [sys.executable, "-m", "scripts.torchft_peer", *args.replica_argv, "--lighthouse", url,
-                    "--replica_id", str(i), "--out_json", str(parts[i])]  # fmt: skip
+            argv = replica_argv(args.replica_argv, url, i, parts[i])
             procs.append(_popen(argv, logs[i], die_with_launcher, env=replica_env()))
         wait_all(procs[1:], logs, deadline, args.launch_timeout_s)
     finally:
@@ -312,6 +311,13 @@ def launch(args: argparse.Namespace) -> int:
     merged = merge_records([[json.loads(x) for x in part.read_text().splitlines()] for part in parts])
     out.write_text("".join(json.dumps(record) + "\n" for record in merged))
     return 0
+
+
+def replica_argv(flags: Sequence[str], lighthouse: str, replica_id: int, out_json: Path) -> list[str]:
+    """The command of one replica of a job whose Lighthouse is `lighthouse`: this script with `flags`
+    (the peer's and the training job's), writing its JSON lines to `out_json`."""
+    return [sys.executable, "-m", "scripts.torchft_peer", *flags, "--lighthouse", lighthouse,
+            "--replica_id", str(replica_id), "--out_json", str(out_json)]  # fmt: skip
 
 
 def lighthouse_argv(min_replicas: int, bind: str = "[::]:0") -> list[str]:

@@ -39,7 +39,7 @@ DESCRIPTION = "Train a GPT with CO2 or a baseline: a tiny byte-level model on CP
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`co2-train` / `python -m co2_zero.train` / scripts/train_lm.py: one training job; returns 0."""
     run(get_args(argv, DESCRIPTION))
-    gc.collect()  # the finished job's process groups end here, with the interpreter alive (see below)
+    gc.collect()  # the finished job's process groups end here, with the interpreter alive (note above)
     return 0
 
 
