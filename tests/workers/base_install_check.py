@@ -13,11 +13,13 @@ import sys
 
 sys.modules["numpy"] = None  # as if numpy were not installed: `import numpy` raises ImportError
 
+import gc  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402, F401  before the group, as docs/plain.md says (design §8)
 import torch.distributed as dist  # noqa: E402
 
 import co2_zero  # noqa: E402
@@ -59,3 +61,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # the optimizer's groups end here, not with the interpreter (design §8)
