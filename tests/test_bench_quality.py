@@ -57,6 +57,20 @@ def test_the_stand_in_ablation_runs_only_at_its_own_tau():
     assert set(pending) == {("co2", 8), ("co2_local", 32), ("co2", 32)}
 
 
+def test_a_tau_can_have_its_own_grid():
+    """METHOD@τ replaces the method's grid at that τ only; --grid METHOD replaces it at every τ; a bad key is
+    refused naming what is accepted."""
+    grid = {"diloco": ((0.5,), (0.9,)), "diloco@8": ((0.2, 0.3), (0.9,))}
+    todo, _ = bq.cells_to_run(["diloco"], [8, 32], SEEDS, grid, {})
+    assert [(c.tau, c.outer_lr) for c in todo] == [(8, 0.2), (8, 0.3), (32, 0.5)]
+    assert bq.GRIDS["diloco@8"][0][0] < min(bq.GRIDS["diloco"][0])  # the study's own: lower at τ 8
+    assert "diloco@8" not in bq.grids(["diloco:0.7:0.9"]) and bq.grids(["diloco:0.7:0.9"])["diloco"] == ((0.7,), (0.9,))
+    assert bq.grids(["co2@8:0.3:0.5"])["co2@8"] == ((0.3,), (0.5,)) and "diloco@8" in bq.grids(["co2@8:0.3:0.5"])
+    for bad in ("nope@8:0.3:0.5", "co2@x:0.3:0.5", "co2@8:0.3"):
+        with pytest.raises(SystemExit, match="METHOD@TAU:LRS:MOMENTA"):
+            bq.grids([bad])
+
+
 def test_cells_of_another_study_are_refused_and_half_written_ones_ignored(tmp_path):
     config = {"steps": 100, "nodes": 4, "model": "m", "extra": "e", "eval_points": 2}
     cell = bq.Cell("ddp", None, None, None, 1)
