@@ -10,7 +10,8 @@ and a `refresh` callback that spreads a rewritten partition to the rest of its r
 
 With a sync delay d < tau the average is applied d steps into the next round instead (the
 replica's progress since the round start kept on top of it, `_apply_mid_round`); step 3 and that
-apply are the only writes of the live parameters. The engine's lifecycle is an explicit `Phase`;
+apply are the only writes of the live parameters. `sync_delay: "auto"` measures d on the job first
+(`sync_delay.DelayMeter`) and switches the schedule once, at a round end. The engine's lifecycle is an explicit `Phase`;
 what `overlap` and the sync delay change is decided in one place, `ApplySchedule`. Start-up lives in
 `startup`, the module buffers in `buffers`, the state as plain data in `engine_state`.
 """
@@ -23,7 +24,6 @@ import warnings
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
@@ -36,6 +36,7 @@ from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError, collective_error
 from .outer import eager_start, local_start, track_momentum
 from .partition import ParameterWatch, Partition
+from .sync_delay import ApplySchedule, DelayMeter, RoundPlan
 from .topology import Topology
 
 _WATCH_S = 0.05  # how often a wait for the pipeline looks at the step announcements
@@ -48,57 +49,6 @@ class Phase(enum.Enum):
     IN_FLIGHT = "in flight"  # a pipeline runs round `pending_index` in the background
     FAILED = "failed"  # a wait, a collective or a check failed: the worker and groups are released
     FINALIZED = "finalized"  # finalize() gave every rank the same model
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """Which partition buffer plays which part at one round end."""
-
-    base: torch.Tensor  # the start point the outer update applies to
-    work: torch.Tensor  # receives D; the pipeline leaves the next start point in it
-    wait_at_once: bool  # wait for the pipeline before step 3 (blocking mode)
-    swap: bool  # the buffers trade roles at this round end (else when the average is applied mid-round)
-    gap: Optional[torch.Tensor]  # the previous update's per-tensor squared norms (staleness), or None
-
-
-@dataclass(frozen=True)
-class ApplySchedule:
-    """When a round's average is applied, decided here only (docs/design.md §3, "Blocking mode" and
-    "The sync delay"): `steps` inner steps into the next round.
-
-    - tau (overlap, the default): at the next round end, a round late, with a staleness gap. D
-      overwrites the retiring start point B and the update applies to x_{t+1}; the buffers swap.
-    - 0 (blocking): at once. D goes to the spare buffer, the update applies to x_t without a gap.
-    - 0 < d < tau (a sync delay): D goes to the spare buffer, the update applies to the base D was
-      measured from, and the buffers swap when it is applied, d steps into the next round.
-    """
-
-    steps: int
-    tau: int
-
-    def plan(self, start_point: torch.Tensor, next_start: torch.Tensor, gap: Optional[torch.Tensor]) -> RoundPlan:
-        if self.steps == self.tau:
-            return RoundPlan(base=next_start, work=start_point, wait_at_once=False, swap=True, gap=gap)
-        if self.steps == 0:
-            return RoundPlan(base=start_point, work=next_start, wait_at_once=True, swap=True, gap=None)
-        return RoundPlan(base=start_point, work=next_start, wait_at_once=False, swap=False, gap=gap)
-
-    def applies_mid_round(self, inner_steps: int) -> bool:
-        """Whether the average in flight is applied after this inner step (not at a round end)."""
-        return 0 < self.steps < self.tau and inner_steps % self.tau == self.steps
-
-    def unapplied_after(self, inner_steps: int, rounds: int) -> bool:
-        """Whether a launched average is still to be applied after `inner_steps` (finalize applies it)."""
-        return 0 < self.steps < self.tau and rounds > 0 and inner_steps % self.tau < self.steps
-
-    def last_start(self, start_point: torch.Tensor, next_start: torch.Tensor) -> torch.Tensor:
-        """The start point the last finished round produced, once applied, which finalize() gives every
-        rank."""
-        return next_start if self.steps == self.tau else start_point
-
-    def carried_next_start(self, next_start: torch.Tensor) -> Optional[torch.Tensor]:
-        """The next start point as state: in blocking mode it is a spare buffer, carried as None."""
-        return next_start if self.steps else None
 
 
 class RoundEngine:
@@ -126,6 +76,7 @@ class RoundEngine:
         partition.check_views()
         self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
         self.schedule = ApplySchedule(config.steps_before_apply, config.tau)
+        self.delay_meter = DelayMeter(config.tau) if config.sync_delay == "auto" else None
         module_buffers = list(module.buffers()) if module is not None else []
         self.buffers = ModuleBuffers([*buffers, *module_buffers], topology, config)
         self.watch = ParameterWatch.collect(params, module)
@@ -216,6 +167,9 @@ class RoundEngine:
         self.check_usable()
         self.inner_steps += 1
         if self.inner_steps % self.config.tau:
+            if self.delay_meter is not None:
+                finished = self._pending is None or self._pending.done()
+                self.delay_meter.saw(self.inner_steps % self.config.tau, finished)
             if self.rounds and self.schedule.applies_mid_round(self.inner_steps):  # round 0 has none in flight
                 self._apply_mid_round()
             return False
@@ -247,10 +201,13 @@ class RoundEngine:
         if self.schedule.steps == self.config.tau:  # the average in flight is applied at this round end
             self._track_applied_step(self.start_point, self.next_start)
         self._check_steps()  # the last round end's (arrived with its pipeline)
-        self.announcements.post(self.inner_steps, finalizing=False)
+        measured = self.delay_meter.to_post() if self.delay_meter is not None else 0
+        self.announcements.post(self.inner_steps, finalizing=False, exchange_steps=measured)
         sent = self._exchange_bytes_since_last_report()
         plan = self.schedule.plan(self.start_point, self.next_start, self.previous_update_sq_norms)
         reset_inner = self._launch(plan)  # step 2
+        if self.delay_meter is not None:
+            self._follow_delay_meter()
         if plan.wait_at_once:
             wait_s += self._wait_pending()
             sent += self._exchange_bytes_since_last_report()
@@ -276,10 +233,20 @@ class RoundEngine:
             "bytes_sent": sent + buffer_bytes,
         }
 
+    def _follow_delay_meter(self) -> None:
+        """sync_delay "auto", after a launch: note the pipeline; at the deciding round end, switch to the
+        fixed delay. The pipeline just launched is then the last applied at a round end; the next launch
+        (none in flight: applied mid-round) sets the gap's staleness to the new schedule's."""
+        self.delay_meter.launched(self.rounds)
+        delay = self.delay_meter.fixed_after_launch(self.rounds)
+        if delay is not None:
+            self.schedule = ApplySchedule(delay, self.config.tau)
+
     def _launch(self, plan: RoundPlan) -> bool:
         """D = (this replica's round start) - x into `plan.work`; a stand-in: the next own start from D,
         before the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's
         own D is non-finite under "skip_round" (its inner state must then be reset)."""
+        self.exchange.set_staleness(self.schedule.steps / self.config.tau)
         self.partition.subtract_from(self.round_start, out=plan.work)
         reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(plan.work[: self.layout.length])
         hyper = self.exchange.hyper
@@ -367,6 +334,8 @@ class RoundEngine:
                 ),
                 error,
             )
+        if rows is not None and self.delay_meter is not None:
+            self.delay_meter.collected([row[2] for row in rows])
         problem = None if rows is None else steps_mismatch(rows, self.topology.rank, self.inner_steps)
         if problem is not None:
             self._fail(CO2Error(problem))
