@@ -11,6 +11,8 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
   diloco_eager        the paper's "1-outer-step eager" (Kale et al. 2502.12996): DiLoCo's outer step
                       (Nesterov, no gap penalty), overlapped one round late, with `stand_in: eager`
   co2_local           co2 with `stand_in: local` (below)
+  diloco_local        DiLoCo's outer step overlapped a whole round late with `stand_in: local`: diloco_local_sync
+                      without its sync delay, what that setting becomes where the link needs the whole round
   diloco_local_sync   DiLoCo's outer step (Nesterov 0.9, no penalty), overlapped with `stand_in: local` (each
                       replica starts a round from the outer step the average will take, on its own
                       displacement instead) and `sync_delay: SYNC_DELAY`: the average is applied that many
@@ -20,8 +22,8 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
                       optimizer (Nesterov) at the cell's outer lr / momentum, fp32 (unavailable without torchft)
 
 Tuning: per method and τ, every (outer lr, momentum) of the method's grid with the first seed; the
-best is then confirmed with the other seeds. co2_local and diloco_eager, the stand-in ablation, run at
-τ 32 only (ABLATION_TAUS). Each run is one cell, (method, τ, outer lr, momentum,
+best is then confirmed with the other seeds. co2_local, diloco_eager and diloco_local, the stand-in
+ablation, run at τ 32 only (ABLATION_TAUS). Each run is one cell, (method, τ, outer lr, momentum,
 seed), written to <out_dir>/cells/<name>.json when it finishes; a cell whose JSON exists is skipped,
 so the study resumes where it stopped. The summary (also alone: --summary) writes
 
@@ -60,13 +62,14 @@ from scripts import bench_convergence as bc
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "scripts" / "torchft_peer.py"
-CO2_FAMILY = ("diloco", "co2", "co2_eager", "co2_local", "diloco_eager", "diloco_local_sync")
-STAND_IN = {"co2_eager": "eager", "co2_local": "local", "diloco_eager": "eager", "diloco_local_sync": "local"}
+CO2_FAMILY = ("diloco", "co2", "co2_eager", "co2_local", "diloco_eager", "diloco_local", "diloco_local_sync")
+STAND_IN = {"co2_eager": "eager", "co2_local": "local", "diloco_eager": "eager", "diloco_local": "local",
+            "diloco_local_sync": "local"}  # fmt: skip
 # with the config field `sync_delay`: min(SYNC_DELAY, τ) steps, what the study model's exchange needs at 100 Mbit/s
 # (its blocking DiLoCo runs 18% slower than CO2 at τ 32 there: the exchange takes about 6 of its steps)
 SYNCED = ("diloco_local_sync",)
 SYNC_DELAY = 8
-DILOCO_STEP = ("diloco", "diloco_eager", "diloco_local_sync")  # the diloco preset's outer step
+DILOCO_STEP = ("diloco", "diloco_eager", "diloco_local", "diloco_local_sync")  # the diloco preset's outer step
 PEERS = {"torchft_diloco": "diloco", "torchft_streaming": "streaming"}  # method -> the peer's algorithm
 METHODS = ("ddp", *CO2_FAMILY, *PEERS)
 # (outer lrs, outer momenta) tried per method at every τ. The DiLoCo family keeps Nesterov 0.9 and
@@ -84,6 +87,7 @@ GRIDS = {
     "co2": CO2_GRID,
     "co2_eager": ((0.5, 0.7, 1.0), (0.8, 0.9)),
     "diloco_eager": ((0.5, 0.7, 1.0), (0.5, 0.9)),
+    "diloco_local": ((0.5, 0.7, 1.0), (0.5, 0.9)),  # as diloco_eager: a round late, 0.9 may overshoot
     "co2_local": ((0.5, 0.7, 1.0), (0.8,)),  # eager's best momentum; 0.5 lost on the device (1.56 vs 1.47)
     "diloco_local_sync": NESTEROV_GRID,
     "torchft_diloco": NESTEROV_GRID,
@@ -95,7 +99,7 @@ GRIDS = {
 GRIDS.update({f"{m}@8": ((0.2, 0.3, 0.5), (0.9,)) for m, g in GRIDS.items() if g == NESTEROV_GRID})
 # the stand-in ablation's own methods run at these τ only (every other method at every --taus): which
 # stand-in a one-round-late average needs is asked once, where the study's comparison is closest
-ABLATION_TAUS = {"co2_local": (32,), "diloco_eager": (32,)}
+ABLATION_TAUS = {"co2_local": (32,), "diloco_eager": (32,), "diloco_local": (32,)}
 # method -> bench_throughput run labels whose tokens/s it has on a link, first found wins: blocking
 # DiLoCo exchanges exactly what blocking Local SGD does (the outer step differs only in its math)
 THROUGHPUT_LABELS = {
@@ -104,6 +108,7 @@ THROUGHPUT_LABELS = {
     "co2": ("co2",),
     "co2_eager": ("co2",),
     "diloco_eager": ("co2",),
+    "diloco_local": ("co2",),
     "co2_local": ("co2",),
     "diloco_local_sync": (),  # applied after SYNC_DELAY steps: only its own run says whether that hides the exchange
     "torchft_diloco": (),  # torchft's own runs (bench_throughput's torchft labels): OWN_RUN_LABELS
@@ -118,6 +123,7 @@ PUBLISHED = {
     "co2": "ours before (benchmarks, compressed exchange): +16–20% at τ 27–64 with 12–27 rounds",
     "co2_eager": "eager recovers most of the one-step delay's loss: Kale et al. 2502.12996",
     "diloco_eager": "the paper's own setting of eager: Kale et al. 2502.12996",
+    "diloco_local": "–",
     "co2_local": "–",
     "diloco_local_sync": "a sync overlapped by a few steps costs about nothing: Douillard et al. 2501.18512",
     "torchft_diloco": "as diloco",

@@ -102,6 +102,9 @@ def test_flags_of_each_method():
     assert {"--stand_in", "--overlap"} <= set(paper) and paper[paper.index("--method") + 1] == "diloco", paper
     synced = bq.train_flags(bq.Cell("diloco_local_sync", 32, 0.7, 0.9, 5), 640, 2, common)
     assert synced[synced.index("--sync_delay") + 1] == str(bq.SYNC_DELAY) and "local" in synced
+    late = bq.train_flags(bq.Cell("diloco_local", 32, 0.7, 0.9, 5), 640, 2, common)
+    assert late[late.index("--stand_in") + 1] == "local" and "--overlap" in late and "--sync_delay" not in late
+    assert late[late.index("--method") + 1] == "diloco"
     short = bq.train_flags(bq.Cell("diloco_local_sync", 4, 0.7, 0.9, 5), 640, 2, common)
     assert short[short.index("--sync_delay") + 1] == "4"  # at most τ
     ddp = bq.train_flags(bq.Cell("ddp", None, None, None, 5), 640, 2, common)
