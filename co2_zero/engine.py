@@ -19,6 +19,7 @@ what `overlap` and the sync delay change is decided in one place, `ApplySchedule
 from __future__ import annotations
 
 import enum
+import math
 import time
 import warnings
 import weakref
@@ -36,7 +37,7 @@ from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError, collective_error
 from .outer import eager_start, local_start, track_momentum
 from .partition import ParameterWatch, Partition
-from .sync_delay import ApplySchedule, DelayMeter, RoundPlan
+from .sync_delay import MARGIN, ApplySchedule, DelayMeter, RoundPlan
 from .topology import Topology
 
 _WATCH_S = 0.05  # how often a wait for the pipeline looks at the step announcements
@@ -231,6 +232,7 @@ class RoundEngine:
             "inner_state_reset": reset_inner,
             "buffers_restored": buffers_restored,
             "bytes_sent": sent + buffer_bytes,
+            "sync_delay": self.schedule.steps,  # where the next average is applied (sync_delay "auto": fixed)
         }
 
     def _follow_delay_meter(self) -> None:
@@ -239,8 +241,18 @@ class RoundEngine:
         (none in flight: applied mid-round) sets the gap's staleness to the new schedule's."""
         self.delay_meter.launched(self.rounds)
         delay = self.delay_meter.fixed_after_launch(self.rounds)
-        if delay is not None:
-            self.schedule = ApplySchedule(delay, self.config.tau)
+        if delay is None:
+            return
+        self.schedule = ApplySchedule(delay, self.config.tau)
+        if delay == self.config.tau:
+            warnings.warn(
+                f"co2: sync_delay 'auto': the exchange took {self.delay_meter.most_steps} of tau={self.config.tau} "
+                f"inner steps on the slowest rank (at least that many: the round end waited), so every average "
+                f"stays a whole round late, as with sync_delay null. A tau of at least "
+                f"{math.ceil(MARGIN * self.delay_meter.most_steps) + 1} would let it apply earlier, and one "
+                f"above the exchange's steps keeps the round end from waiting (docs/configuration.md)",
+                stacklevel=5,
+            )
 
     def _launch(self, plan: RoundPlan) -> bool:
         """D = (this replica's round start) - x into `plan.work`; a stand-in: the next own start from D,

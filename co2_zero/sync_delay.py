@@ -137,6 +137,11 @@ class DelayMeter:
         self.fixed = delay_for(max(self._most, 1), self.tau)
         return self.fixed
 
+    @property
+    def most_steps(self) -> int:
+        """The most inner steps any rank counted for an exchange so far."""
+        return self._most
+
     def fix(self, delay: int) -> None:
         """A checkpoint's fixed delay."""
         self.fixed, self._watching = delay, None

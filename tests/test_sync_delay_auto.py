@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -58,6 +59,10 @@ SCENARIOS = {
     ),
     "shared-heavyball-ungated": dict(
         config={**HEAVY_BALL, "tau": TAU, "sync_delay": "auto", "collective": "reduce_scatter"}, steps=8 * TAU
+    ),
+    # an exchange of 5 of 6 steps: ceil(1.5 x 5) > tau, so the average stays a round late, with a warning
+    "shared-heavyball-too-slow": dict(
+        config={**HEAVY_BALL, "tau": TAU, "sync_delay": "auto", "collective": "all_reduce"}, steps=7 * TAU, gate=5
     ),
 }
 # a checkpoint after the delay was fixed keeps it; one before it makes the resumed run measure anew
@@ -171,13 +176,17 @@ def _run(rank: int, sc: dict) -> dict:
     unpatch = _gate(opt, sc["gate"]) if sc.get("gate") else (lambda: None)
     steps: list = []
     try:
-        _train(rank, model, opt, 0, sc["steps"], steps)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train(rank, model, opt, 0, sc["steps"], steps)
     finally:
         unpatch()
-    delay, meter = opt.engine.schedule.steps, opt.engine.delay_meter
+    delay, meter, reported = opt.engine.schedule.steps, opt.engine.delay_meter, opt.last_round["sync_delay"]
     opt.finalize()
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"steps": steps, "final": final, "delay": delay, "fixed": meter.fixed}
+    notes = [str(w.message) for w in caught if "sync_delay 'auto'" in str(w.message)]
+    return {"steps": steps, "final": final, "delay": delay, "fixed": meter.fixed, "reported": reported,
+            "warnings": notes}  # fmt: skip
 
 
 def _resume(rank: int, directory: str) -> dict:
@@ -232,9 +241,14 @@ def test_every_step_matches_the_reference_with_the_delay_the_ranks_fixed(results
     delays = {r[name]["delay"] for r in results}
     assert len(delays) == 1, f"the ranks fixed different delays: {delays}"
     delay = delays.pop()
-    assert results[0][name]["fixed"] == delay
+    assert results[0][name]["fixed"] == results[0][name]["reported"] == delay  # last_round["sync_delay"]
     if sc.get("gate"):
-        assert delay == delay_for(GATE, TAU) == 3  # measured exactly, then the margin
+        assert delay == delay_for(sc["gate"], TAU) == (3 if sc["gate"] == GATE else TAU)  # measured exactly
+    for got in (r[name] for r in results):  # a warning where the delay stays a whole round, only there
+        assert len(got["warnings"]) == (delay == TAU), got["warnings"]
+        assert all(f"of tau={TAU} inner steps" in w and "tau of at least" in w for w in got["warnings"])
+        if sc.get("gate") == 5:
+            assert "took 5 of tau=6" in got["warnings"][0] and "tau of at least 9" in got["warnings"][0]
     per_step, finals = _reference(sc, delay, SWITCH, len(results))
     for rank, got in enumerate(r[name] for r in results):
         assert len(got["steps"]) == len(per_step) == sc["steps"]
