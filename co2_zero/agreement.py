@@ -156,6 +156,10 @@ class StepAnnouncements:
     def in_flight(self) -> bool:
         return self._work is not None
 
+    def release(self) -> None:
+        """Drop the group and what refers to it (the groups are being destroyed; none may be in flight)."""
+        self.group, self._work, self._rows = None, None, []
+
     def ready(self) -> bool:
         """True when the announcement in flight has arrived from every rank (never blocks)."""
         return self._work is not None and self._work.is_completed()

@@ -479,4 +479,5 @@ def _shutdown(
     # A worker still blocked in a collective keeps its groups: destroying them under it would crash.
     # So does a step announcement a peer never answered (it is a collective on the control group).
     if exchange.close(join_s) and not (announcements.in_flight and not announcements.ready()):
+        announcements.release()
         topology.destroy()

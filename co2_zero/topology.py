@@ -242,12 +242,18 @@ class Topology:
 
     def destroy(self, inner: bool = False) -> None:
         """Release the CO2 groups; also the inner group when `inner` and this topology created it
-        (a group the caller passed in is the caller's)."""
-        groups = [self.outer_group, self.norm_group, self.control_group]
+        (a group the caller passed in is the caller's). Each field is then None: a destroyed group's
+        threads run until its last reference goes, which must not be left to interpreter shutdown
+        (docs/design.md §8)."""
+        names = ["outer_group", "norm_group", "control_group"]
         if inner and self.owns_inner_group:
-            groups.append(self.inner_group)
-        for group in groups:
+            names.append("inner_group")
+        for name in names:
+            group = getattr(self, name)
+            if group is None:  # destroyed before
+                continue
             try:
                 dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):  # already destroyed
+            except (RuntimeError, ValueError):  # destroyed by another holder of the same group
                 pass
+            setattr(self, name, None)
