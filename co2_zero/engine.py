@@ -155,11 +155,14 @@ class RoundEngine:
         """Stop the background worker and release the CO2 process groups (not the inner group,
         which the integration's framework keeps using). Also runs at interpreter exit. join_s: how
         long to wait for a busy worker to end; short by default, as a failed engine's worker may be stuck
-        in a collective (an idle worker gets timeout_s: it ends as soon as it is scheduled)."""
+        in a collective (an idle worker gets timeout_s: it ends as soon as it is scheduled). After
+        `finalize()` the groups' last references go too, so their threads end now (docs/design.md §8);
+        a failed engine keeps them open, as its peers may still be learning why (a closed connection
+        would answer them with a bare "Connection closed by peer")."""
         shutdown = self._at_exit.detach()  # None: closed already
         if shutdown is not None:
             _, function, args, _ = shutdown
-            function(*args, join_s=join_s)
+            function(*args, join_s=join_s, release=self.phase is Phase.FINALIZED)
 
     # ---- the round --------------------------------------------------------------------------------
 
@@ -474,10 +477,15 @@ def _all_finite(flat: torch.Tensor) -> bool:
 
 
 def _shutdown(
-    exchange: OuterExchange, topology: Topology, announcements: StepAnnouncements, join_s: float = 1.0
+    exchange: OuterExchange,
+    topology: Topology,
+    announcements: StepAnnouncements,
+    join_s: float = 1.0,
+    release: bool = False,
 ) -> None:
     # A worker still blocked in a collective keeps its groups: destroying them under it would crash.
     # So does a step announcement a peer never answered (it is a collective on the control group).
     if exchange.close(join_s) and not (announcements.in_flight and not announcements.ready()):
-        announcements.release()
-        topology.destroy()
+        if release:
+            announcements.release()
+        topology.destroy(release=release)

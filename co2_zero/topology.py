@@ -240,20 +240,21 @@ class Topology:
             owns_inner_group=owns_inner_group,
         )
 
-    def destroy(self, inner: bool = False) -> None:
-        """Release the CO2 groups; also the inner group when `inner` and this topology created it
-        (a group the caller passed in is the caller's). Each field is then None: a destroyed group's
-        threads run until its last reference goes, which must not be left to interpreter shutdown
-        (docs/design.md §8)."""
+    def destroy(self, inner: bool = False, release: bool = False) -> None:
+        """Destroy the CO2 groups; also the inner group when `inner` and this topology created it
+        (a group the caller passed in is the caller's). `release`: each field is then None, the
+        group's last reference here: a destroyed group's threads run, and its connections stay open,
+        until that goes, which must not be left to interpreter shutdown (docs/design.md §8)."""
         names = ["outer_group", "norm_group", "control_group"]
         if inner and self.owns_inner_group:
             names.append("inner_group")
         for name in names:
             group = getattr(self, name)
-            if group is None:  # destroyed before
+            if group is None:  # released before
                 continue
             try:
                 dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):  # destroyed by another holder of the same group
+            except (RuntimeError, ValueError):  # destroyed before
                 pass
-            setattr(self, name, None)
+            if release:
+                setattr(self, name, None)
