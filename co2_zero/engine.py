@@ -172,8 +172,7 @@ class RoundEngine:
         self.inner_steps += 1
         if self.inner_steps % self.config.tau:
             if self.delay_meter is not None:
-                finished = self._pending is None or self._pending.done()
-                self.delay_meter.saw(self.inner_steps % self.config.tau, finished)
+                self.delay_meter.saw(self.inner_steps % self.config.tau, _finished(self._pending))
             if self.rounds and self.schedule.applies_mid_round(self.inner_steps):  # round 0 has none in flight
                 self._apply_mid_round()
             return False
@@ -470,6 +469,20 @@ class RoundEngine:
         tensors += [self.own_start, self.own_momentum]
         tensors += list(self.exchange.residuals or ())
         return sum(t.numel() * t.element_size() for t in tensors if t is not None) + self.exchange.index_bytes
+
+
+def _finished(pending: Optional[Future]) -> bool:
+    """Whether a pipeline has finished, on the device too (its CUDA event), without blocking: the
+    worker returns once its kernels are queued. None (waited for already) counts as finished; a failed
+    one too (its wait reports it)."""
+    if pending is None:
+        return True
+    if not pending.done():
+        return False
+    if pending.exception() is not None:
+        return True
+    _, done = pending.result()
+    return done is None or done.query()
 
 
 def _all_finite(flat: torch.Tensor) -> bool:

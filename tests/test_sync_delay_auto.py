@@ -120,6 +120,28 @@ def test_a_resumed_meter_counts_anew_from_its_round():
     assert _feed(fixed, 12, 8, {t: 7 for t in range(12)}) == [] and fixed.fixed == 3
 
 
+def test_a_pipeline_counts_as_finished_once_its_device_work_has():
+    """On a GPU the worker returns with its kernels queued (a CUDA event in the result): the count waits
+    for the event, not only for the future."""
+    from concurrent.futures import Future
+
+    from co2_zero.engine import _finished
+
+    class Event:
+        def __init__(self, ready: bool) -> None:
+            self.ready = ready
+
+        def query(self) -> bool:
+            return self.ready
+
+    running, cpu, queued, ran, failed = Future(), Future(), Future(), Future(), Future()
+    cpu.set_result((None, None))
+    queued.set_result((None, Event(False)))
+    ran.set_result((None, Event(True)))
+    failed.set_exception(RuntimeError("the collective failed"))
+    assert [_finished(f) for f in (running, cpu, queued, ran, failed, None)] == [False, True, False, True, True, True]
+
+
 # ---- real ranks against the reference ----------------------------------------------------------------------
 
 
