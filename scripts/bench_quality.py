@@ -98,6 +98,9 @@ GRIDS = {
 # (1.363 at seed 1337, against 1.388 at 0.7 and 1.434 at 1.0), then at 0.2 (1.342; 0.3: 1.347), so the grid
 # reaches 0.1 (the cells off it stay in the JSON)
 GRIDS.update({f"{m}@8": ((0.1, 0.2, 0.3, 0.5), (0.9,)) for m, g in GRIDS.items() if g == NESTEROV_GRID})
+# and rises at large τ: at τ 128 blocking DiLoCo, Streaming DiLoCo and diloco_local_sync were all best at 1.0,
+# NESTEROV_GRID's top, so their τ 128 grid goes on to 1.4
+GRIDS.update({f"{m}@128": ((0.5, 0.7, 1.0, 1.4), (0.9,)) for m, g in GRIDS.items() if g == NESTEROV_GRID})
 # the stand-in ablation's own methods run at these τ only (every other method at every --taus): which
 # stand-in a one-round-late average needs is asked once, where the study's comparison is closest
 ABLATION_TAUS = {"co2_local": (32,), "diloco_eager": (32,), "diloco_local": (32,)}
@@ -445,13 +448,27 @@ def table_rows(results: dict[str, dict], methods: Sequence[str], taus: Sequence[
             runs = seed_runs(results, best.setting)
             row = {"method": method, "tau": tau, "outer_lr": best.outer_lr, "momentum": best.momentum,
                    "final_val_loss": spread([r["final_val_loss"] for r in runs]), "seeds": [r["seed"] for r in runs],
-                   "published": PUBLISHED[method]}  # fmt: skip
+                   "published": PUBLISHED[method], "at_edge": at_edge(results, best)}  # fmt: skip
             if ddp:
                 row["gap_of_means"] = row["final_val_loss"]["mean"] / statistics.mean(ddp.values()) - 1
                 paired = [r["final_val_loss"] / ddp[r["seed"]] - 1 for r in runs if r["seed"] in ddp]
                 row["gap_per_seed"] = spread(paired) if paired else None
             rows.append(row)
     return rows
+
+
+def at_edge(results: dict[str, dict], best: Cell) -> list[str]:
+    """Which of the best setting's outer lr and momentum is the largest or smallest value tried for its
+    method and τ (any cell at its seed, on the grid or off it): a better one may lie beyond. [] for ddp."""
+    if best.tau is None:
+        return []
+    tried = [r for r in results.values() if (r["method"], r["tau"], r["seed"]) == (best.method, best.tau, best.seed)]
+    edges = []
+    for name, key, value in (("outer lr", "outer_lr", best.outer_lr), ("momentum", "momentum", best.momentum)):
+        values = {r[key] for r in tried}
+        if len(values) > 1 and value in (min(values), max(values)):
+            edges.append(name)
+    return edges
 
 
 def link_tokens_per_s(throughput: dict, nodes: int, method: str, tau: Optional[int] = None,
@@ -564,7 +581,10 @@ def _pct(x: Optional[float]) -> str:
 
 
 def _setting(row: dict) -> str:
-    return "–" if row["outer_lr"] is None else f"lr {row['outer_lr']:g}, m {row['momentum']:g}"
+    if row["outer_lr"] is None:
+        return "–"
+    edge = f" ({' and '.join(row['at_edge'])} at the edge of those tried)" if row.get("at_edge") else ""
+    return f"lr {row['outer_lr']:g}, m {row['momentum']:g}{edge}"
 
 
 def overview(result: dict) -> list[str]:

@@ -146,6 +146,10 @@ def test_summary_gap_to_ddp_and_spread_over_seeds():
     assert co2["gap_of_means"] == pytest.approx((2.04 + 2.10 + 1.9475) / 3 / 2.0 - 1)
     assert co2["gap_per_seed"]["mean"] == pytest.approx(0.015) and co2["gap_per_seed"]["max"] == pytest.approx(0.025)
     assert co2["gap_per_seed"]["min"] == pytest.approx(0.0)
+    assert co2["at_edge"] == ["outer lr"] and ddp["at_edge"] == []  # lr 1 is the largest tried; one momentum
+    assert "(outer lr at the edge of those tried)" in bq._setting(co2)
+    inside = {**_study(), **_finished([bq.Cell("co2", 8, 1.4, 0.0, 1)], [2.3])}  # off the grid, tried
+    assert bq.table_rows(inside, ["co2"], [8], {"co2": ((0.5, 1.0), (0.0,))}, 1)[0]["at_edge"] == []
 
 
 def test_time_to_reach_ddps_final_loss_on_each_link():
