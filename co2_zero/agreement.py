@@ -6,7 +6,8 @@
   CO2 would then average one rank's weight with another rank's other weight).
 - **How many inner steps each rank took** (every round end and `finalize()`): a rank that calls
   `finalize()` tells the others at once, so a rank that trained on learns it at its next wait instead
-  of blocking on a round its peers never run.
+  of blocking on a round its peers never run. The same announcement carries the inner steps the last
+  exchange took on the rank (`sync_delay: "auto"`, `co2_zero.sync_delay`), so all ranks fix one delay.
 
 Everything travels as fixed-size int64 vectors (`topology.gather_fingerprints`): no pickling.
 """
@@ -129,7 +130,8 @@ def _parameters_message(position: int, ranks: tuple[int, int], details: Sequence
 
 
 class StepAnnouncements:
-    """Every rank's [inner steps, finalizing] all-gathered without blocking, on the main thread's group.
+    """Every rank's [inner steps, finalizing, exchange steps] all-gathered without blocking, on the main
+    thread's group (exchange steps: what `sync_delay.DelayMeter.to_post` measured, else 0).
 
     Each rank posts one at every round end and one in `finalize()`, so the k-th announcements of all
     ranks meet even when one rank finalizes while another trains on: the one that trains on reads a
@@ -142,11 +144,11 @@ class StepAnnouncements:
         self._work: Any = None
         self._rows: list[torch.Tensor] = []
 
-    def post(self, steps: int, finalizing: bool) -> None:
+    def post(self, steps: int, finalizing: bool, exchange_steps: int = 0) -> None:
         if self._work is not None:
             raise RuntimeError("co2: a step announcement is still in flight; collect it first")
         device = collective_device(self.group)
-        mine = torch.tensor([steps, int(finalizing)], dtype=torch.int64, device=device)
+        mine = torch.tensor([steps, int(finalizing), exchange_steps], dtype=torch.int64, device=device)
         self._rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         self._work = dist.all_gather(self._rows, mine, group=self.group, async_op=True)
 
@@ -154,13 +156,17 @@ class StepAnnouncements:
     def in_flight(self) -> bool:
         return self._work is not None
 
+    def release(self) -> None:
+        """Drop the group and what refers to it (the groups are being destroyed; none may be in flight)."""
+        self.group, self._work, self._rows = None, None, []
+
     def ready(self) -> bool:
         """True when the announcement in flight has arrived from every rank (never blocks)."""
         return self._work is not None and self._work.is_completed()
 
     def collect(self, deadline: float) -> Optional[list[list[int]]]:
-        """The rows [steps, finalizing] of every rank for the announcement in flight (None if there is
-        none), waiting until the `time.monotonic()` deadline; CO2TimeoutError past it."""
+        """The rows [steps, finalizing, exchange steps] of every rank for the announcement in flight (None
+        if there is none), waiting until the `time.monotonic()` deadline; CO2TimeoutError past it."""
         if self._work is None:
             return None
         try:
@@ -174,6 +180,7 @@ class StepAnnouncements:
 def steps_mismatch(rows: Sequence[Sequence[int]], rank: int, steps: int) -> Optional[str]:
     """The finalize error for announcement `rows`, or None when every rank is at the same step and
     agrees on finalizing. This rank's own count is `steps` (it may have trained on since it posted)."""
+    rows = [row[:2] for row in rows]  # [steps, finalizing]; the exchange steps may differ
     if all(row == rows[0] for row in rows):
         return None
     counts = ", ".join(

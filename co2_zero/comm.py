@@ -213,6 +213,12 @@ class OuterExchange:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.worker = BackgroundWorker(f"co2-outer-rank{topology.rank}")
 
+    def set_staleness(self, staleness: float) -> None:
+        """The share of a round before the average is applied, for the next pipelines' gap (`OuterHyper`):
+        `sync_delay: "auto"` changes it once. Call with no pipeline in flight (the worker reads it)."""
+        if staleness != self.hyper.staleness:
+            self.hyper = self.hyper._replace(staleness=staleness)
+
     def launch(self, job: PipelineJob) -> Future:
         """Start pipeline `job.round_index` in the background; the new start point lands in `job.work`.
 

@@ -161,7 +161,7 @@ class CO2Config:
             "words per rank.",
         },
     )
-    sync_delay: Optional[int] = field(
+    sync_delay: Optional[Union[int, str]] = field(
         default=None,
         metadata={
             "doc": "Inner steps of the next round the exchange has to finish in: the average in flight is "
@@ -169,8 +169,11 @@ class CO2Config:
             "kept on top of it (a rebase). `null` (the default): tau, the round end (CO2 as published). A "
             "smaller value hides any exchange shorter than that many steps and brings the loss towards "
             "blocking DiLoCo's; set it to the exchange's time over the step time, rounded up "
-            '(docs/design.md §3, "The sync delay"). Needs `overlap: true`; not with an elastic membership.',
-            "accepted": "null, or an integer in [1, tau]",
+            '(docs/design.md §3, "The sync delay"). `"auto"`: measured on the job itself: the first rounds '
+            "apply at the round end while every rank counts the steps each exchange took; from round 5 on "
+            "the delay is 1.5 times the most any rank counted (at most tau), the same on every rank, saved "
+            "in checkpoints. Needs `overlap: true`; not with an elastic membership.",
+            "accepted": "null, 'auto', or an integer in [1, tau]",
         },
     )
     gap_penalty: Union[GapPenalty, Mapping[str, Any]] = field(
@@ -244,16 +247,22 @@ class CO2Config:
 
     @property
     def steps_before_apply(self) -> int:
-        """Inner steps into a round at which the average of the round before it is applied: 0 in blocking
-        mode (at once), else `sync_delay` (tau when unset: the round end)."""
+        """Inner steps into a round at which the average of the round before it is applied, at the start:
+        0 in blocking mode (at once), else `sync_delay` (tau when unset, and while "auto" measures: the
+        round end; `co2_zero.sync_delay` fixes the measured one)."""
         if not self.overlap:
             return 0
-        return self.tau if self.sync_delay is None else self.sync_delay
+        return self.tau if self.sync_delay in (None, "auto") else self.sync_delay
 
     def _check_sync_delay(self) -> None:
-        _check_int("sync_delay", self.sync_delay, 1)
-        if self.sync_delay > self.tau:
-            _fail("sync_delay", self.sync_delay, f"null, or an integer in [1, tau={self.tau}]")
+        accepted = f"null, 'auto', or an integer in [1, tau={self.tau}]"
+        if isinstance(self.sync_delay, str):
+            if self.sync_delay != "auto":
+                _fail("sync_delay", self.sync_delay, accepted)
+        else:
+            _check_int("sync_delay", self.sync_delay, 1)
+            if self.sync_delay > self.tau:
+                _fail("sync_delay", self.sync_delay, accepted)
         if not self.overlap:
             _fail(
                 "sync_delay", self.sync_delay, "null when overlap=False (a blocking round applies its average at once)"
@@ -299,7 +308,8 @@ class CO2Config:
         """Hash of the fields that change the trajectory (not timeouts, collectives or sharding)."""
         plumbing = ("timeout_s", "collective", "shards_per_replica")  # the result is independent of them
         math = {k: v for k, v in self.to_dict().items() if k not in plumbing}
-        math["sync_delay"] = self.steps_before_apply  # null and tau are the same schedule
+        if self.sync_delay != "auto":
+            math["sync_delay"] = self.steps_before_apply  # null and tau are the same schedule
         return hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:16]
 
     def resolve_shards(self, world_size: int) -> int:

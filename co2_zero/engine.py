@@ -10,7 +10,8 @@ and a `refresh` callback that spreads a rewritten partition to the rest of its r
 
 With a sync delay d < tau the average is applied d steps into the next round instead (the
 replica's progress since the round start kept on top of it, `_apply_mid_round`); step 3 and that
-apply are the only writes of the live parameters. The engine's lifecycle is an explicit `Phase`;
+apply are the only writes of the live parameters. `sync_delay: "auto"` measures d on the job first
+(`sync_delay.DelayMeter`) and switches the schedule once, at a round end. The engine's lifecycle is an explicit `Phase`;
 what `overlap` and the sync delay change is decided in one place, `ApplySchedule`. Start-up lives in
 `startup`, the module buffers in `buffers`, the state as plain data in `engine_state`.
 """
@@ -18,12 +19,12 @@ what `overlap` and the sync delay change is decided in one place, `ApplySchedule
 from __future__ import annotations
 
 import enum
+import math
 import time
 import warnings
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
@@ -36,6 +37,7 @@ from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError, collective_error
 from .outer import eager_start, local_start, track_momentum
 from .partition import ParameterWatch, Partition
+from .sync_delay import MARGIN, ApplySchedule, DelayMeter, RoundPlan
 from .topology import Topology
 
 _WATCH_S = 0.05  # how often a wait for the pipeline looks at the step announcements
@@ -48,57 +50,6 @@ class Phase(enum.Enum):
     IN_FLIGHT = "in flight"  # a pipeline runs round `pending_index` in the background
     FAILED = "failed"  # a wait, a collective or a check failed: the worker and groups are released
     FINALIZED = "finalized"  # finalize() gave every rank the same model
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """Which partition buffer plays which part at one round end."""
-
-    base: torch.Tensor  # the start point the outer update applies to
-    work: torch.Tensor  # receives D; the pipeline leaves the next start point in it
-    wait_at_once: bool  # wait for the pipeline before step 3 (blocking mode)
-    swap: bool  # the buffers trade roles at this round end (else when the average is applied mid-round)
-    gap: Optional[torch.Tensor]  # the previous update's per-tensor squared norms (staleness), or None
-
-
-@dataclass(frozen=True)
-class ApplySchedule:
-    """When a round's average is applied, decided here only (docs/design.md §3, "Blocking mode" and
-    "The sync delay"): `steps` inner steps into the next round.
-
-    - tau (overlap, the default): at the next round end, a round late, with a staleness gap. D
-      overwrites the retiring start point B and the update applies to x_{t+1}; the buffers swap.
-    - 0 (blocking): at once. D goes to the spare buffer, the update applies to x_t without a gap.
-    - 0 < d < tau (a sync delay): D goes to the spare buffer, the update applies to the base D was
-      measured from, and the buffers swap when it is applied, d steps into the next round.
-    """
-
-    steps: int
-    tau: int
-
-    def plan(self, start_point: torch.Tensor, next_start: torch.Tensor, gap: Optional[torch.Tensor]) -> RoundPlan:
-        if self.steps == self.tau:
-            return RoundPlan(base=next_start, work=start_point, wait_at_once=False, swap=True, gap=gap)
-        if self.steps == 0:
-            return RoundPlan(base=start_point, work=next_start, wait_at_once=True, swap=True, gap=None)
-        return RoundPlan(base=start_point, work=next_start, wait_at_once=False, swap=False, gap=gap)
-
-    def applies_mid_round(self, inner_steps: int) -> bool:
-        """Whether the average in flight is applied after this inner step (not at a round end)."""
-        return 0 < self.steps < self.tau and inner_steps % self.tau == self.steps
-
-    def unapplied_after(self, inner_steps: int, rounds: int) -> bool:
-        """Whether a launched average is still to be applied after `inner_steps` (finalize applies it)."""
-        return 0 < self.steps < self.tau and rounds > 0 and inner_steps % self.tau < self.steps
-
-    def last_start(self, start_point: torch.Tensor, next_start: torch.Tensor) -> torch.Tensor:
-        """The start point the last finished round produced, once applied, which finalize() gives every
-        rank."""
-        return next_start if self.steps == self.tau else start_point
-
-    def carried_next_start(self, next_start: torch.Tensor) -> Optional[torch.Tensor]:
-        """The next start point as state: in blocking mode it is a spare buffer, carried as None."""
-        return next_start if self.steps else None
 
 
 class RoundEngine:
@@ -126,6 +77,7 @@ class RoundEngine:
         partition.check_views()
         self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
         self.schedule = ApplySchedule(config.steps_before_apply, config.tau)
+        self.delay_meter = DelayMeter(config.tau) if config.sync_delay == "auto" else None
         module_buffers = list(module.buffers()) if module is not None else []
         self.buffers = ModuleBuffers([*buffers, *module_buffers], topology, config)
         self.watch = ParameterWatch.collect(params, module)
@@ -203,11 +155,14 @@ class RoundEngine:
         """Stop the background worker and release the CO2 process groups (not the inner group,
         which the integration's framework keeps using). Also runs at interpreter exit. join_s: how
         long to wait for a busy worker to end; short by default, as a failed engine's worker may be stuck
-        in a collective (an idle worker gets timeout_s: it ends as soon as it is scheduled)."""
+        in a collective (an idle worker gets timeout_s: it ends as soon as it is scheduled). After
+        `finalize()` the groups' last references go too, so their threads end now (docs/design.md §8);
+        a failed engine keeps them open, as its peers may still be learning why (a closed connection
+        would answer them with a bare "Connection closed by peer")."""
         shutdown = self._at_exit.detach()  # None: closed already
         if shutdown is not None:
             _, function, args, _ = shutdown
-            function(*args, join_s=join_s)
+            function(*args, join_s=join_s, release=self.phase is Phase.FINALIZED)
 
     # ---- the round --------------------------------------------------------------------------------
 
@@ -216,6 +171,8 @@ class RoundEngine:
         self.check_usable()
         self.inner_steps += 1
         if self.inner_steps % self.config.tau:
+            if self.delay_meter is not None:
+                self.delay_meter.saw(self.inner_steps % self.config.tau, _finished(self._pending))
             if self.rounds and self.schedule.applies_mid_round(self.inner_steps):  # round 0 has none in flight
                 self._apply_mid_round()
             return False
@@ -247,10 +204,13 @@ class RoundEngine:
         if self.schedule.steps == self.config.tau:  # the average in flight is applied at this round end
             self._track_applied_step(self.start_point, self.next_start)
         self._check_steps()  # the last round end's (arrived with its pipeline)
-        self.announcements.post(self.inner_steps, finalizing=False)
+        measured = self.delay_meter.to_post() if self.delay_meter is not None else 0
+        self.announcements.post(self.inner_steps, finalizing=False, exchange_steps=measured)
         sent = self._exchange_bytes_since_last_report()
         plan = self.schedule.plan(self.start_point, self.next_start, self.previous_update_sq_norms)
         reset_inner = self._launch(plan)  # step 2
+        if self.delay_meter is not None:
+            self._follow_delay_meter()
         if plan.wait_at_once:
             wait_s += self._wait_pending()
             sent += self._exchange_bytes_since_last_report()
@@ -274,12 +234,33 @@ class RoundEngine:
             "inner_state_reset": reset_inner,
             "buffers_restored": buffers_restored,
             "bytes_sent": sent + buffer_bytes,
+            "sync_delay": self.schedule.steps,  # where the next average is applied (sync_delay "auto": fixed)
         }
+
+    def _follow_delay_meter(self) -> None:
+        """sync_delay "auto", after a launch: note the pipeline; at the deciding round end, switch to the
+        fixed delay. The pipeline just launched is then the last applied at a round end; the next launch
+        (none in flight: applied mid-round) sets the gap's staleness to the new schedule's."""
+        self.delay_meter.launched(self.rounds)
+        delay = self.delay_meter.fixed_after_launch(self.rounds)
+        if delay is None:
+            return
+        self.schedule = ApplySchedule(delay, self.config.tau)
+        if delay == self.config.tau:
+            warnings.warn(
+                f"co2: sync_delay 'auto': the exchange took {self.delay_meter.most_steps} of tau={self.config.tau} "
+                f"inner steps on the slowest rank (at least that many: the round end waited), so every average "
+                f"stays a whole round late, as with sync_delay null. A tau of at least "
+                f"{math.ceil(MARGIN * self.delay_meter.most_steps) + 1} would let it apply earlier, and one "
+                f"above the exchange's steps keeps the round end from waiting (docs/configuration.md)",
+                stacklevel=5,
+            )
 
     def _launch(self, plan: RoundPlan) -> bool:
         """D = (this replica's round start) - x into `plan.work`; a stand-in: the next own start from D,
         before the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's
         own D is non-finite under "skip_round" (its inner state must then be reset)."""
+        self.exchange.set_staleness(self.schedule.steps / self.config.tau)
         self.partition.subtract_from(self.round_start, out=plan.work)
         reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(plan.work[: self.layout.length])
         hyper = self.exchange.hyper
@@ -367,6 +348,8 @@ class RoundEngine:
                 ),
                 error,
             )
+        if rows is not None and self.delay_meter is not None:
+            self.delay_meter.collected([row[2] for row in rows])
         problem = None if rows is None else steps_mismatch(rows, self.topology.rank, self.inner_steps)
         if problem is not None:
             self._fail(CO2Error(problem))
@@ -488,14 +471,34 @@ class RoundEngine:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None) + self.exchange.index_bytes
 
 
+def _finished(pending: Optional[Future]) -> bool:
+    """Whether a pipeline has finished, on the device too (its CUDA event), without blocking: the
+    worker returns once its kernels are queued. None (waited for already) counts as finished; a failed
+    one too (its wait reports it)."""
+    if pending is None:
+        return True
+    if not pending.done():
+        return False
+    if pending.exception() is not None:
+        return True
+    _, done = pending.result()
+    return done is None or done.query()
+
+
 def _all_finite(flat: torch.Tensor) -> bool:
     return bool(torch.isfinite(largest_abs(flat)))
 
 
 def _shutdown(
-    exchange: OuterExchange, topology: Topology, announcements: StepAnnouncements, join_s: float = 1.0
+    exchange: OuterExchange,
+    topology: Topology,
+    announcements: StepAnnouncements,
+    join_s: float = 1.0,
+    release: bool = False,
 ) -> None:
     # A worker still blocked in a collective keeps its groups: destroying them under it would crash.
     # So does a step announcement a peer never answered (it is a collective on the control group).
     if exchange.close(join_s) and not (announcements.in_flight and not announcements.ready()):
-        topology.destroy()
+        if release:
+            announcements.release()
+        topology.destroy(release=release)

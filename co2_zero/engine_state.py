@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from .sync_delay import ApplySchedule
+
 if TYPE_CHECKING:
     from .engine import RoundEngine
 
@@ -65,6 +67,8 @@ def state_dict(engine: RoundEngine) -> dict[str, Any]:
         # copy of the outer momentum), else None
         "own_start": engine.own_start,
         "own_momentum": engine.own_momentum,
+        # sync_delay "auto": the delay once fixed (None while it is measured, and for any other sync_delay)
+        "fixed_sync_delay": None if engine.delay_meter is None else engine.delay_meter.fixed,
     }
 
 
@@ -88,6 +92,21 @@ def check_state_dict(engine: RoundEngine, state: Any) -> None:
             f"co2 checkpoint: rounds={state['rounds']} does not fit inner_steps={state['inner_steps']} "
             f"at tau={engine.config.tau}"
         )
+    _check_fixed_sync_delay(engine, state.get("fixed_sync_delay"))
+
+
+def _check_fixed_sync_delay(engine: RoundEngine, fixed: Any) -> None:
+    """A fixed delay only with sync_delay "auto" (the config hash says so too), an integer in [1, tau]."""
+    if fixed is None:
+        return
+    tau = engine.config.tau
+    if engine.delay_meter is None:
+        raise ValueError(
+            f"co2 checkpoint: fixed_sync_delay={fixed!r} but this run's sync_delay is "
+            f"{engine.config.sync_delay!r}; accepted: null (only sync_delay 'auto' fixes one)"
+        )
+    if isinstance(fixed, bool) or not isinstance(fixed, int) or not 1 <= fixed <= tau:
+        raise ValueError(f"co2 checkpoint: fixed_sync_delay={fixed!r}; expected null or an integer in [1, tau={tau}]")
 
 
 def _check_tensors(engine: RoundEngine, state: dict[str, Any]) -> None:
@@ -133,6 +152,7 @@ def load_state_dict(engine: RoundEngine, state: dict[str, Any]) -> None:
     if state["next_start"] is not None:
         engine.next_start.copy_(state["next_start"])
     engine.momentum.copy_(state["momentum"])
+    _load_sync_delay(engine, state.get("fixed_sync_delay"))
     engine.buffers.take_current_as_agreed()  # checkpoint.load wrote the module first
     norms = state["previous_update_sq_norms"]
     engine.previous_update_sq_norms = None if norms is None else norms.to(engine.momentum.device).clone()
@@ -146,3 +166,14 @@ def load_state_dict(engine: RoundEngine, state: dict[str, Any]) -> None:
         saved = state.get("residuals")
         for name, residual in engine.exchange.residuals._asdict().items():
             residual.copy_(saved[name]) if saved is not None else residual.zero_()
+
+
+def _load_sync_delay(engine: RoundEngine, fixed: Optional[int]) -> None:
+    """sync_delay "auto": the saved delay and its schedule, or (not fixed when saved) measure anew."""
+    if engine.delay_meter is None:
+        return
+    if fixed is None:
+        engine.delay_meter.restart(engine.rounds)
+    else:
+        engine.delay_meter.fix(fixed)
+        engine.schedule = ApplySchedule(fixed, engine.config.tau)

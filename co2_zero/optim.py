@@ -194,7 +194,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
             CO2Error: the ranks took different numbers of inner steps, or the exchange failed.
         """
         self.engine.finalize()
-        self.topology.destroy(inner=True)  # the single-rank replica groups; never a given (FSDP2) group
+        self.topology.destroy(inner=True, release=True)  # the single-rank replica groups; not a given (FSDP2) one
 
     def state_dict(self) -> dict[str, Any]:
         """`{"optimizer": the inner optimizer's state, "co2": the CO2 state}`; waits for the round in flight.

@@ -240,14 +240,21 @@ class Topology:
             owns_inner_group=owns_inner_group,
         )
 
-    def destroy(self, inner: bool = False) -> None:
-        """Release the CO2 groups; also the inner group when `inner` and this topology created it
-        (a group the caller passed in is the caller's)."""
-        groups = [self.outer_group, self.norm_group, self.control_group]
+    def destroy(self, inner: bool = False, release: bool = False) -> None:
+        """Destroy the CO2 groups; also the inner group when `inner` and this topology created it
+        (a group the caller passed in is the caller's). `release`: each field is then None, the
+        group's last reference here: a destroyed group's threads run, and its connections stay open,
+        until that goes, which must not be left to interpreter shutdown (docs/design.md §8)."""
+        names = ["outer_group", "norm_group", "control_group"]
         if inner and self.owns_inner_group:
-            groups.append(self.inner_group)
-        for group in groups:
+            names.append("inner_group")
+        for name in names:
+            group = getattr(self, name)
+            if group is None:  # released before
+                continue
             try:
                 dist.destroy_process_group(group)
-            except (RuntimeError, ValueError):  # already destroyed
+            except (RuntimeError, ValueError):  # destroyed before
                 pass
+            if release:
+                setattr(self, name, None)

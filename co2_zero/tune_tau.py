@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from co2_zero import CO2Config, CO2Optimizer
+from co2_zero.sync_delay import MARGIN
 from co2_zero.topology import collective_device
 from co2_zero.train.args import HelpWithDefaults, co2_config
 from co2_zero.train.args import get_args as training_args
@@ -131,7 +132,7 @@ def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, reps: 
     }
 
 
-def recommend_tau(t_comm: float, t_step: float, margin: float = 1.5, t_book: Optional[float] = None,
+def recommend_tau(t_comm: float, t_step: float, margin: float = MARGIN, t_book: Optional[float] = None,
                   max_overhead: float = 0.02, round_overhead: Optional[float] = None,
                   target_efficiency: float = 0.95) -> dict:  # fmt: skip
     """The candidate τs and the recommendation (the largest of them, >= 1).
@@ -277,7 +278,7 @@ def get_args(argv: Optional[Sequence[str]] = None):
     prog = "python -m co2_zero.tune_tau" if sys.argv[0].endswith("tune_tau.py") and "co2_zero" in sys.argv[0] else None
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0], epilog=epilog,
                                 formatter_class=HelpWithDefaults)  # fmt: skip
-    p.add_argument("--margin", type=float, default=1.5, help="safety factor on t_comm / t_step")
+    p.add_argument("--margin", type=float, default=MARGIN, help="safety factor on t_comm / t_step")
     p.add_argument("--max_overhead", type=float, default=0.02, help="round-end bookkeeping / round, at most")
     p.add_argument("--target_efficiency", type=float, default=0.95,
                    help="CO2 throughput / compute-only throughput, at least (0: ignore)")  # fmt: skip
@@ -358,8 +359,8 @@ def _report(r: dict) -> None:
               + (f", {bw / 1e6:.0f} Mbit/s)" if bw else ")"))  # fmt: skip
     print(f"  t_comm / t_step = {rec['comm_over_step']:.2f}; margin {rec['margin']} -> "
           f"tau_comm = ceil({rec['margin']} x {rec['comm_over_step']:.2f}) = {rec['tau_comm']}")  # fmt: skip
-    print(f"  with a larger tau (for quality), sync_delay = {rec['tau_comm']} applies each average as soon as it is "
-          f"hidden (docs/design.md §3, 'The sync delay')")  # fmt: skip
+    print(f"  with a larger tau (for quality), sync_delay = {rec['tau_comm']} (or 'auto', measured by the job) applies "
+          f"each average as soon as it is hidden (docs/design.md §3, 'The sync delay')")  # fmt: skip
     for v in r.get("verify", []):
         print(f"  verify tau={v['tau']:3d} ({v['rounds']} rounds): round {v['round_s'] * 1e3:.0f} ms vs compute-only "
               f"{v['compute_round_s'] * 1e3:.0f} ms -> efficiency {v['efficiency']:.3f}; bookkeeping "

@@ -236,6 +236,7 @@ def simulate(
     fresh_inner_at: int | None = None,
     schedule: Sequence[Collection[int] | None] | None = None,
     joins: Collection[tuple[int, int]] = (),
+    delay_from: int = 0,
 ) -> list[Params]:
     """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
 
@@ -263,7 +264,9 @@ def simulate(
     points and ``finalize`` gives every replica the shared one.
     ``joins``: (replica, round) pairs: the replica (re)joined at the end of round
     - 1, so its inner optimizer is built anew before that round's first step.
-    ``sync_delay`` d < tau in the config: :func:`_simulate_sync_delay`.
+    ``sync_delay`` d < tau in the config: :func:`_simulate_sync_delay`; ``delay_from``: the first round
+    whose average is applied d steps into the next, earlier rounds' a round late (``sync_delay: "auto"``
+    before it fixes d).
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
@@ -282,7 +285,9 @@ def simulate(
         def micro(r: int, k: int) -> list[Batch]:
             return [batch(r, k)] if shards == 1 else [shard_batch(r, s, k) for s in range(shards)]  # type: ignore[misc]
 
-        return _simulate_sync_delay(models, opts, bufs, micro, loss_fn, cfg, steps, finalize, record, step_record)
+        return _simulate_sync_delay(
+            models, opts, bufs, micro, loss_fn, cfg, steps, finalize, record, step_record, delay_from
+        )
 
     start = _params(models[0])  # B: this round's start point x_t
     pending = {n: v.clone() for n, v in start.items()}  # overlap: x_{t+1}
@@ -378,6 +383,7 @@ def _simulate_sync_delay(
     finalize: bool,
     record: list[Params] | None,
     step_record: list[list[Params]] | None,
+    delay_from: int = 0,
 ) -> list[Params]:
     """CO2 with a sync delay d < tau, written as the algorithm reads (docs/design.md §3, "The sync delay").
 
@@ -389,6 +395,10 @@ def _simulate_sync_delay(
     its d steps of progress, and the round's start becomes S_{t+1} for every replica. ``finalize`` applies
     a result that has not arrived yet and gives every replica the shared start. ``micro(r, k)``: replica
     r's shard batches of step k; ``record`` receives the shared start after every round end (x_0 first).
+
+    Rounds before ``delay_from`` go as published instead (sync_delay "auto" while it measures): the average
+    of round t is applied a round late, to the next start x_{t+1}, gap unscaled, and the replicas start
+    round t+1 at x_{t+1}. The last of them, x_{delay_from+1}, arrives d steps into round delay_from.
     """
     tau, delay, alpha, replicas = cfg["tau"], cfg["sync_delay"], cfg["outer_lr"], len(models)
 
@@ -398,6 +408,7 @@ def _simulate_sync_delay(
     m = {n: torch.zeros_like(v) for n, v in shared.items()}
     u_prev: Params | None = None
     arriving: Params | None = None  # S_{t+1}, applied d steps into round t+1
+    pending = {n: v.clone() for n, v in shared.items()}  # before delay_from: x_{t+1}, the next start
     if record is not None:
         record.append({n: v.clone() for n, v in shared.items()})
 
@@ -413,19 +424,27 @@ def _simulate_sync_delay(
         if (k + 1) % tau == 0:
             ends = [_params(model) for model in models]
             g = {n: torch.stack([owns[r][n] - ends[r][n] for r in range(replicas)]).mean(0) for n in shared}
+            round_late = (k + 1) // tau - 1 < delay_from
+            staleness = 1.0 if round_late else delay / tau
             if u_prev is None:
                 gap = {n: torch.tensor(0.0) for n in shared}
             else:
-                gap = {n: alpha * (delay / tau) * torch.linalg.vector_norm(u_prev[n]) for n in shared}
+                gap = {n: alpha * staleness * torch.linalg.vector_norm(u_prev[n]) for n in shared}
+            base = pending if round_late else shared
             if cfg["stand_in"] == "local":  # with the momentum before this round's step
-                local_starts(shared, owns, ends, m, cfg)
-            arriving, u_prev, _ = outer_step(shared, g, gap, m, cfg)
+                local_starts(base, owns, ends, m, cfg)
+            result, u_prev, _ = outer_step(base, g, gap, m, cfg)
+            if round_late:  # the next round starts at x_{t+1}; the last x_{t+2} arrives d steps into it
+                shared, pending = pending, result
+                arriving = result if (k + 1) // tau == delay_from else None
+            else:
+                arriving = result
             owns = _next_round(models, bufs, shared, owns, ends, own_momenta, cfg, record)
         if step_record is not None:
             step_record.append([_params(model) for model in models])
 
     if finalize:
-        final = arriving if arriving is not None else shared
+        final = arriving if arriving is not None else pending if steps // tau < delay_from else shared
         for model in models:
             _set_params(model, final)
         _average_float_buffers(bufs)

@@ -225,6 +225,7 @@ def _state_from_truth(identity, truth, inner_steps=8, tau=3):
         "inner_steps": inner_steps,
         "rounds": inner_steps // tau,
         "skipped_rounds": 1,
+        "fixed_sync_delay": 2,  # sync_delay "auto" fixed it: the resharded run keeps it
         "start_point": vectors["start_point"],
         "next_start": vectors["next_start"] if geo["overlap"] else None,
         "momentum": vectors["momentum"][lo:hi],
@@ -293,7 +294,7 @@ def test_reshard_recuts_every_tensor_exactly(saved_name, target_name):
     for identity in _run(*TARGETS[target_name]):
         state, dropped = checkpoint.reshard(shares, identity)
         assert dropped == 8 - 2 * 3 and state["inner_steps"] == 6 and state["rounds"] == 2
-        assert state["skipped_rounds"] == 1 and state["run_id"] == "r"
+        assert state["skipped_rounds"] == 1 and state["run_id"] == "r" and state["fixed_sync_delay"] == 2
         expected = _state_from_truth(identity, truth)
         for field in ("start_point", "next_start", "momentum"):
             assert torch.equal(state[field], expected[field]), (identity["rank"], field)

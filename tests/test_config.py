@@ -70,7 +70,9 @@ def test_stand_in_refuses_what_it_is_not_defined_with(other, named, value, stand
     "section,accepted",
     [
         ({"sync_delay": 0}, "an integer >= 1"),
-        ({"sync_delay": 13}, "null, or an integer in [1, tau=12]"),
+        ({"sync_delay": 13}, "null, 'auto', or an integer in [1, tau=12]"),
+        ({"sync_delay": "fast"}, "null, 'auto', or an integer in [1, tau=12]"),
+        ({"sync_delay": "auto", "overlap": False}, "null when overlap=False"),
         ({"sync_delay": 2.0}, "an integer >= 1"),
         ({"sync_delay": 4, "overlap": False}, "null when overlap=False"),
         ({"stand_in": "fresh"}, "'shared' | 'eager' | 'local'"),
@@ -88,6 +90,14 @@ def test_sync_delay_default_is_the_round_end():
     assert CO2Config().steps_before_apply == 12 and CO2Config(tau=5, sync_delay=2).steps_before_apply == 2
     assert CO2Config(overlap=False).steps_before_apply == 0
     assert CO2Config(sync_delay=12).math_hash() == CO2Config().math_hash() != CO2Config(sync_delay=11).math_hash()
+
+
+def test_auto_sync_delay_starts_at_the_round_end_and_hashes_apart():
+    """ "auto" applies at the round end until it fixes a delay (co2_zero.sync_delay); its trajectory is not a
+    fixed delay's, so a checkpoint of one does not load into the other."""
+    auto = CO2Config(sync_delay="auto")
+    assert auto.steps_before_apply == 12
+    assert auto.math_hash() not in {CO2Config().math_hash(), CO2Config(sync_delay=11).math_hash()}
 
 
 @pytest.mark.parametrize("field,value,named", BAD_FIELDS)

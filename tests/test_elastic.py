@@ -647,7 +647,9 @@ def test_engines_that_are_not_elastic_refuse_a_membership_naming_what_is(build, 
     assert "plain parameters" in message and "FSDP2" in message, message
 
 
-@pytest.mark.parametrize("field,value", [("sync_delay", 2), ("stand_in", "local"), ("stand_in", "eager")])
+@pytest.mark.parametrize(
+    "field,value", [("sync_delay", 2), ("sync_delay", "auto"), ("stand_in", "local"), ("stand_in", "eager")]
+)
 def test_elastic_mode_refuses_what_its_quorums_cannot_heal(monkeypatch, field, value):
     """Quorums form and heal at round ends (design §12): an average applied mid-round, or a replica's own
     stand-in, is refused at construction, naming the field, its value and what is accepted."""

@@ -6,8 +6,13 @@ then checks one property of the recorded results.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,3 +306,16 @@ def test_state_bytes_match_memory_formula(results_r2, results_r4):
                 words = 3 * padded
             # plus the outer step's segment index (its size is tested in test_outer_kernels.py)
             assert got["bytes"] == 4 * words + 8 * tensors + got["index_bytes"], name
+
+
+def test_finalize_ends_the_co2_groups_threads(tmp_path):
+    """After finalize() no thread of a CO2 group is alive, though the optimizer is still referenced and
+    nothing is garbage-collected: threads left to interpreter shutdown can abort the process (design §8)."""
+    root = Path(__file__).resolve().parent.parent
+    worker = root / "tests" / "workers" / "groups_after_finalize.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run([*launcher, str(worker), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)} == {0: [], 1: []}

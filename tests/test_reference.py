@@ -371,3 +371,31 @@ def test_eager_is_the_papers_eager_update(nesterov: bool) -> None:
     final = trace[-1]["result"]  # the shared start the last average produced
     for replica in out:  # finalize: the stand-ins are dropped, one model everywhere
         assert close({n: replica[n] for n in final}, final)
+
+
+@pytest.mark.parametrize("stand_in", ["shared", "local"])
+def test_a_delay_fixed_mid_run_starts_after_the_published_rounds(stand_in: str) -> None:
+    """sync_delay "auto" (docs/design.md §3, "The sync delay"): the rounds before ``delay_from`` are the
+    published schedule, step for step; round delay_from - 1's average, x_{t+2}, then arrives d steps into
+    round delay_from instead of at its end: each replica moves by x_{t+2} - its round start (x_{t+1}, or
+    its stand-in), keeping its steps."""
+    tau, d, switch, rounds = 4, 2, 2, 5
+    c = cfg(overlap=True, outer_lr=0.7, outer_momentum=0.9, nesterov=True, tau=tau, stand_in=stand_in,
+            gap_penalty={"mode": "adaptive", "strength": 1.5})  # fmt: skip
+    published, starts, switched = [], [], []
+    simulate(linear, sgd, batch, mse, c, 2, rounds * tau, step_record=published, record=starts)
+    simulate(linear, sgd, batch, mse, {**c, "sync_delay": d}, 2, rounds * tau, step_record=switched,
+             delay_from=switch)  # fmt: skip
+    apply_step = switch * tau + d - 1  # the index of the step after which it arrives
+    for k in range(apply_step):
+        for m in range(2):
+            assert close(switched[k][m], published[k][m]), k
+    for m in range(2):  # x_{t+2} - where replica m started round delay_from (x_{t+1}, or its stand-in)
+        jump = {n: starts[switch + 1][n] - published[switch * tau - 1][m][n] for n in starts[0]}
+        assert max(v.abs().max() for v in jump.values()) > 1e-3
+        moved = {n: published[apply_step][m][n] + jump[n] for n in jump}
+        assert close(switched[apply_step][m], moved, atol=1e-5)
+    late = [], []
+    simulate(linear, sgd, batch, mse, {**c, "sync_delay": d}, 2, rounds * tau, step_record=late[0],
+             delay_from=rounds)  # fmt: skip
+    assert all(close(a[m], b[m]) for a, b in zip(late[0], published) for m in range(2))  # never switched

@@ -27,6 +27,7 @@ CASES = {
     "inner moment of another shape": ("exp_avg", lambda inner, co2: inner["state"][0].update(exp_avg=torch.zeros(3))),
     "inner state of a parameter it lacks": ("99", lambda inner, co2: inner["state"].update({99: {}})),
     "co2 state of another partition": ("momentum", lambda inner, co2: co2.update(momentum=torch.zeros(5))),
+    "co2 fixed sync delay, not auto": ("fixed_sync_delay", lambda inner, co2: co2.update(fixed_sync_delay=2)),
 }
 
 

@@ -327,6 +327,7 @@ def test_co2_settings_precedence(tmp_path):
     assert train_args.co2_config(train_args.get_args(["--eager"])).stand_in == "eager"
     local = train_args.co2_config(train_args.get_args(["--stand_in", "local", "--sync_delay", "3", "--tau", "8"]))
     assert (local.stand_in, local.sync_delay) == ("local", 3)
+    assert train_args.co2_config(train_args.get_args(["--sync_delay", "auto"])).sync_delay == "auto"
 
 
 def test_token_files_are_read_as_uint16(tmp_path):

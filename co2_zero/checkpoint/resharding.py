@@ -44,6 +44,7 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
         "rounds": state["rounds"],
         "skipped_rounds": state.get("skipped_rounds", 0),
         "run_id": state.get("run_id"),
+        "fixed_sync_delay": state.get("fixed_sync_delay"),
         "pieces": pieces,
         "update_sq_norms_partial": None if norms is None else norms.cpu().clone(),
     }
@@ -81,6 +82,7 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
         "next_start": next_start,
         "momentum": momentum,
         "previous_update_sq_norms": norms,
+        "fixed_sync_delay": saved.get("fixed_sync_delay"),
     }
     return state, saved["inner_steps"] - rounds * saved["tau"]
 

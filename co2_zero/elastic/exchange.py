@@ -172,9 +172,9 @@ def check_supported(config: CO2Config, topology: Topology) -> None:
         )
     if not config.overlap:
         raise CO2Error("co2 elastic: overlap=False is not supported; elastic mode runs CO2's overlapped rounds")
-    if config.steps_before_apply != config.tau:
+    if config.sync_delay not in (None, config.tau):
         raise CO2Error(
-            f"co2 elastic: sync_delay={config.sync_delay} is not supported; accepted: null or tau={config.tau} (a "
+            f"co2 elastic: sync_delay={config.sync_delay!r} is not supported; accepted: null or tau={config.tau} (a "
             f"quorum is formed and healed at round ends, where the average in flight is applied)"
         )
     if config.stand_in != "shared":

@@ -109,6 +109,11 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     a("--grad_clip", type=float, default=1.0, help="inner grad-norm clip (0: off)")
 
 
+def _sync_delay(text: str) -> int | str:
+    """--sync_delay: an integer, or "auto" (CO2Config checks the range)."""
+    return text if text == "auto" else int(text)
+
+
 def _co2_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("CO2", f"each flag given overrides the CO2Config field ({PRESET})").add_argument
     a("--tau", type=int, default=None, help=f"local steps per round; {PRESET} 12")
@@ -119,8 +124,8 @@ def _co2_flags(p: argparse.ArgumentParser) -> None:
     a("--stand_in", default=None, choices=("shared", "eager", "local"),
       help=f"where a replica starts a round while the average is in flight (design §3); {PRESET} shared")  # fmt: skip
     a("--eager", dest="stand_in", action="store_const", const="eager", help="--stand_in eager (default: off)")
-    a("--sync_delay", type=int, default=None,
-      help=f"inner steps of the next round the exchange must finish in (design §3); {PRESET} tau")  # fmt: skip
+    a("--sync_delay", type=_sync_delay, default=None,
+      help=f"inner steps of the next round the exchange must finish in, or auto (design §3); {PRESET} tau")  # fmt: skip
     a("--gap_penalty", default=None, choices=("none", "constant", "adaptive"), help=f"{PRESET} adaptive")
     a("--gap_strength", type=float, default=None, help=f"adaptive: 1 + strength*|gap|/|g|; {PRESET} 2.0")
     a("--gap_value", type=float, default=None, help=f"constant: divide by this; {PRESET} 1.0")
