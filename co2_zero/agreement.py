@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import CO2Error, CO2TimeoutError
+from .errors import CO2Error, CO2TimeoutError, is_timeout
 from .topology import collective_device, fingerprint, gather_fingerprints, text_words, words_text
 
 _NAME_WORDS = 32  # a parameter's name in a start-up error: 256 bytes of UTF-8
@@ -166,13 +166,17 @@ class StepAnnouncements:
 
     def collect(self, deadline: float) -> Optional[list[list[int]]]:
         """The rows [steps, finalizing, exchange steps] of every rank for the announcement in flight (None
-        if there is none), waiting until the `time.monotonic()` deadline; CO2TimeoutError past it."""
+        if there is none), waiting until the `time.monotonic()` deadline: CO2TimeoutError past it (or past
+        the group's own), CO2Error when the group failed otherwise (a peer's connection closed)."""
         if self._work is None:
             return None
         try:
             self._work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except Exception as error:
-            raise CO2TimeoutError(f"{type(error).__name__}: {error}") from error
+        except Exception as error:  # a deadline (the wait's or the group's), or a peer's connection lost
+            detail = f"{type(error).__name__}: {error}"
+            if is_timeout(error) or time.monotonic() >= deadline:
+                raise CO2TimeoutError(detail) from error
+            raise CO2Error(detail) from error
         self._work = None
         return [row.tolist() for row in self._rows]
 

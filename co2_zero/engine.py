@@ -337,17 +337,22 @@ class RoundEngine:
         count, if a peer finalized at another step (or this rank finalizes and a peer did not)."""
         try:
             rows = self.announcements.collect(time.monotonic() + self.config.timeout_s)
-        except CO2TimeoutError as error:
+        except CO2Error as error:  # the deadline passed, or the control group failed (a peer left)
             where = "co2 finalize" if finalizing else f"co2: round {self.rounds - 1}"
-            what = "called finalize()" if finalizing else "reached this round end"
-            self._fail(
-                CO2TimeoutError(
+            here = f"rank {self.topology.rank} at inner step {self.inner_steps}"
+            if isinstance(error, CO2TimeoutError):
+                what = "called finalize()" if finalizing else "reached this round end"
+                failure: CO2Error = CO2TimeoutError(
                     f"{where}: not every rank of the {self.topology.describe_control()} {what} within timeout_s="
-                    f"{self.config.timeout_s:g} (rank {self.topology.rank} at inner step {self.inner_steps}); a "
-                    f"rank died, is stuck{', or skipped finalize()' if finalizing else ''}"
-                ),
-                error,
-            )
+                    f"{self.config.timeout_s:g} ({here}); a rank died, is stuck"
+                    f"{', or skipped finalize()' if finalizing else ''}"
+                )
+            else:
+                failure = CO2Error(
+                    f"{where}: the step announcement on the {self.topology.describe_control()} failed ({here}): "
+                    f"{error}; a rank died or left"
+                )
+            self._fail(failure, error)
         if rows is not None and self.delay_meter is not None:
             self.delay_meter.collected([row[2] for row in rows])
         problem = None if rows is None else steps_mismatch(rows, self.topology.rank, self.inner_steps)

@@ -61,12 +61,38 @@ def test_lost_peer_fails_within_timeout_naming_round_and_group(how):
     error = result["error"]
     assert isinstance(error, CO2Error), f"rank 0 finished 40 steps without noticing its peer: {result}"
     message = str(error)
-    assert "round 0" in message and "outer group" in message and "[0, 1]" in message, message
+    assert "round 0" in message and "[0, 1]" in message, message
     if how.startswith("hang"):
         assert isinstance(error, CO2TimeoutError) and f"timeout_s={TIMEOUT_S:g}" in message, repr(error)
+        assert "outer group" in message, message
+    else:  # the exchange or the step announcement, whichever noticed first: a lost peer, no deadline passed
+        assert not isinstance(error, CO2TimeoutError) and ("outer group" in message or "control group" in message)
     assert result["elapsed"] < TIMEOUT_S + 6.0, result
     if how.endswith("sync-delay"):  # waited for at the apply point (inner step 3), not at round 1's end (4)
         assert result["at_step"] == 3, result
+
+
+def test_a_failed_step_announcement_is_a_timeout_only_when_a_deadline_passed():
+    """A peer that left closes the control group's connection at once: that is a CO2Error naming the
+    cause, not a CO2TimeoutError claiming timeout_s passed (it was the message whichever wait noticed)."""
+    from co2_zero.agreement import StepAnnouncements
+
+    class FailedWork:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def wait(self, timeout) -> None:
+            raise self.error
+
+    announcements = StepAnnouncements(group=None)
+    cases = [(RuntimeError("Connection closed by peer [127.0.0.1]:2259"), time.monotonic() + 60, CO2Error),
+             (RuntimeError("Timed out waiting 4000ms for recv operation"), time.monotonic() + 60, CO2TimeoutError),
+             (RuntimeError("Operation failed"), time.monotonic() - 1, CO2TimeoutError)]  # fmt: skip
+    for error, deadline, expected in cases:
+        announcements._work = FailedWork(error)
+        with pytest.raises(CO2Error) as raised:
+            announcements.collect(deadline)
+        assert type(raised.value) is expected and str(error) in str(raised.value), repr(raised.value)
 
 
 def peer_frozen(rank: int, world: int, where: str) -> dict:
