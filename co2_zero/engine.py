@@ -171,7 +171,7 @@ class RoundEngine:
         self.check_usable()
         self.inner_steps += 1
         if self.inner_steps % self.config.tau:
-            if self.delay_meter is not None:
+            if self.delay_meter is not None and self.delay_meter.watching:  # a few steps of rounds 2 and 3 only
                 self.delay_meter.saw(self.inner_steps % self.config.tau, _finished(self._pending))
             if self.rounds and self.schedule.applies_mid_round(self.inner_steps):  # round 0 has none in flight
                 self._apply_mid_round()

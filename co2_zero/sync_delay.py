@@ -112,6 +112,11 @@ class DelayMeter:
         self._watching = round_index if self.fixed is None and round_index in self._counted else None
         self._seen_at = 0
 
+    @property
+    def watching(self) -> bool:
+        """Whether a counted pipeline is in flight and not yet seen finished (only then is `saw` asked)."""
+        return self._watching is not None and not self._seen_at
+
     def saw(self, step_in_round: int, finished: bool) -> None:
         """After inner step `step_in_round` (1 .. tau-1) of a round: whether the pipeline was finished."""
         if self._watching is not None and finished and not self._seen_at:
