@@ -20,7 +20,7 @@ CLIP_MODES = ("none", "value", "norm")
 COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
 COMM_DTYPES = ("fp32", "bf16", "int8", "fp8")  # int8/fp8: block-quantized with error feedback (compress.py)
 NONFINITE_POLICIES = ("raise", "skip_round")
-STAND_INS = ("shared", "eager", "local")  # where a replica starts a round while the last average is in flight
+STAND_INS = ("auto", "shared", "eager", "local")  # where a replica starts a round while the last average is in flight
 # The accepted values of every choice field, by dotted name (for messages that name another rank's value).
 CHOICES = {
     "gap_penalty.mode": PENALTY_MODES,
@@ -30,6 +30,19 @@ CHOICES = {
     "nonfinite": NONFINITE_POLICIES,
 }
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week; process-group timeouts are kept in milliseconds by the backends
+
+# CO2 as published (Sun et al., ICLR 2024), the defaults of co2_zero 0.1: `CO2Config(**PUBLISHED)`, or these
+# keys in a "co2" section. Checkpoints saved with 0.1's defaults load under it (the config hash is the same).
+# The defaults since 0.2 won the quality study (docs/configuration.md, "The defaults and why").
+PUBLISHED: dict[str, Any] = {
+    "tau": 12,
+    "outer_lr": 1.0,
+    "outer_momentum": 0.0,
+    "nesterov": False,
+    "stand_in": "shared",
+    "sync_delay": None,
+    "gap_penalty": {"mode": "adaptive", "value": 1.0, "strength": 2.0},
+}
 
 
 def _fail(name: str, value: Any, accepted: str) -> None:
@@ -87,8 +100,11 @@ class GapPenalty:
     """
 
     mode: str = field(
-        default="adaptive",
-        metadata={"doc": "Staleness gap penalty Λ per parameter tensor: `none` (Λ = 1), `constant` or `adaptive`."},
+        default="none",
+        metadata={
+            "doc": "Staleness gap penalty Λ per parameter tensor: `none` (Λ = 1), `constant` or `adaptive` (as "
+            "published; it lost to `none` with Nesterov momentum in the quality study)."
+        },
     )
     value: float = field(default=1.0, metadata={"doc": "λ for `constant`: Λ = λ (the authors' public code)."})
     strength: float = field(default=2.0, metadata={"doc": "γ for `adaptive`: Λ = 1 + γ·‖δ‖/(‖g‖ + 1e-12)."})
@@ -134,13 +150,19 @@ class CO2Config:
     """
 
     tau: int = field(
-        default=12,
+        default=32,
         metadata={"doc": "Inner optimizer steps per round (steps that were applied, not micro-batches)."},
     )
-    outer_lr: float = field(default=1.0, metadata={"doc": "α, the outer learning rate."})
-    outer_momentum: float = field(default=0.0, metadata={"doc": "β, the outer momentum."})
+    outer_lr: float = field(
+        default=0.5,
+        metadata={
+            "doc": "α, the outer learning rate. Its best value rises with tau: 0.2 at tau 8, 0.5 at 32, 1.0 at "
+            "128 in the quality study (docs/configuration.md)."
+        },
+    )
+    outer_momentum: float = field(default=0.9, metadata={"doc": "β, the outer momentum."})
     nesterov: bool = field(
-        default=False, metadata={"doc": "Nesterov outer momentum: `u = β·m + g/Λ` instead of `u = m`."}
+        default=True, metadata={"doc": "Nesterov outer momentum: `u = β·m + g/Λ` instead of `u = m`."}
     )
     overlap: bool = field(
         default=True,
@@ -150,29 +172,32 @@ class CO2Config:
         },
     )
     stand_in: str = field(
-        default="shared",
+        default="auto",
         metadata={
             "doc": "Where each replica starts a round while the last average is in flight; the true average "
-            'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `shared`: the shared '
-            "start point, as published. `eager`: plus an outer step on the replica's own share of the average "
-            "(Kale et al., arXiv 2502.12996). `local`: the outer step the average will take, on the replica's "
-            "own displacement instead (with the outer momentum). Other than `shared`: needs `overlap: true`, "
+            'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `auto` (the default): '
+            "`local` where it is defined, else `shared` (with `overlap: false`, clipping, int8/fp8, "
+            "`skip_round`, or an elastic membership). `shared`: the shared start point, as published. "
+            "`eager`: plus an outer step on the replica's own share of the average (Kale et al., arXiv "
+            "2502.12996). `local`: the outer step the average will take, on the replica's own displacement "
+            "instead (with the outer momentum). `eager` and `local` set explicitly need `overlap: true`, "
             "`clip.mode: none`, `comm_dtype` `fp32` or `bf16` and `nonfinite: raise`; costs up to 2Ψ/S fp32 "
             "words per rank.",
         },
     )
     sync_delay: Optional[Union[int, str]] = field(
-        default=None,
+        default="auto",
         metadata={
             "doc": "Inner steps of the next round the exchange has to finish in: the average in flight is "
             "applied after that many steps of the round after it, each replica's progress in those steps "
-            "kept on top of it (a rebase). `null` (the default): tau, the round end (CO2 as published). A "
+            "kept on top of it (a rebase). `null`: tau, the round end (CO2 as published). A "
             "smaller value hides any exchange shorter than that many steps and brings the loss towards "
             "blocking DiLoCo's; set it to the exchange's time over the step time, rounded up "
-            '(docs/design.md §3, "The sync delay"). `"auto"`: measured on the job itself: the first rounds '
-            "apply at the round end while every rank counts the steps each exchange took; from round 5 on "
-            "the delay is 1.5 times the most any rank counted (at most tau), the same on every rank, saved "
-            "in checkpoints. Needs `overlap: true`; not with an elastic membership.",
+            '(docs/design.md §3, "The sync delay"). `"auto"` (the default): measured on the job '
+            "itself: the first rounds apply at the round end while every rank counts the steps each exchange "
+            "took; from round 5 on the delay is 1.5 times the most any rank counted (at most tau), the same "
+            "on every rank, saved in checkpoints; with an elastic membership, the round end. A number needs "
+            "`overlap: true`; with `overlap: false` null and `auto` both mean at once.",
             "accepted": "null, 'auto', or an integer in [1, tau]",
         },
     )
@@ -241,7 +266,7 @@ class CO2Config:
         _check_choice("stand_in", self.stand_in, STAND_INS)
         if self.sync_delay is not None:
             self._check_sync_delay()
-        if self.stand_in != "shared":
+        if self.stand_in not in ("auto", "shared"):
             self._check_stand_in_combination()
         _as_floats(self, "outer_lr", "outer_momentum", "timeout_s")
 
@@ -254,6 +279,33 @@ class CO2Config:
             return 0
         return self.tau if self.sync_delay in (None, "auto") else self.sync_delay
 
+    @property
+    def measures_sync_delay(self) -> bool:
+        """Whether the job measures its sync delay (`sync_delay: "auto"` with overlapped rounds)."""
+        return self.overlap and self.sync_delay == "auto"
+
+    @property
+    def effective_stand_in(self) -> str:
+        """The stand-in the rounds use: `stand_in`, with `auto` resolved to `local` where the local stand-in
+        is defined (overlap, no clip, fp32/bf16 exchange, nonfinite `raise`), else `shared`."""
+        if self.stand_in != "auto":
+            return self.stand_in
+        defined = (
+            self.overlap
+            and self.clip.mode == "none"
+            and self.comm_dtype in ("fp32", "bf16")
+            and self.nonfinite == "raise"
+        )
+        return "local" if defined else "shared"
+
+    def for_membership(self) -> CO2Config:
+        """The config an elastic membership runs: `auto` stand-in and sync delay resolve to `shared` and
+        the round end (a quorum forms and heals at round ends; docs/elastic.md). Explicit values are kept
+        (and refused there if unsupported)."""
+        stand_in = "shared" if self.stand_in == "auto" else self.stand_in
+        sync_delay = None if self.sync_delay == "auto" else self.sync_delay
+        return dataclasses.replace(self, stand_in=stand_in, sync_delay=sync_delay)
+
     def _check_sync_delay(self) -> None:
         accepted = f"null, 'auto', or an integer in [1, tau={self.tau}]"
         if isinstance(self.sync_delay, str):
@@ -263,9 +315,11 @@ class CO2Config:
             _check_int("sync_delay", self.sync_delay, 1)
             if self.sync_delay > self.tau:
                 _fail("sync_delay", self.sync_delay, accepted)
-        if not self.overlap:
+        if not self.overlap and self.sync_delay != "auto":
             _fail(
-                "sync_delay", self.sync_delay, "null when overlap=False (a blocking round applies its average at once)"
+                "sync_delay",
+                self.sync_delay,
+                "null or 'auto' when overlap=False (a blocking round applies its average at once)",
             )
 
     def _check_stand_in_combination(self) -> None:
@@ -308,7 +362,8 @@ class CO2Config:
         """Hash of the fields that change the trajectory (not timeouts, collectives or sharding)."""
         plumbing = ("timeout_s", "collective", "shards_per_replica")  # the result is independent of them
         math = {k: v for k, v in self.to_dict().items() if k not in plumbing}
-        if self.sync_delay != "auto":
+        math["stand_in"] = self.effective_stand_in  # `auto` is whichever it resolves to
+        if not self.measures_sync_delay:
             math["sync_delay"] = self.steps_before_apply  # null and tau are the same schedule
         return hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -647,12 +647,12 @@ def test_engines_that_are_not_elastic_refuse_a_membership_naming_what_is(build, 
     assert "plain parameters" in message and "FSDP2" in message, message
 
 
-@pytest.mark.parametrize(
-    "field,value", [("sync_delay", 2), ("sync_delay", "auto"), ("stand_in", "local"), ("stand_in", "eager")]
-)
+@pytest.mark.parametrize("field,value", [("sync_delay", 2), ("stand_in", "local"), ("stand_in", "eager")])
 def test_elastic_mode_refuses_what_its_quorums_cannot_heal(monkeypatch, field, value):
     """Quorums form and heal at round ends (design §12): an average applied mid-round, or a replica's own
-    stand-in, is refused at construction, naming the field, its value and what is accepted."""
+    stand-in, is refused at construction, naming the field, its value and what is accepted. The defaults'
+    `auto` choices resolve to the round end and the shared start there (`CO2Config.for_membership`, which the
+    engine applies before it builds the exchange)."""
     from types import SimpleNamespace
 
     from co2_zero import CO2Config, CO2Error
@@ -660,6 +660,6 @@ def test_elastic_mode_refuses_what_its_quorums_cannot_heal(monkeypatch, field, v
 
     monkeypatch.setattr(exchange.dist, "get_backend", lambda group: "gloo")
     topology = SimpleNamespace(replicas=1, world_size=1, outer_group=None)
-    exchange.check_supported(CO2Config(tau=4), topology)  # the defaults are accepted
-    with pytest.raises(CO2Error, match=f"{field}={value!r} is not supported; accepted: "):
-        exchange.check_supported(CO2Config(tau=4, **{field: value}), topology)
+    exchange.check_supported(CO2Config(tau=4).for_membership(), topology)  # the defaults are accepted
+    with pytest.raises(CO2Error, match=f"{field}={value!r} is not supported; accepted: 'auto'"):
+        exchange.check_supported(CO2Config(tau=4, **{field: value}).for_membership(), topology)

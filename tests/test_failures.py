@@ -507,7 +507,8 @@ def huge_displacement(rank: int) -> dict:
     """Rank 1's inner step moves one weight by 1e20: finite, so CO2 must average it like any other
     displacement (the fp32 squares of the norms would overflow and report it as NaN)."""
     model = models.make_model("linear")
-    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), CO2Config(tau=2, timeout_s=TIMEOUT_S))
+    config = CO2Config(tau=2, outer_lr=1.0, outer_momentum=0.0, timeout_s=TIMEOUT_S)  # the average, applied as is
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), config)
     before = model.weight.detach().clone()
     try:
         for step in range(2):
