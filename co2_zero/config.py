@@ -176,8 +176,10 @@ class CO2Config:
         metadata={
             "doc": "Where each replica starts a round while the last average is in flight; the true average "
             'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `auto` (the default): '
-            "`local` where it is defined, else `shared` (with `overlap: false`, clipping, int8/fp8, "
-            "`skip_round`, or an elastic membership). `shared`: the shared start point, as published. "
+            "`local` (`shared` with `overlap: false`); with clipping, int8/fp8, `skip_round` or an elastic "
+            "membership, where `local` is not defined, name `shared` and an outer step for it (e.g. "
+            "`co2_zero.config.PUBLISHED`'s: the defaults' Nesterov 0.9 diverges there). `shared`: the shared "
+            "start point, as published. "
             "`eager`: plus an outer step on the replica's own share of the average (Kale et al., arXiv "
             "2502.12996). `local`: the outer step the average will take, on the replica's own displacement "
             "instead (with the outer momentum). `eager` and `local` set explicitly need `overlap: true`, "
@@ -266,8 +268,10 @@ class CO2Config:
         _check_choice("stand_in", self.stand_in, STAND_INS)
         if self.sync_delay is not None:
             self._check_sync_delay()
-        if self.stand_in not in ("auto", "shared"):
+        if self.stand_in in ("eager", "local"):
             self._check_stand_in_combination()
+        elif self.stand_in == "auto" and self.overlap:
+            self._check_auto_stand_in()
         _as_floats(self, "outer_lr", "outer_momentum", "timeout_s")
 
     @property
@@ -286,25 +290,17 @@ class CO2Config:
 
     @property
     def effective_stand_in(self) -> str:
-        """The stand-in the rounds use: `stand_in`, with `auto` resolved to `local` where the local stand-in
-        is defined (overlap, no clip, fp32/bf16 exchange, nonfinite `raise`), else `shared`."""
+        """The stand-in the rounds use: `stand_in`, with `auto` the `local` one (`shared` in blocking mode,
+        which has no average in flight)."""
         if self.stand_in != "auto":
             return self.stand_in
-        defined = (
-            self.overlap
-            and self.clip.mode == "none"
-            and self.comm_dtype in ("fp32", "bf16")
-            and self.nonfinite == "raise"
-        )
-        return "local" if defined else "shared"
+        return "local" if self.overlap else "shared"
 
     def for_membership(self) -> CO2Config:
-        """The config an elastic membership runs: `auto` stand-in and sync delay resolve to `shared` and
-        the round end (a quorum forms and heals at round ends; docs/elastic.md). Explicit values are kept
-        (and refused there if unsupported)."""
-        stand_in = "shared" if self.stand_in == "auto" else self.stand_in
-        sync_delay = None if self.sync_delay == "auto" else self.sync_delay
-        return dataclasses.replace(self, stand_in=stand_in, sync_delay=sync_delay)
+        """The config an elastic membership runs: `sync_delay: "auto"` is the round end there (a quorum forms
+        and heals at round ends; docs/elastic.md). Every other field is kept (and refused there if
+        unsupported, the `auto` stand-in included)."""
+        return dataclasses.replace(self, sync_delay=None) if self.sync_delay == "auto" else self
 
     def _check_sync_delay(self) -> None:
         accepted = f"null, 'auto', or an integer in [1, tau={self.tau}]"
@@ -322,18 +318,35 @@ class CO2Config:
                 "null or 'auto' when overlap=False (a blocking round applies its average at once)",
             )
 
-    def _check_stand_in_combination(self) -> None:
-        """The fields a stand-in other than `shared` is defined with (docs/design.md §3, "Stand-ins"); each
-        refusal names the field, its value and what the stand-in accepts."""
-        needs = (
-            ("overlap", self.overlap, (True,), "true (a blocking round has no average in flight to stand in for)"),
+    def _stand_in_needs(self) -> tuple[tuple[str, Any, tuple[Any, ...], str], ...]:
+        """(field, value, accepted, why) of what a stand-in other than `shared` is defined with, overlap aside
+        (docs/design.md §3, "Stand-ins")."""
+        return (
             ("clip.mode", self.clip.mode, ("none",), "'none' (a stand-in's momentum does not see the clip)"),
             ("comm_dtype", self.comm_dtype, ("fp32", "bf16"), "'fp32' or 'bf16'"),
             ("nonfinite", self.nonfinite, ("raise",), "'raise' (a skipped round would leave its stand-in behind)"),
         )
-        for name, value, accepted, what in needs:
+
+    def _check_stand_in_combination(self) -> None:
+        """An explicit `eager` or `local`: each refusal names the field, its value and what the stand-in accepts."""
+        overlap = ("overlap", self.overlap, (True,), "true (a blocking round has no average in flight to stand in for)")
+        for name, value, accepted, what in (overlap, *self._stand_in_needs()):
             if value not in accepted:
                 _fail(name, value, f"{what} when stand_in={self.stand_in!r}")
+
+    def _check_auto_stand_in(self) -> None:
+        """The default `auto` is the local stand-in; where that is not defined the config must say how a
+        replica starts a round, with an outer step for it: the defaults' (Nesterov 0.9, no gap penalty)
+        diverges from the shared start a round late (docs/configuration.md, "Defaults and presets")."""
+        for name, value, accepted, what in self._stand_in_needs():
+            if value not in accepted:
+                _fail(
+                    name,
+                    value,
+                    f"{what} with stand_in 'auto' (the default: the local stand-in); or set stand_in: 'shared' "
+                    f"with an outer step for the published, shared start, e.g. co2_zero.config.PUBLISHED's "
+                    f"(the defaults' Nesterov 0.9 diverges there)",
+                )
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:

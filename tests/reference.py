@@ -33,11 +33,10 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def resolve_config(config: dict, plain_exchange: bool = True) -> dict[str, Any]:
-    """Fill in defaults, drop keys that do not change the math, validate. The `auto` choices:
-    stand_in `local` with overlap, no clip, an exact (or bf16) exchange (`plain_exchange`: no compressed
-    exchange, no membership) and nonfinite "raise", else `shared`; sync_delay the round end (what
-    "auto" does while it measures: a caller comparing past round 4 passes the fixed d and delay_from)."""
+def resolve_config(config: dict) -> dict[str, Any]:
+    """Fill in defaults, drop keys that do not change the math, validate. The `auto` choices: stand_in
+    `local` with overlap (`shared` in blocking mode); sync_delay the round end (what "auto" does while it
+    measures: a caller comparing past round 4 passes the fixed d and delay_from)."""
     cfg = {key: config.get(key, value) for key, value in DEFAULTS.items()}
     for key in ("gap_penalty", "clip"):
         cfg[key] = {**DEFAULTS[key], **(config.get(key) or {})}
@@ -48,11 +47,7 @@ def resolve_config(config: dict, plain_exchange: bool = True) -> dict[str, Any]:
     if cfg["clip"]["mode"] not in ("none", "value", "norm"):
         raise ValueError(f"unknown clip mode {cfg['clip']['mode']!r}")
     if cfg["stand_in"] == "auto":
-        local = cfg["overlap"] and cfg["clip"]["mode"] == "none" and plain_exchange
-        local = (
-            local and config.get("comm_dtype", "fp32") in ("fp32", "bf16") and config.get("nonfinite") != "skip_round"
-        )
-        cfg["stand_in"] = "local" if local else "shared"
+        cfg["stand_in"] = "local" if cfg["overlap"] else "shared"
     if cfg["sync_delay"] == "auto":
         cfg["sync_delay"] = None
     if cfg["stand_in"] not in ("shared", "eager", "local"):
@@ -279,7 +274,7 @@ def simulate(
     whose average is applied d steps into the next, earlier rounds' a round late (``sync_delay: "auto"``
     before it fixes d).
     """
-    cfg = resolve_config(config, plain_exchange=exchange is None and schedule is None)
+    cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
     if cfg["stand_in"] != "shared" and (exchange is not None or schedule is not None):
         raise ValueError("a stand-in is not simulated with a compressed exchange or elastic membership")

@@ -30,6 +30,7 @@ CONFIGS = {
         "nesterov": True,
         "collective": "reduce_scatter",
         "clip": {"mode": "norm", "threshold": 0.1},
+        "stand_in": "shared",  # clipping: no stand-in is defined with it
     },
     # eager: each rank's own start and own-share momentum travel with its file (docs/design.md §3)
     "eager": {

@@ -30,8 +30,9 @@ from tests.reference import simulate
 from tests.reference_compress import CompressedExchange, roundtrip
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
-NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+# the compressed exchange runs the shared start (no stand-in is defined with int8/fp8)
+HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False, "stand_in": "shared"}
+NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "stand_in": "shared"}
 ADAPTIVE = {"mode": "adaptive", "strength": 1.5}
 
 # "uneven" has 527 parameters: sub-shards of 264 (R = 2) and 132 (R = 4) elements, so full blocks,

@@ -123,7 +123,14 @@ def _scenarios(shards: int) -> dict:
         "z2-overlap-accum": dict(
             config=ds_config(
                 "ds_zero2_co2",
-                {**s, **HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "clip": {"mode": "norm", "threshold": 0.1}},
+                {
+                    **s,
+                    **HEAVY_BALL,
+                    "tau": 2,
+                    "gap_penalty": ADAPTIVE,
+                    "clip": {"mode": "norm", "threshold": 0.1},
+                    "stand_in": "shared",
+                },
                 zero={"round_robin_gradients": True, "parameter_alignment": True},
                 gradient_clipping=0.05,
             ),

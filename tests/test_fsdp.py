@@ -42,6 +42,7 @@ SCENARIOS = {
             "tau": 2,
             "gap_penalty": ADAPTIVE,
             "clip": {"mode": "norm", "threshold": 0.1},
+            "stand_in": "shared",
             "collective": "all_reduce",
         },
         steps=7,

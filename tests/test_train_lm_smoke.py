@@ -321,8 +321,15 @@ def test_co2_settings_precedence(tmp_path):
     )  # fmt: skip
     c = train_args.co2_config(train_args.get_args([*ds, "--method", "slowmo", "--gap_value", "3"]))
     assert (c.tau, c.outer_momentum, c.overlap, c.gap_penalty.mode, c.gap_penalty.value) == (5, 0.5, False, "none", 3)
-    c = train_args.co2_config(train_args.get_args([*ds, "--tau", "7", "--gap_penalty", "adaptive", "--clip", "norm"]))
-    assert (c.tau, c.outer_momentum, c.gap_penalty.mode, c.clip.mode) == (7, 0.3, "adaptive", "norm")
+    flags = ["--tau", "7", "--gap_penalty", "adaptive", "--clip", "norm", "--stand_in", "shared"]
+    c = train_args.co2_config(train_args.get_args([*ds, *flags]))
+    assert (c.tau, c.outer_momentum, c.gap_penalty.mode, c.clip.mode, c.stand_in) == (
+        7,
+        0.3,
+        "adaptive",
+        "norm",
+        "shared",
+    )
     c = train_args.co2_config(train_args.get_args(["--deepspeed_config", str(path)]))  # engine plain: file unused
     assert c == CO2Config()  # CO2Config's defaults
     published = train_args.co2_config(train_args.get_args(["--method", "co2_published", "--comm_dtype", "bf16"]))
