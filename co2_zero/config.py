@@ -20,7 +20,7 @@ CLIP_MODES = ("none", "value", "norm")
 COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
 COMM_DTYPES = ("fp32", "bf16", "int8", "fp8")  # int8/fp8: block-quantized with error feedback (compress.py)
 NONFINITE_POLICIES = ("raise", "skip_round")
-STAND_INS = ("shared", "eager", "local")  # where a replica starts a round while the last average is in flight
+STAND_INS = ("auto", "shared", "eager", "local")  # where a replica starts a round while the last average is in flight
 # The accepted values of every choice field, by dotted name (for messages that name another rank's value).
 CHOICES = {
     "gap_penalty.mode": PENALTY_MODES,
@@ -30,6 +30,19 @@ CHOICES = {
     "nonfinite": NONFINITE_POLICIES,
 }
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week; process-group timeouts are kept in milliseconds by the backends
+
+# CO2 as published (Sun et al., ICLR 2024), the defaults of co2_zero 0.1: `CO2Config(**PUBLISHED)`, or these
+# keys in a "co2" section. Checkpoints saved with 0.1's defaults load under it (the config hash is the same).
+# The defaults since 0.2 won the quality study (docs/configuration.md, "The defaults and why").
+PUBLISHED: dict[str, Any] = {
+    "tau": 12,
+    "outer_lr": 1.0,
+    "outer_momentum": 0.0,
+    "nesterov": False,
+    "stand_in": "shared",
+    "sync_delay": None,
+    "gap_penalty": {"mode": "adaptive", "value": 1.0, "strength": 2.0},
+}
 
 
 def _fail(name: str, value: Any, accepted: str) -> None:
@@ -87,8 +100,11 @@ class GapPenalty:
     """
 
     mode: str = field(
-        default="adaptive",
-        metadata={"doc": "Staleness gap penalty Λ per parameter tensor: `none` (Λ = 1), `constant` or `adaptive`."},
+        default="none",
+        metadata={
+            "doc": "Staleness gap penalty Λ per parameter tensor: `none` (Λ = 1), `constant` or `adaptive` (as "
+            "published; it lost to `none` with Nesterov momentum in the quality study)."
+        },
     )
     value: float = field(default=1.0, metadata={"doc": "λ for `constant`: Λ = λ (the authors' public code)."})
     strength: float = field(default=2.0, metadata={"doc": "γ for `adaptive`: Λ = 1 + γ·‖δ‖/(‖g‖ + 1e-12)."})
@@ -134,13 +150,19 @@ class CO2Config:
     """
 
     tau: int = field(
-        default=12,
+        default=32,
         metadata={"doc": "Inner optimizer steps per round (steps that were applied, not micro-batches)."},
     )
-    outer_lr: float = field(default=1.0, metadata={"doc": "α, the outer learning rate."})
-    outer_momentum: float = field(default=0.0, metadata={"doc": "β, the outer momentum."})
+    outer_lr: float = field(
+        default=0.5,
+        metadata={
+            "doc": "α, the outer learning rate. Its best value rises with tau: 0.2 at tau 8, 0.5 at 32, 1.0 at "
+            "128 in the quality study (docs/configuration.md)."
+        },
+    )
+    outer_momentum: float = field(default=0.9, metadata={"doc": "β, the outer momentum."})
     nesterov: bool = field(
-        default=False, metadata={"doc": "Nesterov outer momentum: `u = β·m + g/Λ` instead of `u = m`."}
+        default=True, metadata={"doc": "Nesterov outer momentum: `u = β·m + g/Λ` instead of `u = m`."}
     )
     overlap: bool = field(
         default=True,
@@ -150,29 +172,34 @@ class CO2Config:
         },
     )
     stand_in: str = field(
-        default="shared",
+        default="auto",
         metadata={
             "doc": "Where each replica starts a round while the last average is in flight; the true average "
-            'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `shared`: the shared '
-            "start point, as published. `eager`: plus an outer step on the replica's own share of the average "
-            "(Kale et al., arXiv 2502.12996). `local`: the outer step the average will take, on the replica's "
-            "own displacement instead (with the outer momentum). Other than `shared`: needs `overlap: true`, "
+            'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `auto` (the default): '
+            "`local` (`shared` with `overlap: false`); with clipping, int8/fp8, `skip_round` or an elastic "
+            "membership, where `local` is not defined, name `shared` and an outer step for it (e.g. "
+            "`co2_zero.config.PUBLISHED`'s: the defaults' Nesterov 0.9 diverges there). `shared`: the shared "
+            "start point, as published. "
+            "`eager`: plus an outer step on the replica's own share of the average (Kale et al., arXiv "
+            "2502.12996). `local`: the outer step the average will take, on the replica's own displacement "
+            "instead (with the outer momentum). `eager` and `local` set explicitly need `overlap: true`, "
             "`clip.mode: none`, `comm_dtype` `fp32` or `bf16` and `nonfinite: raise`; costs up to 2Ψ/S fp32 "
             "words per rank.",
         },
     )
     sync_delay: Optional[Union[int, str]] = field(
-        default=None,
+        default="auto",
         metadata={
             "doc": "Inner steps of the next round the exchange has to finish in: the average in flight is "
             "applied after that many steps of the round after it, each replica's progress in those steps "
-            "kept on top of it (a rebase). `null` (the default): tau, the round end (CO2 as published). A "
+            "kept on top of it (a rebase). `null`: tau, the round end (CO2 as published). A "
             "smaller value hides any exchange shorter than that many steps and brings the loss towards "
             "blocking DiLoCo's; set it to the exchange's time over the step time, rounded up "
-            '(docs/design.md §3, "The sync delay"). `"auto"`: measured on the job itself: the first rounds '
-            "apply at the round end while every rank counts the steps each exchange took; from round 5 on "
-            "the delay is 1.5 times the most any rank counted (at most tau), the same on every rank, saved "
-            "in checkpoints. Needs `overlap: true`; not with an elastic membership.",
+            '(docs/design.md §3, "The sync delay"). `"auto"` (the default): measured on the job '
+            "itself: the first rounds apply at the round end while every rank counts the steps each exchange "
+            "took; from round 5 on the delay is 1.5 times the most any rank counted (at most tau), the same "
+            "on every rank, saved in checkpoints; with an elastic membership, the round end. A number needs "
+            "`overlap: true`; with `overlap: false` null and `auto` both mean at once.",
             "accepted": "null, 'auto', or an integer in [1, tau]",
         },
     )
@@ -241,8 +268,10 @@ class CO2Config:
         _check_choice("stand_in", self.stand_in, STAND_INS)
         if self.sync_delay is not None:
             self._check_sync_delay()
-        if self.stand_in != "shared":
+        if self.stand_in in ("eager", "local"):
             self._check_stand_in_combination()
+        elif self.stand_in == "auto" and self.overlap:
+            self._check_auto_stand_in()
         _as_floats(self, "outer_lr", "outer_momentum", "timeout_s")
 
     @property
@@ -254,6 +283,25 @@ class CO2Config:
             return 0
         return self.tau if self.sync_delay in (None, "auto") else self.sync_delay
 
+    @property
+    def measures_sync_delay(self) -> bool:
+        """Whether the job measures its sync delay (`sync_delay: "auto"` with overlapped rounds)."""
+        return self.overlap and self.sync_delay == "auto"
+
+    @property
+    def effective_stand_in(self) -> str:
+        """The stand-in the rounds use: `stand_in`, with `auto` the `local` one (`shared` in blocking mode,
+        which has no average in flight)."""
+        if self.stand_in != "auto":
+            return self.stand_in
+        return "local" if self.overlap else "shared"
+
+    def for_membership(self) -> CO2Config:
+        """The config an elastic membership runs: `sync_delay: "auto"` is the round end there (a quorum forms
+        and heals at round ends; docs/elastic.md). Every other field is kept (and refused there if
+        unsupported, the `auto` stand-in included)."""
+        return dataclasses.replace(self, sync_delay=None) if self.sync_delay == "auto" else self
+
     def _check_sync_delay(self) -> None:
         accepted = f"null, 'auto', or an integer in [1, tau={self.tau}]"
         if isinstance(self.sync_delay, str):
@@ -263,23 +311,42 @@ class CO2Config:
             _check_int("sync_delay", self.sync_delay, 1)
             if self.sync_delay > self.tau:
                 _fail("sync_delay", self.sync_delay, accepted)
-        if not self.overlap:
+        if not self.overlap and self.sync_delay != "auto":
             _fail(
-                "sync_delay", self.sync_delay, "null when overlap=False (a blocking round applies its average at once)"
+                "sync_delay",
+                self.sync_delay,
+                "null or 'auto' when overlap=False (a blocking round applies its average at once)",
             )
 
-    def _check_stand_in_combination(self) -> None:
-        """The fields a stand-in other than `shared` is defined with (docs/design.md §3, "Stand-ins"); each
-        refusal names the field, its value and what the stand-in accepts."""
-        needs = (
-            ("overlap", self.overlap, (True,), "true (a blocking round has no average in flight to stand in for)"),
+    def _stand_in_needs(self) -> tuple[tuple[str, Any, tuple[Any, ...], str], ...]:
+        """(field, value, accepted, why) of what a stand-in other than `shared` is defined with, overlap aside
+        (docs/design.md §3, "Stand-ins")."""
+        return (
             ("clip.mode", self.clip.mode, ("none",), "'none' (a stand-in's momentum does not see the clip)"),
             ("comm_dtype", self.comm_dtype, ("fp32", "bf16"), "'fp32' or 'bf16'"),
             ("nonfinite", self.nonfinite, ("raise",), "'raise' (a skipped round would leave its stand-in behind)"),
         )
-        for name, value, accepted, what in needs:
+
+    def _check_stand_in_combination(self) -> None:
+        """An explicit `eager` or `local`: each refusal names the field, its value and what the stand-in accepts."""
+        overlap = ("overlap", self.overlap, (True,), "true (a blocking round has no average in flight to stand in for)")
+        for name, value, accepted, what in (overlap, *self._stand_in_needs()):
             if value not in accepted:
                 _fail(name, value, f"{what} when stand_in={self.stand_in!r}")
+
+    def _check_auto_stand_in(self) -> None:
+        """The default `auto` is the local stand-in; where that is not defined the config must say how a
+        replica starts a round, with an outer step for it: the defaults' (Nesterov 0.9, no gap penalty)
+        diverges from the shared start a round late (docs/configuration.md, "Defaults and presets")."""
+        for name, value, accepted, what in self._stand_in_needs():
+            if value not in accepted:
+                _fail(
+                    name,
+                    value,
+                    f"{what} with stand_in 'auto' (the default: the local stand-in); or set stand_in: 'shared' "
+                    f"with an outer step for the published, shared start, e.g. co2_zero.config.PUBLISHED's "
+                    f"(the defaults' Nesterov 0.9 diverges there)",
+                )
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:
@@ -308,7 +375,8 @@ class CO2Config:
         """Hash of the fields that change the trajectory (not timeouts, collectives or sharding)."""
         plumbing = ("timeout_s", "collective", "shards_per_replica")  # the result is independent of them
         math = {k: v for k, v in self.to_dict().items() if k not in plumbing}
-        if self.sync_delay != "auto":
+        math["stand_in"] = self.effective_stand_in  # `auto` is whichever it resolves to
+        if not self.measures_sync_delay:
             math["sync_delay"] = self.steps_before_apply  # null and tau are the same schedule
         return hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:16]
 

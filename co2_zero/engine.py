@@ -75,9 +75,11 @@ class RoundEngine:
         membership: Any = None,
     ) -> None:
         partition.check_views()
+        if membership is not None:
+            config = config.for_membership()  # `auto` choices resolve to what a quorum supports
         self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
         self.schedule = ApplySchedule(config.steps_before_apply, config.tau)
-        self.delay_meter = DelayMeter(config.tau) if config.sync_delay == "auto" else None
+        self.delay_meter = DelayMeter(config.tau) if config.measures_sync_delay else None
         module_buffers = list(module.buffers()) if module is not None else []
         self.buffers = ModuleBuffers([*buffers, *module_buffers], topology, config)
         self.watch = ParameterWatch.collect(params, module)
@@ -94,6 +96,7 @@ class RoundEngine:
         self.phase = Phase.IDLE
         self._pending: Optional[Future] = None
         self._pending_index = -1  # the round whose pipeline `_pending` runs
+        self._announced_round = -1  # the round whose end posted the step announcement in flight
         self._mid_round_s = (0.0, 0.0)  # this round's apply point (sync delay): (blocked, in all)
         self._failure: Optional[CO2Error] = None
         self.last_round: dict[str, Any] = {}
@@ -112,7 +115,7 @@ class RoundEngine:
         self.g_buffer = torch.zeros_like(self.momentum) if reduce_scatter else None
         # a stand-in (docs/design.md §3, "Stand-ins"): this replica's own round start, and (with outer
         # momentum) eager's momentum of its own shares or local's copy of the whole outer momentum
-        stand_in = self.config.stand_in != "shared"
+        stand_in = self.config.effective_stand_in != "shared"
         self.own_start = self.start_point.clone() if stand_in else None
         self.own_momentum = torch.zeros_like(self.start_point) if stand_in and self.config.outer_momentum else None
         self.previous_update_sq_norms: Optional[torch.Tensor] = None
@@ -206,6 +209,7 @@ class RoundEngine:
         self._check_steps()  # the last round end's (arrived with its pipeline)
         measured = self.delay_meter.to_post() if self.delay_meter is not None else 0
         self.announcements.post(self.inner_steps, finalizing=False, exchange_steps=measured)
+        self._announced_round = self.rounds
         sent = self._exchange_bytes_since_last_report()
         plan = self.schedule.plan(self.start_point, self.next_start, self.previous_update_sq_norms)
         reset_inner = self._launch(plan)  # step 2
@@ -264,10 +268,10 @@ class RoundEngine:
         self.partition.subtract_from(self.round_start, out=plan.work)
         reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(plan.work[: self.layout.length])
         hyper = self.exchange.hyper
-        if self.config.stand_in == "eager":
+        if self.config.effective_stand_in == "eager":
             replicas = self.topology.replicas
             eager_start(plan.work, plan.base, self.own_momentum, hyper=hyper, replicas=replicas, out=self.own_start)
-        elif self.config.stand_in == "local":
+        elif self.config.effective_stand_in == "local":
             local_start(plan.work, plan.base, self.own_momentum, hyper=hyper, out=self.own_start)
         job = PipelineJob(plan.work, plan.base, self.momentum, self.g_buffer, plan.gap, self.rounds)
         try:
@@ -288,7 +292,7 @@ class RoundEngine:
     def _track_applied_step(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """The `local` stand-in's copy of the outer momentum follows each outer step applied to the shared
         start (`outer.track_momentum`); before the first round end nothing was applied (before == after)."""
-        if self.config.stand_in == "local" and self.own_momentum is not None and self.rounds:
+        if self.config.effective_stand_in == "local" and self.own_momentum is not None and self.rounds:
             track_momentum(self.own_momentum, before, after, hyper=self.exchange.hyper)
 
     @property
@@ -338,7 +342,7 @@ class RoundEngine:
         try:
             rows = self.announcements.collect(time.monotonic() + self.config.timeout_s)
         except CO2Error as error:  # the deadline passed, or the control group failed (a peer left)
-            where = "co2 finalize" if finalizing else f"co2: round {self.rounds - 1}"
+            where = "co2 finalize" if finalizing else f"co2: round {self._announced_round}"
             here = f"rank {self.topology.rank} at inner step {self.inner_steps}"
             if isinstance(error, CO2TimeoutError):
                 what = "called finalize()" if finalizing else "reached this round end"

@@ -172,8 +172,9 @@ def _load_sync_delay(engine: RoundEngine, fixed: Optional[int]) -> None:
     """sync_delay "auto": the saved delay and its schedule, or (not fixed when saved) measure anew."""
     if engine.delay_meter is None:
         return
-    if fixed is None:
+    if fixed is None:  # measured anew, applying at the round end meanwhile (this engine may have fixed one)
         engine.delay_meter.restart(engine.rounds)
+        engine.schedule = ApplySchedule(engine.config.steps_before_apply, engine.config.tau)
     else:
         engine.delay_meter.fix(fixed)
         engine.schedule = ApplySchedule(fixed, engine.config.tau)

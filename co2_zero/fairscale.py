@@ -9,10 +9,10 @@ ShardedDataParallel import comes from here (FairScale's drops gradients on a rep
 
     from co2_zero.fairscale import CO2OSS, ShardedDataParallel
 
-    opt = CO2OSS(model.parameters(), optim=torch.optim.AdamW, lr=3e-4, co2={"tau": 12}, model=model)
+    opt = CO2OSS(model.parameters(), optim=torch.optim.AdamW, lr=3e-4, co2={"tau": 32}, model=model)
     model = ShardedDataParallel(model, opt, process_group=opt.group)  # reduce inside the replica only
 
-or, equivalently, ``model, opt = co2_zero.fairscale.wrap(model, co2={"tau": 12}, lr=3e-4)``.
+or, equivalently, ``model, opt = co2_zero.fairscale.wrap(model, co2={"tau": 32}, lr=3e-4)``.
 """
 
 from __future__ import annotations

@@ -99,7 +99,9 @@ class DelayMeter:
         self.restart(first_round)
 
     def restart(self, first_round: int) -> None:
-        """Measure anew from round `first_round` (a resumed run whose delay was not fixed yet)."""
+        """Measure anew from round `first_round` (a resumed run whose delay was not fixed yet; a delay this
+        meter had fixed is dropped)."""
+        self.fixed = None
         self._counted = range(first_round + WARMUP, first_round + WARMUP + MEASURED)  # pipelines counted
         # their counts are posted at round ends counted + 1 and arrive by the next round end's launch
         self._decide_at = self._counted.stop + 1

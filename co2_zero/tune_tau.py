@@ -359,8 +359,8 @@ def _report(r: dict) -> None:
               + (f", {bw / 1e6:.0f} Mbit/s)" if bw else ")"))  # fmt: skip
     print(f"  t_comm / t_step = {rec['comm_over_step']:.2f}; margin {rec['margin']} -> "
           f"tau_comm = ceil({rec['margin']} x {rec['comm_over_step']:.2f}) = {rec['tau_comm']}")  # fmt: skip
-    print(f"  with a larger tau (for quality), sync_delay = {rec['tau_comm']} (or 'auto', measured by the job) applies "
-          f"each average as soon as it is hidden (docs/design.md §3, 'The sync delay')")  # fmt: skip
+    print(f"  with a larger tau, the default sync_delay 'auto' (the job measures about {rec['tau_comm']}; or set it) "
+          f"applies each average as soon as it is hidden (docs/design.md §3, 'The sync delay')")  # fmt: skip
     for v in r.get("verify", []):
         print(f"  verify tau={v['tau']:3d} ({v['rounds']} rounds): round {v['round_s'] * 1e3:.0f} ms vs compute-only "
               f"{v['compute_round_s'] * 1e3:.0f} ms -> efficiency {v['efficiency']:.3f}; bookkeeping "

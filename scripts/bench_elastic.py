@@ -48,7 +48,8 @@ from scripts import torchft_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = {  # label -> the module every replica runs, and its own flags ({P}: the number of nodes)
-    "co2": ("co2_zero.train", ["--start_replicas", "{P}"]),
+    # CO2 as published: elastic mode runs the shared start, for which the defaults' Nesterov 0.9 diverges
+    "co2": ("co2_zero.train", ["--method", "co2_published", "--start_replicas", "{P}"]),
     "torchft-diloco": ("scripts.torchft_peer", ["--peer", "diloco"]),
     "torchft-streaming": ("scripts.torchft_peer", ["--peer", "streaming"]),
 }

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from co2_zero import CO2Config, CO2Optimizer
+from co2_zero.config import PUBLISHED
 from co2_zero.outer import OuterHyper, Segment, SegmentIndex, outer_step
 
 PRESETS = {  # n_layer, n_head, n_embd, block_size, vocab_size, batch_size
@@ -117,7 +118,11 @@ def run(args, tau, device):
     model = GPT(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd).to(device)
     fused = device.type == "cuda"  # fused AdamW: one kernel for all parameters
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=fused)
-    opt = inner if tau is None else CO2Optimizer(inner, CO2Config(tau=tau, collective=args.collective), model=model)
+    opt = (
+        inner
+        if tau is None
+        else CO2Optimizer(inner, CO2Config(**{**PUBLISHED, "tau": tau}, collective=args.collective), model=model)
+    )
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [
@@ -169,9 +174,11 @@ def run(args, tau, device):
     return out
 
 
-OUTER_CONFIGS = {  # the outer step alone, on the model's layout
-    "default (adaptive penalty, no momentum)": CO2Config(),
-    "momentum 0.9 + Nesterov + norm clip": CO2Config(outer_momentum=0.9, nesterov=True, clip={"mode": "norm"}),
+OUTER_CONFIGS = {  # the outer step alone, on the model's layout; "default": 0.1's, as the results in benchmarks/
+    "default (adaptive penalty, no momentum)": CO2Config(**PUBLISHED),
+    "momentum 0.9 + Nesterov + norm clip": CO2Config(
+        **{**PUBLISHED, "outer_momentum": 0.9, "nesterov": True}, clip={"mode": "norm"}
+    ),
 }
 
 

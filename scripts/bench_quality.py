@@ -6,7 +6,8 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
 
   ddp                 all-reduce every step (no τ, no outer step: one run per seed serves every τ)
   diloco              blocking DiLoCo: overlap off, Nesterov outer momentum, no gap penalty (train_lm's preset)
-  co2                 CO2 as shipped (CO2Config's defaults) but the outer lr / momentum of the cell
+  co2                 CO2 as published (train_lm's co2_published: co2_zero 0.1's defaults, `stand_in: shared`,
+                      adaptive gap penalty, applied at the round end) at the outer lr / momentum of the cell
   co2_eager           the same with `stand_in: eager` (Kale et al.'s eager updates)
   diloco_eager        the paper's "1-outer-step eager" (Kale et al. 2502.12996): DiLoCo's outer step
                       (Nesterov, no gap penalty), overlapped one round late, with `stand_in: eager`
@@ -16,7 +17,8 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
   diloco_local_sync   DiLoCo's outer step (Nesterov 0.9, no penalty), overlapped with `stand_in: local` (each
                       replica starts a round from the outer step the average will take, on its own
                       displacement instead) and `sync_delay: SYNC_DELAY`: the average is applied that many
-                      steps into the next round, not at its end, the replicas' progress rebased on it
+                      steps into the next round, not at its end, the replicas' progress rebased on it: the
+                      defaults since 0.2 with the sync delay fixed (`"auto"` measures it on the job)
   torchft_diloco      torchft's DiLoCo and Streaming DiLoCo (2 fragments), driven by scripts/torchft_peer.py
   torchft_streaming   --replicas P: a Lighthouse and P replicas of one rank, the diloco preset's outer
                       optimizer (Nesterov) at the cell's outer lr / momentum, fp32 (unavailable without torchft)
@@ -253,11 +255,13 @@ def train_flags(cell: Cell, steps: int, eval_points: int, common: Sequence[str])
              "--seed", str(cell.seed), "--no_progress", *common]  # fmt: skip
     if cell.method == "ddp":
         return [*flags, "--method", "ddp"]
-    method = ["--method", "diloco"] if cell.method in (*DILOCO_STEP, *PEERS) else ["--method", "co2"]
+    method = ["--method", "diloco"] if cell.method in (*DILOCO_STEP, *PEERS) else ["--method", "co2_published"]
     eager = ["--stand_in", STAND_IN[cell.method]] if cell.method in STAND_IN else []
-    # the diloco preset blocks; its overlapped variants overlap
-    eager += ["--overlap"] if cell.method in DILOCO_STEP and cell.method != "diloco" else []
-    eager += ["--sync_delay", str(min(SYNC_DELAY, cell.tau))] if cell.method in SYNCED else []
+    # the diloco preset blocks; its overlapped variants overlap, a whole round late unless SYNCED (never
+    # "auto": a cell's trajectory must not depend on the host's timing)
+    if cell.method in DILOCO_STEP and cell.method != "diloco":
+        delay = min(SYNC_DELAY, cell.tau) if cell.method in SYNCED else cell.tau
+        eager += ["--overlap", "--sync_delay", str(delay)]
     return [*flags, *method, *eager, "--outer_lr", str(cell.outer_lr), "--outer_momentum", str(cell.momentum)]
 
 

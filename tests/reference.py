@@ -21,20 +21,22 @@ Batch = tuple[Tensor, Tensor]
 
 EPS = 1e-12
 DEFAULTS: dict[str, Any] = {
-    "tau": 12,
-    "outer_lr": 1.0,
-    "outer_momentum": 0.0,
-    "nesterov": False,
+    "tau": 32,
+    "outer_lr": 0.5,
+    "outer_momentum": 0.9,
+    "nesterov": True,
     "overlap": True,
-    "stand_in": "shared",
-    "sync_delay": None,
-    "gap_penalty": {"mode": "adaptive", "value": 1.0, "strength": 2.0},
+    "stand_in": "auto",
+    "sync_delay": "auto",
+    "gap_penalty": {"mode": "none", "value": 1.0, "strength": 2.0},
     "clip": {"mode": "none", "threshold": 1.0},
 }
 
 
 def resolve_config(config: dict) -> dict[str, Any]:
-    """Fill in defaults, drop keys that do not change the math, validate."""
+    """Fill in defaults, drop keys that do not change the math, validate. The `auto` choices: stand_in
+    `local` with overlap (`shared` in blocking mode); sync_delay the round end (what "auto" does while it
+    measures: a caller comparing past round 4 passes the fixed d and delay_from)."""
     cfg = {key: config.get(key, value) for key, value in DEFAULTS.items()}
     for key in ("gap_penalty", "clip"):
         cfg[key] = {**DEFAULTS[key], **(config.get(key) or {})}
@@ -44,6 +46,10 @@ def resolve_config(config: dict) -> dict[str, Any]:
         raise ValueError(f"unknown gap_penalty mode {cfg['gap_penalty']['mode']!r}")
     if cfg["clip"]["mode"] not in ("none", "value", "norm"):
         raise ValueError(f"unknown clip mode {cfg['clip']['mode']!r}")
+    if cfg["stand_in"] == "auto":
+        cfg["stand_in"] = "local" if cfg["overlap"] else "shared"
+    if cfg["sync_delay"] == "auto":
+        cfg["sync_delay"] = None
     if cfg["stand_in"] not in ("shared", "eager", "local"):
         raise ValueError(f"unknown stand_in {cfg['stand_in']!r}")
     if cfg["stand_in"] != "shared" and (not cfg["overlap"] or cfg["clip"]["mode"] != "none"):
@@ -363,6 +369,14 @@ def simulate(
         _average_float_buffers(bufs)
 
     return _results(models, bufs)
+
+
+def replica_round_starts(record: list[Params], step_record: list[list[Params]], tau: int) -> list[list[Params]]:
+    """Per round start, every replica's parameters there, from one ``simulate`` run's ``record`` and
+    ``step_record``: x_0, then where each replica started the round (the shared start, or its stand-in),
+    which is what a replica's live model holds at its round starts."""
+    replicas = len(step_record[0]) if step_record else 1
+    return [[record[0]] * replicas] + [step_record[t * tau - 1] for t in range(1, len(record))]
 
 
 def round_starts(*args: Any, **kwargs: Any) -> list[Params]:

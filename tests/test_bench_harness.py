@@ -37,7 +37,7 @@ def test_every_method_runs_at_one_tau_and_compressed_co2_also_at_its_own():
     assert runs == {**dict.fromkeys(methods, 40), "co2-bf16 @tuned": 24}
     assert [bt.comm_dtype(x) for x in ("co2", "co2-int8", "co2-int8 @tuned")] == ["fp32", "int8", "int8"]
     assert bt.run_flags("co2-int8 @tuned", ["--n_layer", "1"], ["--gap_strength", "2"]) == [
-        "--method", "co2", "--comm_dtype", "int8", "--n_layer", "1", "--gap_strength", "2",
+        "--method", "co2_published", "--comm_dtype", "int8", "--n_layer", "1", "--gap_strength", "2",
     ]  # fmt: skip
     assert bt.run_flags("localsgd", [], ["--gap_strength", "2"]) == ["--method", "localsgd"]
 
@@ -57,7 +57,9 @@ def _exchange_bytes(rank: int, world: int) -> dict:
     from co2_zero import CO2Config
 
     return {
-        dtype: tune_tau.measure_exchange_time(4096, CO2Config(collective="reduce_scatter", comm_dtype=dtype), reps=2)
+        dtype: tune_tau.measure_exchange_time(
+            4096, CO2Config(collective="reduce_scatter", comm_dtype=dtype, stand_in="shared"), reps=2
+        )
         for dtype in ("fp32", "bf16", "int8")
     }
 

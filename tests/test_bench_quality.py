@@ -91,6 +91,19 @@ def test_plan_counts_the_cells_left_and_their_hours():
     assert bq.minutes_per_cell({}, 5.0, 2) == {"assumed, no cell run yet": 5.0}
 
 
+@pytest.mark.parametrize("method", bq.CO2_FAMILY)
+def test_every_cell_runs_a_fixed_schedule_and_its_stand_in(method):
+    """A cell's trajectory must not depend on the host's timing or on the library's defaults of the day:
+    its flags resolve (through train_lm's own parser) to a fixed sync delay and the stand-in it names."""
+    from co2_zero.train.args import co2_config, get_args
+
+    config = co2_config(get_args(bq.train_flags(bq.Cell(method, 32, 0.7, 0.9, 5), 640, 2, [])))
+    assert not config.measures_sync_delay, config
+    assert config.effective_stand_in == bq.STAND_IN.get(method, "shared"), config
+    published = method in ("co2", "co2_eager", "co2_local")
+    assert config.gap_penalty.mode == ("adaptive" if published else "none") and config.nesterov != published
+
+
 def test_flags_of_each_method():
     common = ["--n_layer", "1"]
     diloco = bq.train_flags(bq.Cell("diloco", 32, 0.7, 0.9, 5), 640, 2, common)
@@ -98,12 +111,14 @@ def test_flags_of_each_method():
     assert diloco[-6:] == ["--method", "diloco", "--outer_lr", "0.7", "--outer_momentum", "0.9"]
     eager = bq.train_flags(bq.Cell("co2_eager", 8, 1.0, 0.0, 5), 640, 2, common)
     assert eager[eager.index("--stand_in") + 1] == "eager" and "--sync_delay" not in eager
+    assert eager[eager.index("--method") + 1] == "co2_published"  # CO2 as published, not today's defaults
     paper = bq.train_flags(bq.Cell("diloco_eager", 8, 0.7, 0.9, 5), 640, 2, common)
     assert {"--stand_in", "--overlap"} <= set(paper) and paper[paper.index("--method") + 1] == "diloco", paper
     synced = bq.train_flags(bq.Cell("diloco_local_sync", 32, 0.7, 0.9, 5), 640, 2, common)
     assert synced[synced.index("--sync_delay") + 1] == str(bq.SYNC_DELAY) and "local" in synced
     late = bq.train_flags(bq.Cell("diloco_local", 32, 0.7, 0.9, 5), 640, 2, common)
-    assert late[late.index("--stand_in") + 1] == "local" and "--overlap" in late and "--sync_delay" not in late
+    assert late[late.index("--stand_in") + 1] == "local" and "--overlap" in late
+    assert late[late.index("--sync_delay") + 1] == "32"  # a whole round late, never the timing-dependent "auto"
     assert late[late.index("--method") + 1] == "diloco"
     short = bq.train_flags(bq.Cell("diloco_local_sync", 4, 0.7, 0.9, 5), 640, 2, common)
     assert short[short.index("--sync_delay") + 1] == "4"  # at most τ

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from co2_zero import CO2Config, CO2Error, CO2Optimizer, NonFiniteError
+from co2_zero.config import PUBLISHED
 from tests import models
 from tests.dist_utils import run_ranks
 
@@ -29,7 +30,8 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _build(policy: str) -> tuple[torch.nn.Module, CO2Optimizer]:
     model = models.make_model("bn")
-    config = CO2Config(tau=2, nonfinite=policy, timeout_s=TIMEOUT_S)
+    # CO2 as published (skip_round needs the shared start, and its outer step), for both policies alike
+    config = CO2Config(**{**PUBLISHED, "tau": 2}, nonfinite=policy, timeout_s=TIMEOUT_S)
     return model, CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config, model=model)
 
 

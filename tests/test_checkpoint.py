@@ -10,6 +10,7 @@ import torch
 
 from co2_zero import CO2Error, CO2Optimizer, checkpoint
 from co2_zero.checkpoint import consolidate
+from co2_zero.config import PUBLISHED
 from tests import models
 from tests.compare import param_copies
 from tests.dist_utils import run_ranks
@@ -29,6 +30,7 @@ CONFIGS = {
         "nesterov": True,
         "collective": "reduce_scatter",
         "clip": {"mode": "norm", "threshold": 0.1},
+        "stand_in": "shared",  # clipping: no stand-in is defined with it
     },
     # eager: each rank's own start and own-share momentum travel with its file (docs/design.md §3)
     "eager": {
@@ -88,6 +90,22 @@ def resumed(rank: int, world: int, root: str) -> dict:
         checkpoint.load(f"{root}/all_reduce", model, opt)
     except CO2Error as error:
         out["wrong-config"] = str(error)
+    out.update(_published_under_new_defaults(rank, f"{root}/published"))
+    return out
+
+
+def _published_under_new_defaults(rank: int, directory: str) -> dict:
+    """A checkpoint of co2_zero 0.1's defaults (CO2 as published): refused under today's defaults with the
+    preset named, and loaded under `PUBLISHED`."""
+    model, opt = _build(PUBLISHED)
+    models.train_steps(rank, model, opt, 0, 2)
+    checkpoint.save(directory, model, opt, extra={"step": 2})
+    out = {}
+    try:
+        checkpoint.load(directory, *_build({}))
+    except CO2Error as error:
+        out["old-defaults"] = str(error)
+    out["published-step"] = checkpoint.load(directory, *_build(PUBLISHED))["step"]
     return out
 
 
@@ -125,6 +143,15 @@ def test_resume_with_another_config_is_refused(runs):
     _, _, second = runs
     for result in second:
         assert "config_hash" in result["wrong-config"] and "same co2 config" in result["wrong-config"]
+
+
+def test_a_checkpoint_of_the_old_defaults_names_the_published_preset(runs):
+    """co2_zero 0.2 changed the defaults: a 0.1-default checkpoint is refused under them, naming the preset
+    that holds 0.1's defaults, and loads under it."""
+    _, _, second = runs
+    for result in second:
+        assert "config_hash" in result["old-defaults"] and "co2_zero.config.PUBLISHED" in result["old-defaults"]
+        assert result["published-step"] == 2
 
 
 def _assemble(shares: list) -> dict:

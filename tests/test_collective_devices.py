@@ -256,7 +256,9 @@ def _tuner(rank: int) -> dict:
 
     tune_tau.measure_exchange_time(1000, CO2Config(collective="reduce_scatter"), reps=1)
     tune_tau.measure_exchange_time(1000, CO2Config(collective="all_reduce", comm_dtype="bf16"), reps=1)
-    tune_tau.measure_exchange_time(1000, CO2Config(collective="reduce_scatter", comm_dtype="int8"), reps=1)
+    tune_tau.measure_exchange_time(
+        1000, CO2Config(collective="reduce_scatter", comm_dtype="int8", stand_in="shared"), reps=1
+    )
     return {"slowest": tune_tau._slowest(float(rank))}
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from co2_zero.config import PUBLISHED
 from tests import models
 from tests.reference import simulate
 
@@ -29,7 +30,9 @@ pytest.importorskip("torchft", reason="the elastic extra (torchft) is not instal
 TAU = 4
 STEP_SLEEP_S = 0.03  # paces the replicas so that a restarted one finds the job still running
 HEARTBEAT_TIMEOUT_MS = 3000
-CONFIG = {"tau": TAU, "outer_lr": 0.7, "outer_momentum": 0.5, "timeout_s": 90.0}  # generous: 2 cores shared by many
+# CO2 as published (the shared start elastic mode runs) at these outer lr and momentum; timeout_s generous:
+# 2 cores shared by many
+CONFIG = {**PUBLISHED, "tau": TAU, "outer_lr": 0.7, "outer_momentum": 0.5, "timeout_s": 90.0}
 
 
 def _free_port() -> int:
@@ -648,11 +651,13 @@ def test_engines_that_are_not_elastic_refuse_a_membership_naming_what_is(build, 
 
 
 @pytest.mark.parametrize(
-    "field,value", [("sync_delay", 2), ("sync_delay", "auto"), ("stand_in", "local"), ("stand_in", "eager")]
+    "field,value", [("sync_delay", 2), ("stand_in", "auto"), ("stand_in", "local"), ("stand_in", "eager")]
 )
 def test_elastic_mode_refuses_what_its_quorums_cannot_heal(monkeypatch, field, value):
     """Quorums form and heal at round ends (design §12): an average applied mid-round, or a replica's own
-    stand-in, is refused at construction, naming the field, its value and what is accepted."""
+    stand-in (the defaults' `auto` is the local one), is refused at construction, naming the field, its value
+    and what is accepted; `sync_delay: "auto"` is the round end there (`CO2Config.for_membership`, which the
+    engine applies before it builds the exchange)."""
     from types import SimpleNamespace
 
     from co2_zero import CO2Config, CO2Error
@@ -660,6 +665,7 @@ def test_elastic_mode_refuses_what_its_quorums_cannot_heal(monkeypatch, field, v
 
     monkeypatch.setattr(exchange.dist, "get_backend", lambda group: "gloo")
     topology = SimpleNamespace(replicas=1, world_size=1, outer_group=None)
-    exchange.check_supported(CO2Config(tau=4), topology)  # the defaults are accepted
+    published = {**PUBLISHED, "tau": 4, "sync_delay": "auto"}
+    exchange.check_supported(CO2Config(**published).for_membership(), topology)  # accepted
     with pytest.raises(CO2Error, match=f"{field}={value!r} is not supported; accepted: "):
-        exchange.check_supported(CO2Config(tau=4, **{field: value}), topology)
+        exchange.check_supported(CO2Config(**{**published, field: value}).for_membership(), topology)

@@ -31,7 +31,7 @@ from tests.test_train_lm_smoke import ROOT, TINY
 
 pytest.importorskip("torchft", reason="the elastic extra (torchft) is not installed")
 
-ELASTIC = [*TINY, "--method", "co2", "--tau", "4", "--timeout_s", "120", "--eval_every", "1"]
+ELASTIC = [*TINY, "--method", "co2_published", "--tau", "4", "--timeout_s", "120", "--eval_every", "1"]
 
 
 class Replicas:
@@ -234,7 +234,7 @@ def test_elastic_flags_without_their_partner_are_refused(capsys, flags, message)
 
 @pytest.mark.parametrize("engine", ["plain", "fsdp"])
 def test_elastic_flags_that_can_run_are_accepted(engine):
-    flags = ["--engine", engine, "--method", "diloco", "--overlap", *ELASTIC_FLAGS, "--start_replicas", "3"]
+    flags = ["--engine", engine, "--method", "co2_published", *ELASTIC_FLAGS, "--start_replicas", "3"]
     args = train_args.get_args(flags)
     assert (args.engine, args.lighthouse, args.replica_id, args.start_replicas) == (
         engine,

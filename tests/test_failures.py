@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from co2_zero import CO2Config, CO2Error, CO2Optimizer, CO2TimeoutError, NonFiniteError, checkpoint
+from co2_zero.config import PUBLISHED
 from co2_zero.topology import Topology
 from tests import models
 from tests.dist_utils import launch_ranks, run_ranks
@@ -177,7 +178,8 @@ def misconfigured(rank: int, world: int) -> dict:
     def nonfinite(policy, collective="auto"):
         def run():
             model = models.make_model("mlp")
-            config = CO2Config(tau=2, nonfinite=policy, collective=collective)
+            # CO2 as published for both policies (skip_round needs the shared start)
+            config = CO2Config(**{**PUBLISHED, "tau": 2}, nonfinite=policy, collective=collective)
             opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config)
 
             def poison(step):
@@ -433,7 +435,7 @@ def skip_round_with_adam(rank: int, overlap: bool) -> dict:
     """Adam, skip_round, a NaN gradient on rank 1 at step 3 (round 1): that round is skipped, rank 1's
     Adam state is reset, and every later round trains normally."""
     model = models.make_model("mlp")
-    config = CO2Config(tau=2, nonfinite="skip_round", overlap=overlap, timeout_s=TIMEOUT_S)
+    config = CO2Config(**{**PUBLISHED, "tau": 2}, nonfinite="skip_round", overlap=overlap, timeout_s=TIMEOUT_S)
     opt = CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), config, model=model)
     skipped, starts = [], []
     with warnings.catch_warnings(record=True) as caught:
@@ -507,7 +509,8 @@ def huge_displacement(rank: int) -> dict:
     """Rank 1's inner step moves one weight by 1e20: finite, so CO2 must average it like any other
     displacement (the fp32 squares of the norms would overflow and report it as NaN)."""
     model = models.make_model("linear")
-    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), CO2Config(tau=2, timeout_s=TIMEOUT_S))
+    config = CO2Config(tau=2, outer_lr=1.0, outer_momentum=0.0, timeout_s=TIMEOUT_S)  # the average, applied as is
+    opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), config)
     before = model.weight.detach().clone()
     try:
         for step in range(2):

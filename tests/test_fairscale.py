@@ -20,7 +20,7 @@ from co2_zero import CO2Optimizer, checkpoint
 from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks
-from tests.reference import simulate
+from tests.reference import replica_round_starts, resolve_config, simulate
 
 co2_fairscale = pytest.importorskip("co2_zero.fairscale")
 CO2OSS = co2_fairscale.CO2OSS
@@ -42,6 +42,7 @@ SHARDED = {
             "tau": 2,
             "gap_penalty": ADAPTIVE,
             "clip": {"mode": "norm", "threshold": 0.1},
+            "stand_in": "shared",
             "collective": "reduce_scatter",
         },
         steps=9,
@@ -124,6 +125,7 @@ ONE_SHARD = {
             "tau": 2,
             "gap_penalty": ADAPTIVE,
             "clip": {"mode": "norm", "threshold": 0.1},
+            "stand_in": "shared",
             "collective": "reduce_scatter",
         },
         steps=8,
@@ -340,8 +342,8 @@ def resume_run(rank: int, shards: int, sc: dict, workdir: str) -> dict:
     result["plain_restart"] = (opt5.engine.inner_steps, bool(opt5.engine.start_point[:length].equal(live)))
     train(sc, shards, rank, model5, opt5, net5, range(sc["save_at"], sc["save_at"] + sc["config"]["tau"]), [])
     result["plain_rounds"] = opt5.engine.rounds
-    result["plain_params"] = snapshot(model5)
     opt5.finalize()
+    result["plain_params"] = snapshot(model5)
     dist.barrier()  # nobody deletes a file another rank still reads
     return result
 
@@ -417,7 +419,11 @@ def one_shard(tmp_path_factory):
 
 
 def reference(sc: dict, replicas: int, shards: int):
-    starts: list = []
+    """(per round start, every replica's parameters there; every replica's final model; the shared start
+    points). With a stand-in (the defaults' `local`) each replica starts a round from its own point, which
+    the library's live model holds; a resharded load resumes at the shared one."""
+    shared: list = []
+    steps: list = []
     model_kind, opt_kind = sc.get("model", "mlp"), sc.get("optimizer", "sgd")
     finals = simulate(
         lambda: make_model(model_kind),
@@ -429,24 +435,25 @@ def reference(sc: dict, replicas: int, shards: int):
         steps=sc["steps"],
         shards=shards,
         shard_batch=lambda r, s, k: models.shard_batch(r, s, k, shards),
-        record=starts,
+        record=shared,
+        step_record=steps,
     )
-    return starts, finals
+    return replica_round_starts(shared, steps, sc["config"]["tau"]), finals, shared
 
 
 def check_against_reference(results: list, sc: dict, name: str, shards: int, **tol) -> None:
     got_any = results[0][name]
-    starts, finals = reference(sc, len(results) // shards, shards)
+    starts, finals, _ = reference(sc, len(results) // shards, shards)
     assert len(got_any["starts"]) == len(starts) == 1 + sc["steps"] // sc["config"]["tau"]
     for rank, per_rank in enumerate(results):
         got = per_rank[name]
         for t, (a, e) in enumerate(zip(got["starts"], starts)):
-            assert_close(a, e, f"{name} rank {rank} round-{t} start", **tol)
+            assert_close(a, e[rank // shards], f"{name} rank {rank} round-{t} start", **tol)
         assert_close(got["final"], finals[rank // shards], f"{name} rank {rank} final", **tol)
 
 
 def max_deviation(results: list, sc: dict, name: str, shards: int) -> float:
-    _, finals = reference(sc, len(results) // shards, shards)
+    _, finals, _ = reference(sc, len(results) // shards, shards)
     return max(
         float((per_rank[name]["final"][k] - finals[rank // shards][k]).abs().max())
         for rank, per_rank in enumerate(results)
@@ -492,13 +499,17 @@ def test_zero_grad_defaults_to_in_place():
 
 
 def test_all_ranks_identical_at_round_starts(sharded, one_shard):
-    """Every rank of every replica holds the same parameters at each round start and after finalize."""
-    for results, scenarios in ((sharded, SHARDED), (one_shard, ONE_SHARD)):
-        for name in [*scenarios, "resume"]:
+    """Every rank holds the same parameters after finalize, and at each round start every rank of its
+    replica; so does every rank of every replica as published (the shared start; with a stand-in the
+    replicas start rounds apart by design, design §3)."""
+    for results, scenarios, shards in ((sharded, {**SHARDED, "resume": RESUME_SHARDED}, 2),
+                                       (one_shard, {**ONE_SHARD, "resume": RESUME_ONE_SHARD}, 1)):  # fmt: skip
+        for name, sc in scenarios.items():
             first = results[0][name]
+            shared = resolve_config(sc["config"])["stand_in"] == "shared"
             for rank, other in enumerate((per_rank[name] for per_rank in results[1:]), 1):
                 assert len(first["starts"]) == len(other["starts"]), name
-                for t, (a, b) in enumerate(zip(first["starts"], other["starts"])):
+                for t, (a, b) in enumerate(zip(first["starts"], other["starts"]) if shared or rank < shards else []):
                     assert all(torch.equal(a[k], b[k]) for k in a), f"{name} rank {rank} round {t}"
                 assert all(torch.equal(first["final"][k], v) for k, v in other["final"].items()), (name, rank)
 
@@ -526,7 +537,7 @@ def test_partition_is_the_oss_bucket(sharded, one_shard):
 def test_state_bytes_match_memory_formula(sharded, one_shard):
     """docs/design.md §4 for the OSS partition sizes: 2Ψ_s + 2Ψ_s/R words (reduce_scatter) or 3Ψ_s (all_reduce),
     Ψ_s the rank's bucket padded to a multiple of R (at least R), plus one norm per parameter tensor
-    and the segment index."""
+    and the segment index; a stand-in (design §3) adds its own start Ψ_s and, with momentum, its own Ψ_s."""
     for results, shards, scenarios in ((sharded, 2, SHARDED), (one_shard, 1, ONE_SHARD)):
         replicas = len(results) // shards
         for name, sc in scenarios.items():
@@ -536,6 +547,8 @@ def test_state_bytes_match_memory_formula(sharded, one_shard):
                 padded = max(replicas, math.ceil(psi / replicas) * replicas)
                 assert got["strategy"] == sc["config"]["collective"]
                 words = 2 * padded + 2 * padded // replicas if got["strategy"] == "reduce_scatter" else 3 * padded
+                cfg = resolve_config(sc["config"])
+                words += 0 if cfg["stand_in"] == "shared" else padded * (2 if cfg["outer_momentum"] else 1)
                 index = got["index_bytes"]  # the outer step's segment index, sized in test_outer_kernels.py
                 assert got["bytes"] == 4 * words + 8 * len(got["numels"]) + index, (name, rank)
 
@@ -546,7 +559,7 @@ def test_checkpoint_resume_continues_the_trajectory(which, sharded, one_shard):
     cases = {"sharded": (sharded, 2, RESUME_SHARDED), "one_shard": (one_shard, 1, RESUME_ONE_SHARD)}
     results, shards, sc = cases[which]
     resume = [r["resume"] for r in results]
-    starts, finals = reference(sc, len(results) // shards, shards)
+    starts, finals, _ = reference(sc, len(results) // shards, shards)
     for rank, got in enumerate(resume):
         replica = rank // shards
         assert got["co2_states"] == shards
@@ -556,7 +569,7 @@ def test_checkpoint_resume_continues_the_trajectory(which, sharded, one_shard):
         for style in ("", "per_rank_"):
             assert len(got[f"{style}starts"]) == len(starts)
             for t, (a, e) in enumerate(zip(got[f"{style}starts"], starts)):
-                assert_close(a, e, f"resume {style} rank {rank} round-{t} start")
+                assert_close(a, e[replica], f"resume {style} rank {rank} round-{t} start")
             assert_close(got[f"{style}final"], finals[replica], f"resume {style} rank {rank} final")
     if sc["recipient"] != -1:
         for rank, got in enumerate(resume):
@@ -570,8 +583,8 @@ def test_checkpoint_reshards_into_co2optimizer(which, sharded, one_shard):
     rank resumes at the saved run's last round start (the partial round is dropped, with a warning)."""
     cases = {"sharded": (sharded, 2, RESUME_SHARDED), "one_shard": (one_shard, 1, RESUME_ONE_SHARD)}
     results, shards, sc = cases[which]
-    starts, _ = reference(sc, len(results) // shards, shards)
-    last_start = starts[sc["save_at"] // sc["config"]["tau"]]
+    _, _, shared = reference(sc, len(results) // shards, shards)
+    last_start = shared[sc["save_at"] // sc["config"]["tau"]]
     for rank, per_rank in enumerate(results):
         got = per_rank["resume"]
         assert_close(got["resharded"], last_start, f"resharded rank {rank}")
@@ -585,7 +598,7 @@ def test_plain_oss_state_restarts_co2(sharded):
         assert any("carries no CO2 state" in w for w in got["plain_warnings"]), got["plain_warnings"]
         assert got["plain_restart"] == (0, True)  # a fresh round state whose start point is the loaded weights
         assert got["plain_rounds"] == 1
-    for per_rank in sharded[1:]:  # the restarted run is still one CO2 run: all ranks agree after a round
+    for per_rank in sharded[1:]:  # the restarted run is still one CO2 run: all ranks end with one model
         assert all(
             torch.equal(sharded[0]["resume"]["plain_params"][k], v)
             for k, v in per_rank["resume"]["plain_params"].items()

@@ -20,7 +20,7 @@ from co2_zero import CO2Optimizer, checkpoint
 from co2_zero.fsdp import replica_mesh
 from tests import models
 from tests.dist_utils import run_ranks
-from tests.reference import simulate
+from tests.reference import resolve_config, simulate
 
 HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
@@ -42,6 +42,7 @@ SCENARIOS = {
             "tau": 2,
             "gap_penalty": ADAPTIVE,
             "clip": {"mode": "norm", "threshold": 0.1},
+            "stand_in": "shared",
             "collective": "all_reduce",
         },
         steps=7,
@@ -325,6 +326,7 @@ def _run_mixed_precision(rank: int, shards: int, mesh, sc: dict) -> dict:
         "out_dtype": out_dtype,
         "param_dtypes": {p.to_local().dtype for p in model.parameters()},
         "rounds": opt.engine.rounds,
+        "final": _full(model),
     }
 
 
@@ -517,7 +519,7 @@ def test_replicas_identical_at_every_round_start(results):
     for world, per_rank in results.items():
         shards = world // 2
         for name, sc in SCENARIOS.items():
-            tau, eager = sc["config"]["tau"], sc["config"].get("stand_in", "shared") != "shared"
+            tau, eager = sc["config"]["tau"], resolve_config(sc["config"])["stand_in"] != "shared"
             for rank in range(shards, world):
                 peer = per_rank[rank % shards][name]["shared"]
                 assert all(torch.equal(a, b) for a, b in zip(per_rank[rank][name]["shared"], peer)), (world, name)
@@ -547,8 +549,9 @@ def test_state_bytes_match_memory_formula(results, world):
                 words = 2 * padded + 2 * padded // replicas
             else:
                 words = 3 * padded
-            if sc["config"].get("stand_in", "shared") != "shared":  # its own start, and its stand-in's momentum
-                words += padded * (2 if sc["config"]["outer_momentum"] else 1)
+            cfg = resolve_config(sc["config"])
+            if cfg["stand_in"] != "shared":  # its own start, and its stand-in's momentum
+                words += padded * (2 if cfg["outer_momentum"] else 1)
             # plus the outer step's segment index (its size is tested in test_outer_kernels.py)
             assert got["bytes"] == 4 * words + 8 * len(params) + got["index_bytes"], (name, rank)
 
@@ -568,7 +571,9 @@ def test_resume_continues_the_exact_trajectory(results, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_mixed_precision_trains_and_loss_falls(results, world):
-    tau = MIXED["config"]["tau"]
+    """With the defaults (their `local` stand-in: replicas start rounds apart, design §3) the ranks of each
+    replica agree at every round start and every rank ends with one model."""
+    tau, shards = MIXED["config"]["tau"], world // 2
     for rank, per_rank in enumerate(results[world]):
         got = per_rank["mixed"]
         assert got["out_dtype"] == torch.bfloat16 and got["param_dtypes"] == {torch.float32}
@@ -577,9 +582,10 @@ def test_mixed_precision_trains_and_loss_falls(results, world):
         assert torch.isfinite(losses).all()
         first, last = losses[:tau].mean(), losses[-tau:].mean()
         assert last < 0.5 * first, (rank, first.item(), last.item())
-        for other in results[world][1:]:
+        for other in results[world][rank // shards * shards : (rank // shards + 1) * shards]:
             for a, b in zip(got["starts"], other["mixed"]["starts"]):
                 assert all(torch.equal(a[n], b[n]) for n in a), (world, rank)
+        assert all(torch.equal(got["final"][n], v) for n, v in results[world][0]["mixed"]["final"].items())
 
 
 @pytest.mark.parametrize("world", WORLDS)

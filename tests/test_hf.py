@@ -454,10 +454,12 @@ class ReferenceInner:
 
 
 def reference(ds_config: dict, inputs_per_rank: list[list[torch.Tensor]], accumulation: int):
-    """Round starts and final parameters of R = 2 replicas in the single-process reference."""
-    from tests.reference import simulate
+    """Per round start every replica's parameters there (its stand-in's, with the defaults' `local`), and
+    the final parameters, of R = 2 replicas in the single-process reference."""
+    from tests.reference import replica_round_starts, simulate
 
     starts: list = []
+    steps: list = []
     finals = simulate(
         make_model,
         lambda p: ReferenceInner(p, ds_config),
@@ -469,8 +471,16 @@ def reference(ds_config: dict, inputs_per_rank: list[list[torch.Tensor]], accumu
         shards=SHARDS * accumulation,
         shard_batch=_shard_batch(inputs_per_rank, accumulation),
         record=starts,
+        step_record=steps,
     )
-    return starts, finals
+    return replica_round_starts(starts, steps, ds_config["co2"]["tau"]), finals
+
+
+def _one_start_everywhere(co2: dict) -> bool:
+    """Whether every replica starts each round from the shared start (no stand-in, design §3)."""
+    from tests.reference import resolve_config
+
+    return resolve_config(co2)["stand_in"] == "shared"
 
 
 def _assert_close(actual: dict, expected: dict, what: str) -> None:
@@ -513,12 +523,14 @@ def test_trainer_matches_the_reference_and_replicas_agree(results):
     trainer = [r["trainer"] for r in results]
     assert [step for step, ended in trainer[0]["round_ended"].items() if ended] == list(range(TAU, STEPS + 1, TAU))
     starts, finals = reference(trainer[0]["ds_config"], [t["inputs"] for t in trainer], accumulation=2)
+    shared = _one_start_everywhere(trainer[0]["ds_config"]["co2"])
     for rank, got in enumerate(trainer):
         got_starts = [got["x0"]] + [got["steps"][s] for s in range(TAU, STEPS + 1, TAU)]
         assert len(got_starts) == len(starts) == 1 + STEPS // TAU
         for t, (a, e) in enumerate(zip(got_starts, starts)):
-            _assert_close(a, e, f"rank {rank} round-{t} start")
-            _assert_equal(a, trainer[0]["steps"][t * TAU] if t else trainer[0]["x0"], f"rank {rank} round {t}")
+            _assert_close(a, e[rank // SHARDS], f"rank {rank} round-{t} start")
+            if shared or rank < SHARDS or t == 0:  # a stand-in: the replicas start rounds apart
+                _assert_equal(a, trainer[0]["steps"][t * TAU] if t else trainer[0]["x0"], f"rank {rank} round {t}")
         _assert_close(got["final"], finals[0], f"rank {rank} final")
         _assert_equal(got["final"], trainer[0]["final"], f"rank {rank} final vs rank 0")
     mid_round = [got["steps"][SAVE_AT] for got in trainer]  # replicas differ inside a round: CO2 is on
@@ -604,11 +616,13 @@ def test_accelerate_prepare_trains_co2_like_the_reference(results):
     rank_files = sorted(name.split(".")[0] for name in saved if name.startswith("co2_rank"))
     assert rank_files == [f"co2_rank{r:05d}" for r in range(WORLD)], saved
     starts, finals = reference(ACCELERATE_DS_CONFIG, [g["inputs"] for g in got], accumulation=1)
+    shared = _one_start_everywhere(ACCELERATE_DS_CONFIG["co2"])
     for rank, g in enumerate(got):
         assert len(g["starts"]) == len(starts)
         for t, (a, e) in enumerate(zip(g["starts"], starts)):
-            _assert_close(a, e, f"accelerate rank {rank} round-{t} start")
-            _assert_equal(a, got[0]["starts"][t], f"accelerate rank {rank} round {t}")
+            _assert_close(a, e[rank // SHARDS], f"accelerate rank {rank} round-{t} start")
+            if shared or rank < SHARDS or t == 0:  # a stand-in: the replicas start rounds apart
+                _assert_equal(a, got[0]["starts"][t], f"accelerate rank {rank} round {t}")
         _assert_close(g["final"], finals[0], f"accelerate rank {rank} final")
 
 

@@ -21,7 +21,7 @@ from co2_zero import CO2Optimizer
 from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks
-from tests.reference import simulate
+from tests.reference import replica_round_starts, resolve_config, simulate
 
 HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
@@ -40,6 +40,7 @@ SCENARIOS_R2 = {
             "tau": 2,
             "gap_penalty": {"mode": "constant", "value": 2.0},
             "clip": {"mode": "value", "threshold": 0.02},
+            "stand_in": "shared",
             "collective": "reduce_scatter",
         },
         steps=10,
@@ -52,6 +53,7 @@ SCENARIOS_R2 = {
             "tau": 1,
             "gap_penalty": {"mode": "none"},
             "clip": {"mode": "norm", "threshold": 0.05},
+            "stand_in": "shared",
             "collective": "all_reduce",
         },
         steps=7,
@@ -63,6 +65,7 @@ SCENARIOS_R2 = {
             "tau": 2,
             "gap_penalty": ADAPTIVE,
             "clip": {"mode": "norm", "threshold": 0.1},
+            "stand_in": "shared",
             "collective": "reduce_scatter",
         },
         steps=9,
@@ -75,6 +78,7 @@ SCENARIOS_R2 = {
             "tau": 3,
             "gap_penalty": ADAPTIVE,
             "clip": {"mode": "norm", "threshold": 0.05},
+            "stand_in": "shared",
             "collective": "reduce_scatter",
         },
         steps=12,
@@ -105,6 +109,9 @@ SCENARIOS_R2 = {
         steps=8,
         slow=0.3,
     ),
+    # CO2Config's defaults but tau (the local stand-in, Nesterov 0.9, outer lr 0.5, no penalty; "auto"
+    # measures in rounds 0-4, applying at the round end: 4 rounds here)
+    "defaults": dict(config={"tau": 3}, steps=13),
 }
 
 SCENARIOS_R4 = {
@@ -114,6 +121,7 @@ SCENARIOS_R4 = {
             "tau": 2,
             "gap_penalty": ADAPTIVE,
             "clip": {"mode": "norm", "threshold": 0.1},
+            "stand_in": "shared",
             "collective": "reduce_scatter",
         },
         steps=8,
@@ -125,6 +133,7 @@ SCENARIOS_R4 = {
             "tau": 3,
             "gap_penalty": ADAPTIVE,
             "clip": {"mode": "value", "threshold": 0.02},
+            "stand_in": "shared",
             "collective": "all_reduce",
         },
         steps=9,
@@ -216,7 +225,9 @@ def train_scenarios(rank: int, world: int, scenarios: dict) -> dict:
 
 
 def _reference(sc: dict, replicas: int):
-    starts: list = []
+    """(per round start, every replica's parameters there: the shared start, or its stand-in; finals)."""
+    shared: list = []
+    steps: list = []
     model_kind, opt_kind = sc.get("model", "mlp"), sc.get("optimizer", "sgd")
     finals = simulate(
         lambda: models.make_model(model_kind),
@@ -226,9 +237,10 @@ def _reference(sc: dict, replicas: int):
         sc["config"],
         replicas=replicas,
         steps=sc["steps"],
-        record=starts,
+        record=shared,
+        step_record=steps,
     )
-    return starts, finals
+    return replica_round_starts(shared, steps, sc["config"]["tau"]), finals
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +260,7 @@ def _check_against_reference(results, scenarios, name):
         got = per_rank[name]
         assert len(got["starts"]) == len(starts) == 1 + sc["steps"] // sc["config"]["tau"]
         for t, (a, e) in enumerate(zip(got["starts"], starts)):
-            assert_close(a, e, f"{name} rank {rank} round-{t} start")
+            assert_close(a, e[rank], f"{name} rank {rank} round-{t} start")
         assert_close(got["final"], finals[rank], f"{name} rank {rank} final")
 
 
@@ -263,10 +275,13 @@ def test_four_replicas_match_reference(results_r4, name):
 
 
 def test_replicas_identical_at_every_round_start(results_r2, results_r4):
+    """As published (the shared start) at every round start; with a stand-in (the defaults' `local`) the
+    replicas start rounds apart by design (design §3); every replica ends with one model."""
     for results, scenarios in ((results_r2, SCENARIOS_R2), (results_r4, SCENARIOS_R4)):
-        for name in scenarios:
+        for name, sc in scenarios.items():
+            shared = resolve_config(sc["config"])["stand_in"] == "shared"
             for other in results[1:]:
-                for a, b in zip(results[0][name]["starts"], other[name]["starts"]):
+                for a, b in zip(results[0][name]["starts"], other[name]["starts"]) if shared else []:
                     assert all(torch.equal(a[k], b[k]) for k in a), name
                 assert all(torch.equal(results[0][name]["final"][k], v) for k, v in other[name]["final"].items())
 
@@ -304,6 +319,8 @@ def test_state_bytes_match_memory_formula(results_r2, results_r4):
                 words = 2 * padded + 2 * padded // replicas
             else:  # all_reduce: both partition buffers and a full-partition momentum
                 words = 3 * padded
+            cfg = resolve_config(sc["config"])  # a stand-in: its own start, and with momentum its own momentum
+            words += 0 if cfg["stand_in"] == "shared" else padded * (2 if cfg["outer_momentum"] else 1)
             # plus the outer step's segment index (its size is tested in test_outer_kernels.py)
             assert got["bytes"] == 4 * words + 8 * tensors + got["index_bytes"], name
 

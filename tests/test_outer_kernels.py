@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from co2_zero.config import CO2Config
+from co2_zero.config import PUBLISHED, CO2Config
 from co2_zero.outer import EPS, OuterHyper, Segment, SegmentIndex, outer_step
 
 torch.set_num_threads(1)
@@ -184,13 +184,19 @@ def test_index_memory_is_small_for_gpt2_small():
 
 
 def hyper(**fields) -> OuterHyper:
-    return OuterHyper.from_config(CO2Config(**fields))
+    """The outer step's hyperparameters of a config (the stand-in, which clipping needs shared, aside)."""
+    return OuterHyper.from_config(CO2Config(**{"stand_in": "shared", **fields}))
 
 
 HYPERS = {
     "defaults": hyper(),
+    "published": hyper(**PUBLISHED),
     "heavyball-adaptive-clipnorm": hyper(
-        outer_lr=0.8, outer_momentum=0.5, gap_penalty={"strength": 1.5}, clip={"mode": "norm", "threshold": 0.5}
+        outer_lr=0.8,
+        outer_momentum=0.5,
+        nesterov=False,
+        gap_penalty={"mode": "adaptive", "strength": 1.5},
+        clip={"mode": "norm", "threshold": 0.5},
     ),
     "nesterov-constant-clipvalue": hyper(
         outer_lr=0.7,
@@ -265,7 +271,9 @@ def test_norm_clip_rescales_on_the_device():
         segments=SegmentIndex(segments, 2),
         counted=SegmentIndex(segments, 2),
         previous_update_sq_norms=None,
-        hyper=hyper(outer_momentum=0.5, gap_penalty={"mode": "none"}, clip={"mode": "norm", "threshold": 1.0}),
+        hyper=hyper(
+            outer_lr=1.0, outer_momentum=0.5, nesterov=False, gap_penalty={"mode": "none"}, clip={"mode": "norm"}
+        ),
         sum_across_ranks=sum_across_ranks,
     )
     assert [t.numel() for t in seen] == [4, 1]  # the per-tensor norms, then ‖m‖²

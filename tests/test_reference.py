@@ -48,11 +48,14 @@ mse = nn.functional.mse_loss
 
 
 def cfg(**overrides: object) -> dict:
-    """Plain local-SGD-like config, overridable."""
+    """Plain local-SGD-like config (every math field spelled out, not the library's defaults), overridable."""
     base: dict = {
         "tau": TAU,
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
+        "nesterov": False,
+        "stand_in": "shared",
+        "sync_delay": None,
         "overlap": False,
         "gap_penalty": {"mode": "none"},
         "clip": {"mode": "none"},

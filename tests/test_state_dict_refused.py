@@ -19,7 +19,15 @@ from tests import models
 from tests.compare import clone_state, same
 from tests.dist_utils import run_ranks
 
-CONFIG = {"tau": 2, "outer_lr": 0.8, "outer_momentum": 0.5, "timeout_s": 4.0, "shards_per_replica": 1}
+# a fixed schedule (sync_delay null): a saved fixed_sync_delay is refused there, as it is not "auto"
+CONFIG = {
+    "tau": 2,
+    "outer_lr": 0.8,
+    "outer_momentum": 0.5,
+    "sync_delay": None,
+    "timeout_s": 4.0,
+    "shards_per_replica": 1,
+}
 HAS_FAIRSCALE = importlib.util.find_spec("fairscale") is not None
 
 # how each form is altered: (what the error must name, the alteration)
@@ -90,6 +98,34 @@ def refusals(rank: int, world_size: int) -> dict:
 @pytest.fixture(scope="module")
 def results():
     return run_ranks(refusals, 2)
+
+
+def reload_before_the_delay_was_fixed(rank: int, world_size: int) -> dict:
+    """sync_delay "auto": a state saved with a fixed delay, then one saved before it was fixed, loaded into
+    one optimizer: the second must put back the measuring schedule (the round end), not keep the first's."""
+    model = models.make_model("mlp")
+    opt = CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), {**CONFIG, "sync_delay": "auto"}, model=model)
+    models.train_steps(rank, model, opt, 0, 3)
+    state = clone_state(opt.state_dict())
+    before = _snapshot(model, opt, opt.optimizer)
+    fixed = clone_state(state)
+    fixed["co2"]["fixed_sync_delay"] = 1
+    opt.load_state_dict(fixed)
+    after_fixed = (opt.engine.schedule.steps, opt.engine.delay_meter.fixed)
+    opt.load_state_dict(clone_state(state))
+    out = {
+        "after_fixed": after_fixed,
+        "after_unfixed": (opt.engine.schedule.steps, opt.engine.delay_meter.fixed),
+        "same": same(before, _snapshot(model, opt, opt.optimizer)),
+    }
+    opt.finalize()
+    return out
+
+
+def test_a_state_saved_before_the_delay_was_fixed_measures_anew_on_any_engine():
+    for result in run_ranks(reload_before_the_delay_was_fixed, 2):
+        assert result["after_fixed"] == (1, 1), result
+        assert result["after_unfixed"] == (CONFIG["tau"], None) and result["same"], result
 
 
 FORMS = ["CO2Optimizer", "CO2OSS own share", "CO2OSS consolidated"]

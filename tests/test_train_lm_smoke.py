@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from co2_zero import CO2Config
+from co2_zero.config import PUBLISHED
 from co2_zero.train import args as train_args
 from co2_zero.train import data as train_data
 from co2_zero.train.model import GPT
@@ -319,11 +321,19 @@ def test_co2_settings_precedence(tmp_path):
     )  # fmt: skip
     c = train_args.co2_config(train_args.get_args([*ds, "--method", "slowmo", "--gap_value", "3"]))
     assert (c.tau, c.outer_momentum, c.overlap, c.gap_penalty.mode, c.gap_penalty.value) == (5, 0.5, False, "none", 3)
-    c = train_args.co2_config(train_args.get_args([*ds, "--tau", "7", "--gap_penalty", "adaptive", "--clip", "norm"]))
-    assert (c.tau, c.outer_momentum, c.gap_penalty.mode, c.clip.mode) == (7, 0.3, "adaptive", "norm")
+    flags = ["--tau", "7", "--gap_penalty", "adaptive", "--clip", "norm", "--stand_in", "shared"]
+    c = train_args.co2_config(train_args.get_args([*ds, *flags]))
+    assert (c.tau, c.outer_momentum, c.gap_penalty.mode, c.clip.mode, c.stand_in) == (
+        7,
+        0.3,
+        "adaptive",
+        "norm",
+        "shared",
+    )
     c = train_args.co2_config(train_args.get_args(["--deepspeed_config", str(path)]))  # engine plain: file unused
-    assert (c.tau, c.outer_momentum) == (12, 0.0)
-    assert (c.stand_in, c.sync_delay) == ("shared", None)  # CO2Config's defaults
+    assert c == CO2Config()  # CO2Config's defaults
+    published = train_args.co2_config(train_args.get_args(["--method", "co2_published", "--comm_dtype", "bf16"]))
+    assert published == CO2Config(**PUBLISHED, comm_dtype="bf16")  # the preset, then the flags
     assert train_args.co2_config(train_args.get_args(["--eager"])).stand_in == "eager"
     local = train_args.co2_config(train_args.get_args(["--stand_in", "local", "--sync_delay", "3", "--tau", "8"]))
     assert (local.stand_in, local.sync_delay) == ("local", 3)

@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from ..config import PUBLISHED, CO2Config
 from ..errors import CO2Error
 from ..topology import text_words, words_text
 from .agreement import (
@@ -280,6 +281,17 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
     return _Plan(apply, payload["extra"])
 
 
+def _config_hint(saved_hash: Any) -> str:
+    """What to resume with when the co2 config differs: the same config; for a checkpoint of co2_zero 0.1's
+    defaults (CO2 as published), the preset that holds them."""
+    if saved_hash == CO2Config(**PUBLISHED).math_hash():
+        return (
+            "it was saved with co2_zero 0.1's defaults (CO2 as published): resume with co2_zero.config.PUBLISHED "
+            "(CO2Config(**PUBLISHED), or train_lm's --method co2_published; docs/configuration.md)"
+        )
+    return "resume with the same co2 config (co2_zero 0.2 changed the defaults: docs/configuration.md)"
+
+
 def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkState) -> _Plan:
     engine = framework.engine
     topology = engine.topology
@@ -291,7 +303,7 @@ def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkS
     }
     for key, value in here.items():
         if marker.get(key) != value:
-            hint = "resume with the same co2 config" if key == "config_hash" else "or pass reshard=True"
+            hint = _config_hint(marker.get(key)) if key == "config_hash" else "or pass reshard=True"
             raise Refused(f"{directory.name}: {key}={marker.get(key)!r} in the checkpoint, {value!r} here; {hint}")
     payload = _open(directory, marker, topology.rank)
     name = marker["files"][topology.rank]["name"]

@@ -174,12 +174,15 @@ def check_supported(config: CO2Config, topology: Topology) -> None:
         raise CO2Error("co2 elastic: overlap=False is not supported; elastic mode runs CO2's overlapped rounds")
     if config.sync_delay not in (None, config.tau):
         raise CO2Error(
-            f"co2 elastic: sync_delay={config.sync_delay!r} is not supported; accepted: null or tau={config.tau} (a "
+            f"co2 elastic: sync_delay={config.sync_delay!r} is not supported; accepted: 'auto' (here the round "
+            f"end), null or tau={config.tau} (a "
             f"quorum is formed and healed at round ends, where the average in flight is applied)"
         )
     if config.stand_in != "shared":
         raise CO2Error(
-            f"co2 elastic: stand_in={config.stand_in!r} is not supported; accepted: 'shared' (an eager replica's "
-            f"share is 1/R of an average whose contributors are only known inside each round's quorum, and a "
-            f"healing replica would need its own stand-in and momentum)"
+            f"co2 elastic: stand_in={config.stand_in!r} is not supported; accepted: 'shared', set explicitly with an "
+            f"outer step for the shared start a round late, e.g. co2_zero.config.PUBLISHED's (train_lm: --method "
+            f"co2_published; the defaults' Nesterov 0.9 diverges there). An eager replica's share is 1/R of an "
+            f"average whose contributors are only known inside each round's quorum, and a healing replica would "
+            f"need its own stand-in and momentum"
         )

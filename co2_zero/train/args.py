@@ -9,14 +9,16 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import configs
+from ..config import PUBLISHED
 from .data import BYTE_VOCAB, TOKEN_VOCAB
 from .model import MODEL_PRESETS
 
-# The baselines are CO2 configurations; "co2" is the library's defaults (CO2Config). Precedence, low to
-# high: CO2Config's defaults, the "co2" section of --deepspeed_config (engine deepspeed), the method's
-# preset, the flags given.
+# The baselines are CO2 configurations; "co2" is the library's defaults (CO2Config), "co2_published" CO2 as
+# published (co2_zero 0.1's defaults). Precedence, low to high: CO2Config's defaults, the "co2" section of
+# --deepspeed_config (engine deepspeed), the method's preset, the flags given.
 METHOD_PRESETS = {
     "co2": {},
+    "co2_published": PUBLISHED,
     "localsgd": {"overlap": False, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False,
                  "gap_penalty": {"mode": "none"}},
     "slowmo": {"overlap": False, "outer_lr": 1.0, "outer_momentum": 0.5, "nesterov": False,
@@ -42,7 +44,8 @@ ELASTIC_ENGINES = ("plain", "fsdp")
 ELASTIC_SUPPORTED = (
     "--lighthouse runs the plain engine (--engine plain: CO2Optimizer, one rank per launch) or FSDP2 (--engine "
     "fsdp: the launch's ranks are one replica, S = --shards_per_replica) with a CO2 method that overlaps "
-    "(--method co2, or localsgd/slowmo/diloco with --overlap): each replica is its own launch with its own "
+    "from the shared start (--method co2_published, or localsgd/slowmo with --overlap --stand_in shared): each "
+    "replica is its own launch with its own "
     "--replica_id; FairScale and DeepSpeed take no membership (docs/elastic.md)"
 )
 
@@ -59,7 +62,12 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
 def _run_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("run").add_argument
-    a("--method", default="co2", choices=METHODS, help="co2, a blocking CO2-family baseline, ddp or none")
+    a(
+        "--method",
+        default="co2",
+        choices=METHODS,
+        help="co2 (the defaults), co2_published, a blocking CO2-family baseline, ddp or none",
+    )
     a("--engine", default="plain", choices=ENGINES, help="plain: CO2Optimizer (or DDP); the others shard")
     a("--deepspeed_config", default="configs/ds_zero2_co2.json", help="--engine deepspeed: ZeRO config")
     a("--max_steps", type=int, default=300, help="optimizer steps per rank (CO2: rounded up to whole rounds)")
@@ -116,17 +124,21 @@ def _sync_delay(text: str) -> int | str:
 
 def _co2_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("CO2", f"each flag given overrides the CO2Config field ({PRESET})").add_argument
-    a("--tau", type=int, default=None, help=f"local steps per round; {PRESET} 12")
-    a("--outer_lr", type=float, default=None, help=f"{PRESET} 1.0")
-    a("--outer_momentum", type=float, default=None, help=f"{PRESET} 0.0")
-    a("--nesterov", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} off")
+    a("--tau", type=int, default=None, help=f"local steps per round; {PRESET} 32")
+    a("--outer_lr", type=float, default=None, help=f"{PRESET} 0.5 (for tau 32; 0.2 at 8, 1.0 at 128)")
+    a("--outer_momentum", type=float, default=None, help=f"{PRESET} 0.9")
+    a("--nesterov", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} on")
     a("--overlap", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} on")
-    a("--stand_in", default=None, choices=("shared", "eager", "local"),
-      help=f"where a replica starts a round while the average is in flight (design §3); {PRESET} shared")  # fmt: skip
+    a("--stand_in", default=None, choices=("auto", "shared", "eager", "local"),
+      help=f"where a replica starts a round while the average is in flight (design §3); {PRESET} auto")  # fmt: skip
     a("--eager", dest="stand_in", action="store_const", const="eager", help="--stand_in eager (default: off)")
-    a("--sync_delay", type=_sync_delay, default=None,
-      help=f"inner steps of the next round the exchange must finish in, or auto (design §3); {PRESET} tau")  # fmt: skip
-    a("--gap_penalty", default=None, choices=("none", "constant", "adaptive"), help=f"{PRESET} adaptive")
+    a(
+        "--sync_delay",
+        type=_sync_delay,
+        default=None,
+        help=f"inner steps of the next round the exchange must finish in, or auto (design §3); {PRESET} auto",
+    )
+    a("--gap_penalty", default=None, choices=("none", "constant", "adaptive"), help=f"{PRESET} none")
     a("--gap_strength", type=float, default=None, help=f"adaptive: 1 + strength*|gap|/|g|; {PRESET} 2.0")
     a("--gap_value", type=float, default=None, help=f"constant: divide by this; {PRESET} 1.0")
     a("--clip", default=None, choices=("none", "value", "norm"), help=f"outer momentum clip; {PRESET} none")
