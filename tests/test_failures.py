@@ -393,7 +393,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
         launch.wait(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(launch.pid, signal.SIGKILL)
-        pytest.fail("ranks still running 30 s after Ctrl-C")
+        pytest.fail("ranks still running 30 s after Ctrl-C; the launch's last lines:\n" + "".join(lines[-40:]))
     assert launch.returncode != 0
     leftovers = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"workers left running: {leftovers}"
