@@ -76,7 +76,7 @@ class RoundEngine:
     ) -> None:
         partition.check_views()
         if membership is not None:
-            config = config.for_membership()  # `auto` choices resolve to what a quorum supports
+            config = config.for_membership()  # sync_delay "auto": the round end, where quorums form
         self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
         self.schedule = ApplySchedule(config.steps_before_apply, config.tau)
         self.delay_meter = DelayMeter(config.tau) if config.measures_sync_delay else None

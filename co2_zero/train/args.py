@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import configs
-from ..config import PUBLISHED
+from ..config import PUBLISHED, STAND_INS
 from .data import BYTE_VOCAB, TOKEN_VOCAB
 from .model import MODEL_PRESETS
 
@@ -129,7 +129,7 @@ def _co2_flags(p: argparse.ArgumentParser) -> None:
     a("--outer_momentum", type=float, default=None, help=f"{PRESET} 0.9")
     a("--nesterov", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} on")
     a("--overlap", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} on")
-    a("--stand_in", default=None, choices=("auto", "shared", "eager", "local"),
+    a("--stand_in", default=None, choices=STAND_INS,
       help=f"where a replica starts a round while the average is in flight (design §3); {PRESET} auto")  # fmt: skip
     a("--eager", dest="stand_in", action="store_const", const="eager", help="--stand_in eager (default: off)")
     a(
