@@ -8,6 +8,7 @@ are compared with the reference simulation run with the membership schedule they
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -72,7 +73,9 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
     holds and the final parameters in `out`. plan["die"]: ("round", t) SIGKILLs itself mid-round t (its
     exchange of round t - 1 done); ("exchange", t) when its exchange of round t starts, before any
     collective; ("round_end", t) as its round end t asks for the quorum. plan["die_ranks"]: the ranks
-    that die (default: all). plan["gate"]: (t, path): before round t, wait for `path` to exist.
+    that die (default: all); the first of them to get there SIGKILLs them all at once, as a lost node
+    would end them (a sibling left alive for a moment would fail in a collective instead: exit code 1,
+    not a kill). plan["gate"]: (t, path): before round t, wait for `path` to exist.
     plan["announce"]: a path to create once imported (a restarted replica tells the survivors it is
     about to join)."""
     shards = plan.get("shards", 1)
@@ -88,8 +91,9 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
     dist.init_process_group(
         "gloo", init_method=f"tcp://localhost:{port}", rank=rank, world_size=shards, timeout=timedelta(seconds=60)
     )
+    Path(plan["pid_files"][rank]).write_text(str(os.getpid()))
     if die is not None and die[0] in DYING_POINTS:
-        _die_at(*DYING_POINTS[die[0]], die[1])
+        _die_at(*DYING_POINTS[die[0]], die[1], plan)
     if plan.get("fail_exchange") is not None:
         _fail_exchange_at(plan["fail_exchange"])
     if plan.get("straggle") is not None:
@@ -121,9 +125,19 @@ DYING_POINTS = {
 }
 
 
-def _die_at(cls: str, method: str, round_of: Any, when: str, round_index: int) -> None:
-    """Make `co2_zero.elastic.<cls>.<method>` SIGKILL this process when called for round `round_index`
-    (`when`: before it runs, or after it returned)."""
+def _kill_dying_ranks(plan: dict) -> None:
+    """SIGKILL every rank of plan["die_ranks"] (all of the replica by default), this process last."""
+    own = os.getpid()
+    ranks = plan.get("die_ranks", range(plan.get("shards", 1)))
+    for pid in {int(Path(plan["pid_files"][r]).read_text()) for r in ranks} - {own}:
+        with contextlib.suppress(ProcessLookupError):  # a sibling that got there first is gone already
+            os.kill(pid, signal.SIGKILL)
+    os.kill(own, signal.SIGKILL)
+
+
+def _die_at(cls: str, method: str, round_of: Any, when: str, round_index: int, plan: dict) -> None:
+    """Make `co2_zero.elastic.<cls>.<method>` SIGKILL the dying ranks when called for round
+    `round_index` (`when`: before it runs, or after it returned)."""
     from co2_zero import elastic
 
     owner = getattr(elastic, cls)
@@ -132,10 +146,10 @@ def _die_at(cls: str, method: str, round_of: Any, when: str, round_index: int) -
     def dying(self, *args):
         due = round_of(self, args) == round_index
         if due and when == "before":
-            os.kill(os.getpid(), signal.SIGKILL)
+            _kill_dying_ranks(plan)
         result = original(self, *args)
         if due:
-            os.kill(os.getpid(), signal.SIGKILL)
+            _kill_dying_ranks(plan)
         return result
 
     setattr(owner, method, dying)
@@ -219,7 +233,9 @@ def _train(replica: int, rank: int, opt: Any, model: torch.nn.Module, membership
     while step < steps:
         if die is not None and die[0] == "round" and step == die[1] * TAU + TAU // 2:
             opt.engine.pending_round.result(timeout=30)
-            os.kill(os.getpid(), signal.SIGKILL)
+            if shards > 1:  # every rank's shard of the exchange is done before the first kills them all
+                torch.distributed.barrier()
+            _kill_dying_ranks(plan)
         if reached is not None and step == reached[0] * TAU:
             Path(reached[1]).touch()
         if gate is not None and step == gate[0] * TAU:
@@ -264,8 +280,9 @@ class Job:
 
     def start(self, replica: int, tag: str = "", **plan: Any) -> list[Any]:
         """Launch replica `replica`: plan["shards"] processes (1 by default), its own world."""
-        port, processes = _free_port(), []
-        for rank in range(plan.get("shards", 1)):
+        port, processes, shards = _free_port(), [], plan.get("shards", 1)
+        plan = {**plan, "pid_files": [str(self.tmp / f"replica{replica}{tag}_rank{r}.pid") for r in range(shards)]}
+        for rank in range(shards):
             out = str(self.tmp / f"replica{replica}{tag}_rank{rank}.pt")
             args = (replica, rank, port, self.address, out, self.steps, plan)
             processes.append(self.ctx.Process(target=replica_main, args=args))
