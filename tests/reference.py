@@ -60,6 +60,17 @@ def resolve_config(config: dict) -> dict[str, Any]:
     return cfg
 
 
+def stand_in_words(config: dict, strategy: str, partition: int) -> int:
+    """fp32 words a rank's stand-in holds over its (padded) partition (docs/design.md §3): its own start;
+    with outer momentum, eager's momentum of its own shares, and local's copy of the outer momentum where
+    the momentum is sharded (reduce_scatter; with all_reduce it reads the momentum itself)."""
+    cfg = resolve_config(config)
+    if cfg["stand_in"] == "shared":
+        return 0
+    copy = cfg["stand_in"] == "eager" or strategy == "reduce_scatter"
+    return partition * (2 if cfg["outer_momentum"] and copy else 1)
+
+
 def eager_starts(shared: Params, owns: list[Params], ends: list[Params], h: list[Params], cfg: dict[str, Any]) -> None:
     """Eager updates (docs/design.md §3): replica r's next round start is the shared start ``shared``
     plus an outer step on its own share a = (own start − own end) / R of the average in flight, with a
