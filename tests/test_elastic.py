@@ -415,6 +415,18 @@ def test_replicas_without_failures_match_the_reference(job_factory, replicas, sh
     torch.testing.assert_close(results[0][0]["final"], expected, rtol=1e-5, atol=1e-6)
 
 
+def _kill_and_rejoin(job: Job, joining: Path, plan: dict, victim: int, die: tuple) -> None:
+    """Start every replica below `victim` (past round 8 they wait for `joining`), then `victim`, which dies
+    at `die` (every rank of it SIGKILLed); restart it as tag "b" (it announces itself at `joining` and
+    joins the survivors' job, never a job of its own) and wait for everyone."""
+    survivors = [p for r in range(victim) for p in job.start(r, gate=(8, str(joining)), **plan)]
+    dead = job.start(victim, die=die, **plan)
+    job.wait(dead, timeout=300)
+    assert all(p.exitcode == -signal.SIGKILL for p in dead), [p.exitcode for p in dead]
+    rejoined = job.start(victim, tag="b", announce=str(joining), **{**plan, "start_replicas": 2})
+    job.wait([*survivors, *rejoined], timeout=300)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "replicas,shards,where",
@@ -432,15 +444,8 @@ def test_a_killed_replica_is_survived_then_rejoins(job_factory, tmp_path, replic
     first round. The parameters equal the reference simulation with the recorded membership schedule."""
     rounds, killed_round, victim = 14, 4, replicas - 1
     job = job_factory(rounds * TAU)
-    joining = str(tmp_path / "joining")
     plan = {"shards": shards, "start_replicas": replicas, "replicas": replicas}
-    survivors = [p for r in range(victim) for p in job.start(r, gate=(8, joining), **plan)]
-    dead = job.start(victim, die=(where, killed_round), **plan)
-    job.wait(dead, timeout=300)
-    assert all(p.exitcode == -signal.SIGKILL for p in dead), [p.exitcode for p in dead]
-    # never a job of its own: it waits for a survivor's quorum
-    rejoined = job.start(victim, tag="b", announce=joining, **{**plan, "start_replicas": 2})
-    job.wait([*survivors, *rejoined], timeout=300)
+    _kill_and_rejoin(job, tmp_path / "joining", plan, victim, (where, killed_round))
     results = [[job.result(r, rank=s) for s in range(shards)] for r in range(victim)]
     results.append([job.result(victim, tag="b", rank=s) for s in range(shards)])
 
@@ -487,14 +492,8 @@ def test_the_defaults_survive_a_killed_replica_that_rejoins(job_factory, tmp_pat
     starts and every final model equal the reference's with the recorded membership schedule."""
     replicas, rounds, killed_round, victim = 3, 14, 4, 2
     job = job_factory(rounds * TAU)
-    joining = str(tmp_path / "joining")
     plan = {"start_replicas": replicas, "replicas": replicas, "config": DEFAULTS}
-    survivors = [p for r in range(victim) for p in job.start(r, gate=(8, joining), **plan)]
-    dead = job.start(victim, die=(where, killed_round), **plan)
-    job.wait(dead, timeout=300)
-    assert dead[0].exitcode == -signal.SIGKILL, dead[0].exitcode
-    rejoined = job.start(victim, tag="b", announce=joining, **{**plan, "start_replicas": 2})
-    job.wait([*survivors, *rejoined], timeout=300)
+    _kill_and_rejoin(job, tmp_path / "joining", plan, victim, (where, killed_round))
     results = [job.result(r) for r in range(victim)] + [job.result(victim, tag="b")]
     assert all("error" not in result for result in results), [result.get("error") for result in results]
 
