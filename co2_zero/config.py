@@ -176,15 +176,15 @@ class CO2Config:
         metadata={
             "doc": "Where each replica starts a round while the last average is in flight; the true average "
             'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `auto` (the default): '
-            "`local` (`shared` with `overlap: false`); with clipping, int8/fp8, `skip_round` or an elastic "
-            "membership, where `local` is not defined, name `shared` and an outer step for it (e.g. "
+            "`local` (`shared` with `overlap: false`); with clipping, int8/fp8 or `skip_round`, where `local` "
+            "is not defined, name `shared` and an outer step for it (e.g. "
             "`co2_zero.config.PUBLISHED`'s: the defaults' Nesterov 0.9 diverges there). `shared`: the shared "
             "start point, as published. "
             "`eager`: plus an outer step on the replica's own share of the average (Kale et al., arXiv "
             "2502.12996). `local`: the outer step the average will take, on the replica's own displacement "
             "instead (with the outer momentum). `eager` and `local` set explicitly need `overlap: true`, "
-            "`clip.mode: none`, `comm_dtype` `fp32` or `bf16` and `nonfinite: raise`; costs up to 2Ψ/S fp32 "
-            "words per rank.",
+            "`clip.mode: none`, `comm_dtype` `fp32` or `bf16` and `nonfinite: raise` (an elastic membership "
+            "refuses `eager`); costs up to 2Ψ/S fp32 words per rank.",
         },
     )
     sync_delay: Optional[Union[int, str]] = field(
@@ -299,7 +299,7 @@ class CO2Config:
     def for_membership(self) -> CO2Config:
         """The config an elastic membership runs: `sync_delay: "auto"` is the round end there (a quorum forms
         and heals at round ends; docs/elastic.md). Every other field is kept (and refused there if
-        unsupported, the `auto` stand-in included)."""
+        unsupported, e.g. the eager stand-in)."""
         return dataclasses.replace(self, sync_delay=None) if self.sync_delay == "auto" else self
 
     def _check_sync_delay(self) -> None:

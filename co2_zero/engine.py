@@ -114,10 +114,12 @@ class RoundEngine:
         reduce_scatter = self.exchange.strategy == "reduce_scatter"
         self.g_buffer = torch.zeros_like(self.momentum) if reduce_scatter else None
         # a stand-in (docs/design.md §3, "Stand-ins"): this replica's own round start, and (with outer
-        # momentum) eager's momentum of its own shares or local's copy of the whole outer momentum
-        stand_in = self.config.effective_stand_in != "shared"
-        self.own_start = self.start_point.clone() if stand_in else None
-        self.own_momentum = torch.zeros_like(self.start_point) if stand_in and self.config.outer_momentum else None
+        # momentum) eager's momentum of its own shares, or local's copy of the outer momentum where that is
+        # sharded (reduce_scatter; with all_reduce every rank holds it whole: `_momentum_for_local`)
+        stand_in = self.config.effective_stand_in
+        self.own_start = self.start_point.clone() if stand_in != "shared" else None
+        keeps_copy = stand_in == "eager" or (stand_in == "local" and self.exchange.strategy == "reduce_scatter")
+        self.own_momentum = torch.zeros_like(self.start_point) if keeps_copy and self.config.outer_momentum else None
         self.previous_update_sq_norms: Optional[torch.Tensor] = None
         self.inner_steps = 0
         self.rounds = 0
@@ -272,7 +274,7 @@ class RoundEngine:
             replicas = self.topology.replicas
             eager_start(plan.work, plan.base, self.own_momentum, hyper=hyper, replicas=replicas, out=self.own_start)
         elif self.config.effective_stand_in == "local":
-            local_start(plan.work, plan.base, self.own_momentum, hyper=hyper, out=self.own_start)
+            local_start(plan.work, plan.base, self._momentum_for_local, hyper=hyper, out=self.own_start)
         job = PipelineJob(plan.work, plan.base, self.momentum, self.g_buffer, plan.gap, self.rounds)
         try:
             self._pending, self._pending_index = self.exchange.launch(job), self.rounds
@@ -294,6 +296,15 @@ class RoundEngine:
         start (`outer.track_momentum`); before the first round end nothing was applied (before == after)."""
         if self.config.effective_stand_in == "local" and self.own_momentum is not None and self.rounds:
             track_momentum(self.own_momentum, before, after, hyper=self.exchange.hyper)
+
+    @property
+    def _momentum_for_local(self) -> Optional[torch.Tensor]:
+        """The outer momentum as of the shared start, over this rank's whole partition, for the `local`
+        stand-in: the momentum itself with all_reduce (so a skipped round or a healed replica needs
+        nothing more), else the copy that follows the applied steps; None when β = 0."""
+        if not self.config.outer_momentum:
+            return None
+        return self.momentum if self.own_momentum is None else self.own_momentum
 
     @property
     def round_start(self) -> torch.Tensor:
@@ -467,6 +478,8 @@ class RoundEngine:
         """Set the live parameters to the current start point (a resharded state resumes at the
         saved run's last round start) and refresh the replica."""
         self.check_usable()
+        if self.own_start is not None:  # a stand-in: this replica has trained nothing since
+            self.own_start.copy_(self.start_point)
         self._set_live(self.start_point)
 
     def state_bytes(self) -> int:

@@ -64,7 +64,8 @@ def state_dict(engine: RoundEngine) -> dict[str, Any]:
         # comm_dtype int8/fp8: the error-feedback residuals (comm.Residuals), else None
         "residuals": None if engine.exchange.residuals is None else engine.exchange.residuals._asdict(),
         # a stand-in: this replica's own round start and its momentum (eager: of its own shares; local: a
-        # copy of the outer momentum), else None
+        # copy of the outer momentum where that is sharded; resharding makes it from the momentum), else None
+        "stand_in": engine.config.effective_stand_in,
         "own_start": engine.own_start,
         "own_momentum": engine.own_momentum,
         # sync_delay "auto": the delay once fixed (None while it is measured, and for any other sync_delay)
@@ -121,7 +122,9 @@ def _check_tensors(engine: RoundEngine, state: dict[str, Any]) -> None:
     norms = state.get("previous_update_sq_norms")
     if norms is not None:
         _check_tensor("previous_update_sq_norms", norms, torch.zeros(engine.layout.num_tensors, dtype=torch.float64))
-    for key in ("own_start", "own_momentum"):  # absent from a resharded state: no stand-in to carry
+    for key in ("own_start", "own_momentum"):  # a resharded state has no own_start (and eager's no own_momentum)
+        if key == "own_momentum" and engine.own_momentum is None and engine.config.effective_stand_in == "local":
+            continue  # local's copy of the outer momentum, which this engine holds whole (all_reduce)
         if state.get(key) is not None:
             _check_tensor(key, state[key], getattr(engine, key))
     residuals = state.get("residuals")
@@ -157,6 +160,7 @@ def load_state_dict(engine: RoundEngine, state: dict[str, Any]) -> None:
     norms = state["previous_update_sq_norms"]
     engine.previous_update_sq_norms = None if norms is None else norms.to(engine.momentum.device).clone()
     if engine.own_start is not None:  # a resharded state has none: each replica restarts from the shared start
+        # (with the local stand-in's copy of the outer momentum, which resharding makes; eager's restarts at 0)
         saved = state.get("own_start")
         engine.own_start.copy_(saved if saved is not None else engine.start_point)
         if engine.own_momentum is not None:

@@ -60,6 +60,17 @@ def resolve_config(config: dict) -> dict[str, Any]:
     return cfg
 
 
+def stand_in_words(config: dict, strategy: str, partition: int) -> int:
+    """fp32 words a rank's stand-in holds over its (padded) partition (docs/design.md §3): its own start;
+    with outer momentum, eager's momentum of its own shares, and local's copy of the outer momentum where
+    the momentum is sharded (reduce_scatter; with all_reduce it reads the momentum itself)."""
+    cfg = resolve_config(config)
+    if cfg["stand_in"] == "shared":
+        return 0
+    copy = cfg["stand_in"] == "eager" or strategy == "reduce_scatter"
+    return partition * (2 if cfg["outer_momentum"] and copy else 1)
+
+
 def eager_starts(shared: Params, owns: list[Params], ends: list[Params], h: list[Params], cfg: dict[str, Any]) -> None:
     """Eager updates (docs/design.md §3): replica r's next round start is the shared start ``shared``
     plus an outer step on its own share a = (own start − own end) / R of the average in flight, with a
@@ -269,15 +280,17 @@ def simulate(
     (:func:`eager_starts`, :func:`local_starts`); ``record`` keeps the shared start
     points and ``finalize`` gives every replica the shared one.
     ``joins``: (replica, round) pairs: the replica (re)joined at the end of round
-    - 1, so its inner optimizer is built anew before that round's first step.
+    - 1, so its inner optimizer is built anew before that round's first step; with
+    the local stand-in its stand-in there is made from a zero displacement (it took
+    the shared start from a peer and trained nothing since).
     ``sync_delay`` d < tau in the config: :func:`_simulate_sync_delay`; ``delay_from``: the first round
     whose average is applied d steps into the next, earlier rounds' a round late (``sync_delay: "auto"``
     before it fixes d).
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
-    if cfg["stand_in"] != "shared" and (exchange is not None or schedule is not None):
-        raise ValueError("a stand-in is not simulated with a compressed exchange or elastic membership")
+    if (cfg["stand_in"] != "shared" and exchange is not None) or (cfg["stand_in"] == "eager" and schedule is not None):
+        raise ValueError("a stand-in is not simulated with a compressed exchange, eager's not with elastic membership")
     if replicas < 1 or shards < 1 or steps < 0:
         raise ValueError("replicas and shards must be >= 1 and steps >= 0")
     if shards > 1 and shard_batch is None:
@@ -332,7 +345,9 @@ def simulate(
                 gap = {n: torch.tensor(0.0) for n in start}
             base = pending if overlap else start
             if cfg["stand_in"] == "local":  # from the next start, with the momentum before this round's step
-                local_starts(base, owns, xs, m, cfg)
+                joining = {r for r, first_round in joins if first_round == (k + 1) // tau}
+                # a replica that joins here took the shared start from a peer: its displacement is zero
+                local_starts(base, owns, [owns[r] if r in joining else x for r, x in enumerate(xs)], m, cfg)
             if g is None:
                 result = {n: v.clone() for n, v in base.items()}
                 u, lam = {n: torch.zeros_like(v) for n, v in base.items()}, {}

@@ -12,7 +12,7 @@ from co2_zero import CO2Error, CO2Optimizer, checkpoint
 from co2_zero.checkpoint import consolidate
 from co2_zero.config import PUBLISHED
 from tests import models
-from tests.compare import param_copies
+from tests.compare import param_copies, same
 from tests.dist_utils import run_ranks
 
 CONFIGS = {
@@ -115,7 +115,12 @@ def resharded(rank: int, world: int, root: str) -> dict:
         model, opt = _build(config)
         with pytest.warns(UserWarning, match="dropped"):
             checkpoint.load(f"{root}/{name}", model, opt, reshard=True)
-        out[name] = {"share": consolidate(opt.engine.state_dict()), "live": param_copies(model)}
+        own_momentum = opt.engine.own_momentum
+        out[name] = {
+            "share": consolidate(opt.engine.state_dict()),
+            "live": param_copies(model),
+            "own_momentum": None if own_momentum is None else own_momentum.clone(),
+        }
         models.train_steps(rank, model, opt, SAVE_AT, TOTAL)
         opt.finalize()
         out[f"{name}-final"] = param_copies(model)
@@ -186,6 +191,17 @@ def test_reshard_two_replicas_to_four(runs):
         expected = _assemble([consolidate(s["co2"]) for s in saved])
         got = _assemble([r[name]["share"] for r in results])
         assert expected.keys() == got.keys()
+        # the local stand-in's copy of the outer momentum (kept with reduce_scatter) is the saved momentum,
+        # not zeros; eager's momentum of a replica's own shares restarts at 0
+        momentum = torch.cat([expected[("momentum", i)] for i in range(len(SIZES))])
+        for rank in range(4):
+            copy = results[rank][name]["own_momentum"]
+            if name in ("sync_delay-local", "eager"):
+                assert copy is not None, name
+                want = momentum if name == "sync_delay-local" else torch.zeros_like(momentum)
+                assert torch.equal(copy[: momentum.numel()], want), (name, rank)
+            else:
+                assert copy is None, name  # no stand-in, or local with all_reduce: it reads the momentum itself
         for key, value in expected.items():
             assert torch.equal(got[key], value), f"{name} {key}"
         model = models.make_model("mlp")
@@ -235,8 +251,9 @@ def _identity(geometry, rank, replicas, shards):
     }
 
 
-def _state_from_truth(identity, truth, inner_steps=8, tau=3):
-    """A rank's saved state holding the global truth (per tensor: start point, next start, momentum, norms)."""
+def _state_from_truth(identity, truth, inner_steps=8, tau=3, stand_in="shared"):
+    """A rank's saved state holding the global truth (per tensor: start point, next start, momentum, norms;
+    with the local stand-in its whole-partition copy of the momentum, and a start of its own)."""
     geo = identity["geometry"]
     vectors = {}
     for field in ("start_point", "next_start", "momentum"):
@@ -246,7 +263,11 @@ def _state_from_truth(identity, truth, inner_steps=8, tau=3):
         vectors[field] = flat
     lo, hi = geo["momentum_range"]
     norms = truth["norms"][identity["rank"] % len(truth["norms"])]
+    local = stand_in == "local"
     return {
+        "stand_in": stand_in,
+        "own_start": vectors["start_point"] + identity["rank"] if local else None,  # a replica's own: not re-cut
+        "own_momentum": vectors["momentum"] if local else None,  # the momentum, over the whole partition
         **identity,
         "run_id": "r",
         "inner_steps": inner_steps,
@@ -308,23 +329,26 @@ def _run(replicas, shards, strategy, owned):
     ]
 
 
+@pytest.mark.parametrize("stand_in", ["shared", "local"])
 @pytest.mark.parametrize("saved_name", list(SAVED_RUNS))
 @pytest.mark.parametrize("target_name", list(TARGETS))
-def test_reshard_recuts_every_tensor_exactly(saved_name, target_name):
+def test_reshard_recuts_every_tensor_exactly(saved_name, target_name, stand_in):
     """consolidate + reshard from any saved R x S to any target: each target rank's start points, next
-    start points and momentum slice are the global truth at its partition's places; the staleness-gap
+    start points and momentum slice (and the local stand-in's whole-partition copy of the momentum) are
+    the global truth at its partition's places; a replica's own start is not carried; the staleness-gap
     partial norms keep their sum; the step falls back to the last round start."""
     saved_identities = _run(*SAVED_RUNS[saved_name])
     truth = _truth(len(saved_identities))
-    shares = [consolidate(_state_from_truth(identity, truth)) for identity in saved_identities]
+    shares = [consolidate(_state_from_truth(identity, truth, stand_in=stand_in)) for identity in saved_identities]
     norm_sums = []
     for identity in _run(*TARGETS[target_name]):
         state, dropped = checkpoint.reshard(shares, identity)
         assert dropped == 8 - 2 * 3 and state["inner_steps"] == 6 and state["rounds"] == 2
         assert state["skipped_rounds"] == 1 and state["run_id"] == "r" and state["fixed_sync_delay"] == 2
-        expected = _state_from_truth(identity, truth)
-        for field in ("start_point", "next_start", "momentum"):
-            assert torch.equal(state[field], expected[field]), (identity["rank"], field)
+        expected = _state_from_truth(identity, truth, stand_in=stand_in)
+        assert state.get("own_start") is None
+        for field in ("start_point", "next_start", "momentum", "own_momentum"):
+            assert same(state[field], expected[field]), (identity["rank"], field)
         norm_sums.append(state["previous_update_sq_norms"])
     assert torch.allclose(torch.stack(norm_sums).sum(0), torch.stack(truth["norms"]).sum(0))
 

@@ -24,7 +24,7 @@ import torch
 
 from co2_zero.config import PUBLISHED
 from tests import models
-from tests.reference import simulate
+from tests.reference import replica_round_starts, simulate
 
 pytest.importorskip("torchft", reason="the elastic extra (torchft) is not installed")
 
@@ -34,6 +34,8 @@ HEARTBEAT_TIMEOUT_MS = 3000
 # CO2 as published (the shared start elastic mode runs) at these outer lr and momentum; timeout_s generous:
 # 2 cores shared by many
 CONFIG = {**PUBLISHED, "tau": TAU, "outer_lr": 0.7, "outer_momentum": 0.5, "timeout_s": 90.0}
+# the library's defaults: the local stand-in and DiLoCo's outer step (sync_delay "auto" is the round end here)
+DEFAULTS = {"tau": TAU, "timeout_s": CONFIG["timeout_s"]}
 
 
 def _free_port() -> int:
@@ -77,7 +79,7 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
     would end them (a sibling left alive for a moment would fail in a collective instead: exit code 1,
     not a kill). plan["gate"]: (t, path): before round t, wait for `path` to exist.
     plan["announce"]: a path to create once imported (a restarted replica tells the survivors it is
-    about to join)."""
+    about to join). plan["config"]: the CO2 config's fields (default: CONFIG)."""
     shards = plan.get("shards", 1)
     die = plan.get("die") if rank in plan.get("die_ranks", range(shards)) else None
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -100,9 +102,9 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
         _straggle_at(*plan["straggle"])
     if plan.get("announce"):
         Path(plan["announce"]).touch()
-    config = CO2Config(
-        **{**CONFIG, "timeout_s": plan.get("timeout_s", CONFIG["timeout_s"]), "shards_per_replica": shards}
-    )
+    fields = plan.get("config", CONFIG)
+    timeout_s = plan.get("timeout_s", fields["timeout_s"])
+    config = CO2Config(**{**fields, "timeout_s": timeout_s, "shards_per_replica": shards})
     model = _model(config, shards)
     membership = Membership(lighthouse, replica, start_replicas=plan.get("start_replicas", 3))
     try:
@@ -333,20 +335,34 @@ def _schedule(history: list[tuple], rounds: int) -> list:
 def _reference_final(
     schedule: list, joins: list[tuple[int, int]], steps: int, replicas: int = 3, shards: int = 1
 ) -> torch.Tensor:
+    return _reference(CONFIG, schedule, joins, steps, replicas, shards)[0]
+
+
+def _reference(
+    config: dict, schedule: list, joins: list[tuple[int, int]], steps: int, replicas: int = 3, shards: int = 1
+) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """The reference run with the recorded membership schedule: its final model, and per round start
+    every replica's parameters there (its stand-in, with one), each flattened in the model's order."""
+    record: list = []
+    step_record: list = []
     out = simulate(
         lambda: models.make_model("mlp"),
         lambda params: models.make_optimizer("adam", params),
         models.batch,
         models.loss_fn,
-        {k: v for k, v in CONFIG.items() if k != "timeout_s"},
+        {k: v for k, v in config.items() if k != "timeout_s"},
         replicas=replicas,
         steps=steps,
         shards=shards,
         shard_batch=lambda r, s, k: models.shard_batch(r, s, k, shards),
         schedule=schedule,
         joins=joins,
+        record=record,
+        step_record=step_record,
     )
-    return torch.cat([v.reshape(-1) for k, v in out[0].items()])
+    flat = lambda params: torch.cat([v.reshape(-1) for v in params.values()])  # noqa: E731
+    starts = [[flat(p) for p in per_replica] for per_replica in replica_round_starts(record, step_record, TAU)]
+    return flat(out[0]), starts
 
 
 def _assert_identical_round_starts(results: list[dict], first_round: int = 0) -> None:
@@ -399,6 +415,18 @@ def test_replicas_without_failures_match_the_reference(job_factory, replicas, sh
     torch.testing.assert_close(results[0][0]["final"], expected, rtol=1e-5, atol=1e-6)
 
 
+def _kill_and_rejoin(job: Job, joining: Path, plan: dict, victim: int, die: tuple) -> None:
+    """Start every replica below `victim` (past round 8 they wait for `joining`), then `victim`, which dies
+    at `die` (every rank of it SIGKILLed); restart it as tag "b" (it announces itself at `joining` and
+    joins the survivors' job, never a job of its own) and wait for everyone."""
+    survivors = [p for r in range(victim) for p in job.start(r, gate=(8, str(joining)), **plan)]
+    dead = job.start(victim, die=die, **plan)
+    job.wait(dead, timeout=300)
+    assert all(p.exitcode == -signal.SIGKILL for p in dead), [p.exitcode for p in dead]
+    rejoined = job.start(victim, tag="b", announce=str(joining), **{**plan, "start_replicas": 2})
+    job.wait([*survivors, *rejoined], timeout=300)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "replicas,shards,where",
@@ -416,15 +444,8 @@ def test_a_killed_replica_is_survived_then_rejoins(job_factory, tmp_path, replic
     first round. The parameters equal the reference simulation with the recorded membership schedule."""
     rounds, killed_round, victim = 14, 4, replicas - 1
     job = job_factory(rounds * TAU)
-    joining = str(tmp_path / "joining")
     plan = {"shards": shards, "start_replicas": replicas, "replicas": replicas}
-    survivors = [p for r in range(victim) for p in job.start(r, gate=(8, joining), **plan)]
-    dead = job.start(victim, die=(where, killed_round), **plan)
-    job.wait(dead, timeout=300)
-    assert all(p.exitcode == -signal.SIGKILL for p in dead), [p.exitcode for p in dead]
-    # never a job of its own: it waits for a survivor's quorum
-    rejoined = job.start(victim, tag="b", announce=joining, **{**plan, "start_replicas": 2})
-    job.wait([*survivors, *rejoined], timeout=300)
+    _kill_and_rejoin(job, tmp_path / "joining", plan, victim, (where, killed_round))
     results = [[job.result(r, rank=s) for s in range(shards)] for r in range(victim)]
     results.append([job.result(victim, tag="b", rank=s) for s in range(shards)])
 
@@ -459,6 +480,33 @@ def test_a_killed_replica_is_survived_then_rejoins(job_factory, tmp_path, replic
     assert stall < 10.0, f"the survivors stalled {stall:.1f} s at a round end after the failure"
     expected = _reference_final(schedule, [(victim, joined_at)], rounds * TAU, replicas, shards)
     torch.testing.assert_close(results[0][0]["final"], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["round", "exchange"])
+def test_the_defaults_survive_a_killed_replica_that_rejoins(job_factory, tmp_path, where):
+    """The defaults (the local stand-in: each replica starts a round from the outer step the average will
+    take, on its own displacement) in elastic mode. Replica 2 is SIGKILLed mid-round 4, or as its exchange
+    of round 4 starts (the survivors cut that round: the momentum the stand-ins read stays), and restarted;
+    it joins at a round end, its first stand-in made from a zero displacement. Every replica's round
+    starts and every final model equal the reference's with the recorded membership schedule."""
+    replicas, rounds, killed_round, victim = 3, 14, 4, 2
+    job = job_factory(rounds * TAU)
+    plan = {"start_replicas": replicas, "replicas": replicas, "config": DEFAULTS}
+    _kill_and_rejoin(job, tmp_path / "joining", plan, victim, (where, killed_round))
+    results = [job.result(r) for r in range(victim)] + [job.result(victim, tag="b")]
+    assert all("error" not in result for result in results), [result.get("error") for result in results]
+
+    schedule = _schedule(results[0]["history"], rounds)
+    joined_at = results[victim]["joined_at"]
+    assert schedule[killed_round] == (None if where == "exchange" else set(range(victim))), schedule
+    assert schedule[joined_at:] == [set(range(replicas))] * (rounds - joined_at), schedule
+    final, starts = _reference(DEFAULTS, schedule, [(victim, joined_at)], rounds * TAU, replicas)
+    for r, result in enumerate(results):
+        for t, start in result["starts"].items():
+            torch.testing.assert_close(start, starts[t][r], rtol=1e-5, atol=1e-6, msg=f"replica {r} round {t}")
+        torch.testing.assert_close(result["final"], final, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(results[0]["starts"][rounds - 1], results[1]["starts"][rounds - 1]), "no stand-in"
 
 
 @pytest.mark.slow
@@ -667,14 +715,13 @@ def test_engines_that_are_not_elastic_refuse_a_membership_naming_what_is(build, 
     assert "plain parameters" in message and "FSDP2" in message, message
 
 
-@pytest.mark.parametrize(
-    "field,value", [("sync_delay", 2), ("stand_in", "auto"), ("stand_in", "local"), ("stand_in", "eager")]
-)
+@pytest.mark.parametrize("field,value", [("sync_delay", 2), ("stand_in", "eager")])
 def test_elastic_mode_refuses_what_its_quorums_cannot_heal(monkeypatch, field, value):
-    """Quorums form and heal at round ends (design §12): an average applied mid-round, or a replica's own
-    stand-in (the defaults' `auto` is the local one), is refused at construction, naming the field, its value
-    and what is accepted; `sync_delay: "auto"` is the round end there (`CO2Config.for_membership`, which the
-    engine applies before it builds the exchange)."""
+    """Quorums form and heal at round ends (design §12): an average applied mid-round, or eager's momentum
+    of a replica's own shares, is refused at construction, naming the field, its value and what is
+    accepted; `sync_delay: "auto"` is the round end there (`CO2Config.for_membership`, which the engine
+    applies before it builds the exchange), and the defaults (the local stand-in) and the published
+    shared start are accepted."""
     from types import SimpleNamespace
 
     from co2_zero import CO2Config, CO2Error
@@ -683,6 +730,7 @@ def test_elastic_mode_refuses_what_its_quorums_cannot_heal(monkeypatch, field, v
     monkeypatch.setattr(exchange.dist, "get_backend", lambda group: "gloo")
     topology = SimpleNamespace(replicas=1, world_size=1, outer_group=None)
     published = {**PUBLISHED, "tau": 4, "sync_delay": "auto"}
-    exchange.check_supported(CO2Config(**published).for_membership(), topology)  # accepted
+    for accepted in (published, {"tau": 4}, {"tau": 4, "stand_in": "local"}):
+        exchange.check_supported(CO2Config(**accepted).for_membership(), topology)
     with pytest.raises(CO2Error, match=f"{field}={value!r} is not supported; accepted: "):
         exchange.check_supported(CO2Config(**{**published, field: value}).for_membership(), topology)

@@ -20,7 +20,7 @@ from co2_zero import CO2Optimizer, checkpoint
 from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks
-from tests.reference import replica_round_starts, resolve_config, simulate
+from tests.reference import replica_round_starts, resolve_config, simulate, stand_in_words
 
 co2_fairscale = pytest.importorskip("co2_zero.fairscale")
 CO2OSS = co2_fairscale.CO2OSS
@@ -537,7 +537,7 @@ def test_partition_is_the_oss_bucket(sharded, one_shard):
 def test_state_bytes_match_memory_formula(sharded, one_shard):
     """docs/design.md §4 for the OSS partition sizes: 2Ψ_s + 2Ψ_s/R words (reduce_scatter) or 3Ψ_s (all_reduce),
     Ψ_s the rank's bucket padded to a multiple of R (at least R), plus one norm per parameter tensor
-    and the segment index; a stand-in (design §3) adds its own start Ψ_s and, with momentum, its own Ψ_s."""
+    and the segment index; a stand-in adds what design §3 says (tests/reference.py: stand_in_words)."""
     for results, shards, scenarios in ((sharded, 2, SHARDED), (one_shard, 1, ONE_SHARD)):
         replicas = len(results) // shards
         for name, sc in scenarios.items():
@@ -547,8 +547,7 @@ def test_state_bytes_match_memory_formula(sharded, one_shard):
                 padded = max(replicas, math.ceil(psi / replicas) * replicas)
                 assert got["strategy"] == sc["config"]["collective"]
                 words = 2 * padded + 2 * padded // replicas if got["strategy"] == "reduce_scatter" else 3 * padded
-                cfg = resolve_config(sc["config"])
-                words += 0 if cfg["stand_in"] == "shared" else padded * (2 if cfg["outer_momentum"] else 1)
+                words += stand_in_words(sc["config"], got["strategy"], padded)
                 index = got["index_bytes"]  # the outer step's segment index, sized in test_outer_kernels.py
                 assert got["bytes"] == 4 * words + 8 * len(got["numels"]) + index, (name, rank)
 

@@ -20,7 +20,7 @@ from co2_zero import CO2Optimizer, checkpoint
 from co2_zero.fsdp import replica_mesh
 from tests import models
 from tests.dist_utils import run_ranks
-from tests.reference import resolve_config, simulate
+from tests.reference import resolve_config, simulate, stand_in_words
 
 HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
@@ -535,8 +535,8 @@ def test_replicas_identical_at_every_round_start(results):
 @pytest.mark.parametrize("world", WORLDS)
 def test_state_bytes_match_memory_formula(results, world):
     """2Ψ_s + 2Ψ_s/R fp32 words with reduce_scatter (Ψ_s ≈ Ψ/S: 2Ψ/S + 2Ψ/N), 3Ψ_s with all_reduce,
-    plus one float64 per parameter tensor and the segment index; Ψ_s = this rank's share of FSDP2's dim-0
-    sharding."""
+    plus one float64 per parameter tensor and the segment index, and a stand-in's words (design §3);
+    Ψ_s = this rank's share of FSDP2's dim-0 sharding."""
     shards, replicas = world // 2, 2
     for name, sc in SCENARIOS.items():
         params = [p for p in make_model(sc.get("model", "mlp"), sc.get("frozen", ())).parameters() if p.requires_grad]
@@ -549,9 +549,7 @@ def test_state_bytes_match_memory_formula(results, world):
                 words = 2 * padded + 2 * padded // replicas
             else:
                 words = 3 * padded
-            cfg = resolve_config(sc["config"])
-            if cfg["stand_in"] != "shared":  # its own start, and its stand-in's momentum
-                words += padded * (2 if cfg["outer_momentum"] else 1)
+            words += stand_in_words(sc["config"], got["strategy"], padded)
             # plus the outer step's segment index (its size is tested in test_outer_kernels.py)
             assert got["bytes"] == 4 * words + 8 * len(params) + got["index_bytes"], (name, rank)
 

@@ -21,7 +21,7 @@ from co2_zero import CO2Optimizer
 from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks
-from tests.reference import replica_round_starts, resolve_config, simulate
+from tests.reference import replica_round_starts, resolve_config, simulate, stand_in_words
 
 HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
@@ -319,8 +319,7 @@ def test_state_bytes_match_memory_formula(results_r2, results_r4):
                 words = 2 * padded + 2 * padded // replicas
             else:  # all_reduce: both partition buffers and a full-partition momentum
                 words = 3 * padded
-            cfg = resolve_config(sc["config"])  # a stand-in: its own start, and with momentum its own momentum
-            words += 0 if cfg["stand_in"] == "shared" else padded * (2 if cfg["outer_momentum"] else 1)
+            words += stand_in_words(sc["config"], got["strategy"], padded)
             # plus the outer step's segment index (its size is tested in test_outer_kernels.py)
             assert got["bytes"] == 4 * words + 8 * tensors + got["index_bytes"], name
 

@@ -45,6 +45,7 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
         "skipped_rounds": state.get("skipped_rounds", 0),
         "run_id": state.get("run_id"),
         "fixed_sync_delay": state.get("fixed_sync_delay"),
+        "stand_in": state.get("stand_in"),
         "pieces": pieces,
         "update_sq_norms_partial": None if norms is None else norms.cpu().clone(),
     }
@@ -66,7 +67,8 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
                     f"resharding needs the same co2 config and model"
                 )
     saved = shares[0]
-    start_point, next_start, momentum = _assemble(shares, identity["geometry"])
+    start_point, next_start, whole_momentum = _assemble(shares, identity["geometry"])
+    lo, hi = identity["geometry"]["momentum_range"]
     partials = [s["update_sq_norms_partial"] for s in shares if s["update_sq_norms_partial"] is not None]
     norms = None
     if partials:  # only the sum over ranks matters: rank 0 carries it, the others zeros
@@ -80,7 +82,9 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
         "skipped_rounds": saved.get("skipped_rounds", 0),
         "start_point": start_point,
         "next_start": next_start,
-        "momentum": momentum,
+        "momentum": whole_momentum[lo:hi].clone(),
+        # the local stand-in reads the outer momentum over the whole partition (a copy where it is sharded)
+        "own_momentum": whole_momentum if saved.get("stand_in") == "local" else None,
         "previous_update_sq_norms": norms,
         "fixed_sync_delay": saved.get("fixed_sync_delay"),
     }
@@ -90,13 +94,12 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
 def _assemble(
     shares: Sequence[dict[str, Any]], geometry: dict[str, Any]
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """This rank's start point, next start point (None in blocking mode) and momentum slice, copied
-    from the saved pieces that overlap its partition; ValueError if they do not cover it."""
+    """This rank's start point, next start point (None in blocking mode) and outer momentum, each over
+    its whole partition, copied from the saved pieces that overlap it; ValueError if they do not cover it."""
     padded, overlap = geometry["padded"], geometry["overlap"]
-    momentum_lo, momentum_hi = geometry["momentum_range"]
     start_point = torch.zeros(padded, dtype=torch.float32)
     next_start = torch.zeros(padded, dtype=torch.float32) if overlap else None
-    momentum = torch.zeros(momentum_hi - momentum_lo, dtype=torch.float32)
+    momentum = torch.zeros(padded, dtype=torch.float32)
     by_tensor: dict[int, list[dict[str, Any]]] = {}
     for share in shares:
         for piece in share["pieces"]:
@@ -115,11 +118,7 @@ def _assemble(
                 if piece["next_start"] is None:
                     raise ValueError("co2 checkpoint: saved in blocking mode (overlap false); this run overlaps")
                 next_start[here + lo : here + hi] = piece["next_start"][lo - there : hi - there]
-            m_lo, m_hi = max(here + lo, momentum_lo), min(here + hi, momentum_hi)
-            if m_lo < m_hi:
-                momentum[m_lo - momentum_lo : m_hi - momentum_lo] = piece["momentum"][
-                    m_lo - here - there : m_hi - here - there
-                ]
+            momentum[here + lo : here + hi] = piece["momentum"][lo - there : hi - there]
         if covered != seg_end - seg_start:
             raise ValueError(
                 f"co2 checkpoint: the saved shares cover {covered} of the {seg_end - seg_start} elements of "

@@ -178,11 +178,9 @@ def check_supported(config: CO2Config, topology: Topology) -> None:
             f"end), null or tau={config.tau} (a "
             f"quorum is formed and healed at round ends, where the average in flight is applied)"
         )
-    if config.stand_in != "shared":
+    if config.effective_stand_in == "eager":
         raise CO2Error(
-            f"co2 elastic: stand_in={config.stand_in!r} is not supported; accepted: 'shared', set explicitly with an "
-            f"outer step for the shared start a round late, e.g. co2_zero.config.PUBLISHED's (train_lm: --method "
-            f"co2_published; the defaults' Nesterov 0.9 diverges there). An eager replica's share is 1/R of an "
-            f"average whose contributors are only known inside each round's quorum, and a healing replica would "
-            f"need its own stand-in and momentum"
+            f"co2 elastic: stand_in={config.stand_in!r} is not supported; accepted: 'auto' or 'local' (the "
+            f"defaults), or 'shared'. An eager replica's share is 1/R of an average whose contributors are only "
+            f"known inside each round's quorum, and a healing replica would need its own momentum of its shares"
         )

@@ -353,6 +353,8 @@ class Membership:
         with torch.no_grad():
             engine.next_start.copy_(state["next_start"])
             engine.momentum.copy_(state["momentum"])
+            if engine.own_start is not None:  # its stand-in was made from the state it was behind on
+                engine.own_start.copy_(state["next_start"])
             for (_, p), value in zip(engine.watch.frozen, state["frozen"]):
                 local_values(p).copy_(value)
         norms = state["previous_update_sq_norms"]

@@ -44,9 +44,8 @@ ELASTIC_ENGINES = ("plain", "fsdp")
 ELASTIC_SUPPORTED = (
     "--lighthouse runs the plain engine (--engine plain: CO2Optimizer, one rank per launch) or FSDP2 (--engine "
     "fsdp: the launch's ranks are one replica, S = --shards_per_replica) with a CO2 method that overlaps "
-    "from the shared start (--method co2_published, or localsgd/slowmo with --overlap --stand_in shared): each "
-    "replica is its own launch with its own "
-    "--replica_id; FairScale and DeepSpeed take no membership (docs/elastic.md)"
+    "(--method co2, the defaults; co2_published; or localsgd/slowmo with --overlap): each replica is its own "
+    "launch with its own --replica_id; FairScale and DeepSpeed take no membership (docs/elastic.md)"
 )
 
 
