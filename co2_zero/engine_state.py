@@ -124,7 +124,7 @@ def _check_tensors(engine: RoundEngine, state: dict[str, Any]) -> None:
         _check_tensor("previous_update_sq_norms", norms, torch.zeros(engine.layout.num_tensors, dtype=torch.float64))
     for key in ("own_start", "own_momentum"):  # a resharded state has no own_start (and eager's no own_momentum)
         if key == "own_momentum" and engine.own_momentum is None and engine.config.effective_stand_in == "local":
-            continue  # local's copy of the outer momentum, which this engine holds whole (all_reduce)
+            continue  # local's copy of the momentum, offered by resharding; not kept here (all_reduce, or β = 0)
         if state.get(key) is not None:
             _check_tensor(key, state[key], getattr(engine, key))
     residuals = state.get("residuals")

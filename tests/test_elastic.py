@@ -360,9 +360,13 @@ def _reference(
         record=record,
         step_record=step_record,
     )
-    flat = lambda params: torch.cat([v.reshape(-1) for v in params.values()])  # noqa: E731
-    starts = [[flat(p) for p in per_replica] for per_replica in replica_round_starts(record, step_record, TAU)]
-    return flat(out[0]), starts
+    starts = [[_flat(p) for p in per_replica] for per_replica in replica_round_starts(record, step_record, TAU)]
+    return _flat(out[0]), starts
+
+
+def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every tensor of a reference parameter dict, flattened and joined in the model's order."""
+    return torch.cat([v.reshape(-1) for v in params.values()])
 
 
 def _assert_identical_round_starts(results: list[dict], first_round: int = 0) -> None:
