@@ -121,7 +121,8 @@ def test_two_replicas_train_together_and_end_on_one_model(replicas):
 def test_a_replica_that_leaves_is_reported_as_it_happens(replicas):
     """Replica 1 stops after 2 rounds: its finalize() meets replica 0's round-2 quorum (contributing
     nothing), then leaves. Replica 0 goes on alone from round 3, prints the change when that round
-    end's quorum has one replica, and lists it in the summary line and record."""
+    end's quorum has one replica, and lists it in the summary line and record. torchft's per-round INFO
+    logs stay off the console (they were written piecemeal into its lines)."""
     job = replicas()
     r0 = job.start(0, ["--max_steps", "24", "--start_replicas", "2"])
     job.start(1, ["--max_steps", "8", "--start_replicas", "2"])
@@ -130,6 +131,7 @@ def test_a_replica_that_leaves_is_reported_as_it_happens(replicas):
     assert summary["membership_changes"] == ["replicas 2 -> 1 at round 3"], summary["membership_changes"]
     assert summary["replicas"] == 1 and summary["steps"] == 24
     lines = stderr.splitlines()
+    assert not [line for line in lines if "[INFO] [torchft" in line], "torchft's INFO logs cut into the job's lines"
     change = lines.index("replicas 2 -> 1 at round 3")
     assert any(line.startswith("step 24 |") for line in lines[change:]), "the change was not printed as it happened"
     assert lines[-1].endswith("| membership: replicas 2 -> 1 at round 3"), lines[-1]

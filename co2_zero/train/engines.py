@@ -132,6 +132,9 @@ def elastic_membership(args) -> Any:
     """The job's `co2_zero.elastic.Membership` (--lighthouse), or None."""
     if args.lighthouse is None:
         return None
+    # torchft's Rust core logs every quorum and commit at INFO, in several writes a line, into our
+    # console's lines; it reads RUST_LOG once, when first imported (RUST_LOG=info brings them back)
+    os.environ.setdefault("RUST_LOG", "warn")
     from co2_zero.elastic import Membership
 
     return Membership(args.lighthouse, args.replica_id, start_replicas=args.start_replicas)

@@ -33,7 +33,8 @@ class Console:
         if self.bar is not None:
             self.bar.write(msg, file=sys.stderr)
         else:
-            print(msg, file=sys.stderr, flush=True)
+            sys.stderr.write(msg + "\n")  # one write: a line from another thread cannot land inside it
+            sys.stderr.flush()
 
     def record(self, **fields: Any) -> None:
         if self.master and self.out_json:
