@@ -176,14 +176,14 @@ class CO2Config:
         metadata={
             "doc": "Where each replica starts a round while the last average is in flight; the true average "
             'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `auto` (the default): '
-            "`local` (`shared` with `overlap: false`); with clipping, int8/fp8 or `skip_round`, where `local` "
+            "`local` (`shared` with `overlap: false`); with clipping or `skip_round`, where `local` "
             "is not defined, name `shared` and an outer step for it (e.g. "
             "`co2_zero.config.PUBLISHED`'s: the defaults' Nesterov 0.9 diverges there). `shared`: the shared "
             "start point, as published. "
             "`eager`: plus an outer step on the replica's own share of the average (Kale et al., arXiv "
             "2502.12996). `local`: the outer step the average will take, on the replica's own displacement "
             "instead (with the outer momentum). `eager` and `local` set explicitly need `overlap: true`, "
-            "`clip.mode: none`, `comm_dtype` `fp32` or `bf16` and `nonfinite: raise` (an elastic membership "
+            "`clip.mode: none` and `nonfinite: raise` (an elastic membership "
             "refuses `eager`); costs up to 2Ψ/S fp32 words per rank.",
         },
     )
@@ -323,7 +323,6 @@ class CO2Config:
         (docs/design.md §3, "Stand-ins")."""
         return (
             ("clip.mode", self.clip.mode, ("none",), "'none' (a stand-in's momentum does not see the clip)"),
-            ("comm_dtype", self.comm_dtype, ("fp32", "bf16"), "'fp32' or 'bf16'"),
             ("nonfinite", self.nonfinite, ("raise",), "'raise' (a skipped round would leave its stand-in behind)"),
         )
 

@@ -69,7 +69,7 @@ def run_flags(label: str, model: list[str], co2_flags: list[str]) -> list[str]:
         return ["--method", "diloco", *model]
     if not label.startswith("co2"):
         return ["--method", label, *model]
-    # CO2 as published: int8/fp8 need its shared start, and the tables in benchmarks/ were measured with it
+    # CO2 as published, every wire format: the tables in benchmarks/ were measured with it
     return ["--method", "co2_published", "--comm_dtype", comm_dtype(label), *model, *co2_flags]
 
 

@@ -95,6 +95,17 @@ def local_starts(shared: Params, owns: list[Params], ends: list[Params], m: Para
         owns[r] = {n: shared[n] - alpha * u[n] for n in shared}
 
 
+def follow_applied_step(copy: Params, before: Params, after: Params, cfg: dict[str, Any]) -> None:
+    """The `local` stand-in's copy of the outer momentum where the momentum itself is sharded
+    (reduce_scatter; docs/design.md §3): from the shared start's move ``before`` -> ``after`` = −α·u it
+    sees applied, m = u (heavy ball) or m = (u + β·m) / (1 + β) (Nesterov). With int8/fp8 the new start
+    arrives quantized, so the copy follows the quantized move, not the momentum. Updates ``copy``."""
+    alpha, beta = cfg["outer_lr"], cfg["outer_momentum"]
+    for n in copy:
+        u = (before[n] - after[n]) / alpha
+        copy[n] = (u + beta * copy[n]) / (1 + beta) if cfg["nesterov"] else u
+
+
 def outer_step(base: Params, g: Params, gap: Params, m: Params, cfg: dict[str, Any]) -> tuple[Params, Params, Params]:
     """One outer step; updates ``m`` in place, returns (result, u, penalty Λ)."""
     alpha, beta = cfg["outer_lr"], cfg["outer_momentum"]
@@ -266,8 +277,11 @@ def simulate(
     inner step: the list of every replica's fp32 parameters as the next step
     starts from them (after the round end when the step ends a round).
     ``exchange`` (if given) replaces the exact exchange:
-    ``exchange.average(start, xs)`` gives g, ``exchange.publish(base, result)``
-    the next start point (tests/reference_compress.py: int8/fp8 with error feedback).
+    ``exchange.average(owns, xs)`` gives g (each replica's displacement from its
+    own round start), ``exchange.publish(base, result)`` the next start point
+    (tests/reference_compress.py: int8/fp8 with error feedback); with the local
+    stand-in and ``exchange.strategy`` reduce_scatter, the stand-in reads a copy
+    of the momentum that follows the published starts (:func:`follow_applied_step`).
     ``fresh_inner_at`` (if given): before that inner step every replica's inner
     optimizer is built anew, as a resharded checkpoint load leaves it (state fresh).
     ``schedule`` (if given; elastic membership, docs/design.md §12): entry t is the
@@ -289,8 +303,8 @@ def simulate(
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
-    if (cfg["stand_in"] != "shared" and exchange is not None) or (cfg["stand_in"] == "eager" and schedule is not None):
-        raise ValueError("a stand-in is not simulated with a compressed exchange, eager's not with elastic membership")
+    if cfg["stand_in"] == "eager" and schedule is not None:
+        raise ValueError("the eager stand-in is not simulated with elastic membership")
     if replicas < 1 or shards < 1 or steps < 0:
         raise ValueError("replicas and shards must be >= 1 and steps >= 0")
     if shards > 1 and shard_batch is None:
@@ -314,6 +328,8 @@ def simulate(
     u_prev: Params | None = None
     owns = [start] * replicas  # where each replica's round started (eager: its own start)
     own_momenta = [{n: torch.zeros_like(v) for n, v in start.items()} for _ in range(replicas)]
+    follows_steps = cfg["stand_in"] == "local" and getattr(exchange, "strategy", None) == "reduce_scatter"
+    momentum_copy = {n: torch.zeros_like(v) for n, v in start.items()}  # local's, where it follows the steps
     if record is not None:
         record.append({n: v.clone() for n, v in start.items()})
 
@@ -338,7 +354,7 @@ def simulate(
             elif exchange is None:
                 g = {n: torch.stack([owns[r][n] - xs[r][n] for r in sorted(members)]).mean(0) for n in start}
             else:
-                g = exchange.average(start, xs)
+                g = exchange.average(owns, xs)
             if overlap and u_prev is not None:
                 gap = {n: alpha * torch.linalg.vector_norm(u_prev[n]) for n in start}
             else:
@@ -347,7 +363,8 @@ def simulate(
             if cfg["stand_in"] == "local":  # from the next start, with the momentum before this round's step
                 joining = {r for r, first_round in joins if first_round == (k + 1) // tau}
                 # a replica that joins here took the shared start from a peer: its displacement is zero
-                local_starts(base, owns, [owns[r] if r in joining else x for r, x in enumerate(xs)], m, cfg)
+                ends = [owns[r] if r in joining else x for r, x in enumerate(xs)]
+                local_starts(base, owns, ends, momentum_copy if follows_steps else m, cfg)
             if g is None:
                 result = {n: v.clone() for n, v in base.items()}
                 u, lam = {n: torch.zeros_like(v) for n, v in base.items()}, {}
@@ -355,6 +372,8 @@ def simulate(
                 result, u, lam = outer_step(base, g, gap, m, cfg)
             if exchange is not None and g is not None:
                 result = exchange.publish(base, result)
+                if follows_steps:
+                    follow_applied_step(momentum_copy, base, result, cfg)
             if trace is not None:
                 trace.append(
                     {

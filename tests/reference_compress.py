@@ -7,8 +7,9 @@ not from the library (nothing here imports co2_zero):
   multiple of R and cut into R sub-shards; a sub-shard is quantized in blocks of 256 elements, each
   with scale absmax / qmax (int8: qmax 127, round half to even; fp8 e4m3: qmax 448), dequantized as
   value * scale;
-- averaging: replica r sends D_r + e_r quantized and keeps e_r <- (D_r + e_r) - dequantized; the owner
-  of a sub-shard adds the replicas' dequantized pieces in replica order and divides by R;
+- averaging: replica r's displacement D_r is measured from its own round start (the shared start
+  point, or its stand-in); it sends D_r + e_r quantized and keeps e_r <- (D_r + e_r) - dequantized; the
+  owner of a sub-shard adds the replicas' dequantized pieces in replica order and divides by R;
 - `reduce_scatter`: the owner's update (new start - base) + e_u travels quantized (e_u keeps the rest)
   and the new start is base + dequantized update, for every replica;
 - `all_reduce`: the owner's average + e_g travels quantized (e_g keeps the rest); the outer step then
@@ -92,14 +93,14 @@ class CompressedExchange:
 
     # ---- the two hooks of reference.simulate -------------------------------------------------------
 
-    def average(self, start: Params, xs: list[Params]) -> Params:
-        """The replicas' mean displacement as the owners compute it from the quantized pieces."""
+    def average(self, starts: list[Params], xs: list[Params]) -> Params:
+        """The replicas' mean displacement, replica r's from its own round start `starts[r]` to `xs[r]`, as
+        the owners compute it from the quantized pieces."""
         means = []
-        for s, pieces in enumerate(self._pieces(start)):
-            base = self._flatten(start, pieces)
+        for s, pieces in enumerate(self._pieces(starts[0])):
             arrived = []
-            for r, x in enumerate(xs):
-                displacement = base - self._flatten(x, pieces)
+            for r, (own, x) in enumerate(zip(starts, xs)):
+                displacement = self._flatten(own, pieces) - self._flatten(x, pieces)
                 residual = self.sent.get((r, s), torch.zeros_like(displacement))
                 piece, self.sent[(r, s)] = self._send(displacement, residual)
                 arrived.append(piece)
@@ -110,7 +111,7 @@ class CompressedExchange:
             if self.strategy == "all_reduce":
                 mean, self.owned[s] = self._send(mean, self.owned.get(s, torch.zeros_like(mean)))
             means.append(mean)
-        return self._unflatten(means, start)
+        return self._unflatten(means, starts[0])
 
     def publish(self, base: Params, result: Params) -> Params:
         """The next start point every replica ends up with, given the owners' exact `result`."""

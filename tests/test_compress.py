@@ -2,9 +2,10 @@
 
 The quantizer against the plain per-block code of tests/reference_compress.py; CO2Optimizer and CO2OSS
 on real gloo processes against `reference.simulate` with that reference's exchange, at every round
-start; replicas bit-identical; the bytes each round sends and the state each rank holds against their
-formulas; exact resume of the residuals; a NaN round skipped; and int8 training the training script's
-default model to within 2% of fp32's validation loss.
+start of every replica (the shared start, or with the defaults' local stand-in and the eager one each
+replica's own); replicas at the shared start bit-identical; the bytes each round sends and the state
+each rank holds against their formulas; exact resume of the residuals; a NaN round skipped; and int8
+training the training script's default model with the defaults to within 2% of fp32's validation loss.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from co2_zero.compress import BLOCK, FORMATS, RecordLayout, dequantize_into, qua
 from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks
-from tests.reference import simulate
+from tests.reference import replica_round_starts, resolve_config, simulate
 from tests.reference_compress import CompressedExchange, roundtrip
 
 ROOT = Path(__file__).resolve().parent.parent
-# the compressed exchange runs the shared start (no stand-in is defined with int8/fp8)
+# CO2 as published (the shared start); scenarios without a stand_in run the defaults' local stand-in
 HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False, "stand_in": "shared"}
 NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "stand_in": "shared"}
 ADAPTIVE = {"mode": "adaptive", "strength": 1.5}
@@ -66,6 +67,20 @@ SCENARIOS_R2 = {
                 "collective": "all_reduce", "comm_dtype": "int8"},
         steps=9,
     ),
+    # the defaults (the local stand-in, Nesterov 0.9): with reduce_scatter its copy of the momentum
+    # follows the new start points as they arrive, quantized
+    "int8-defaults-reducescatter": dict(
+        config={"tau": 3, "collective": "reduce_scatter", "comm_dtype": "int8"}, steps=13, model="uneven",
+    ),
+    "fp8-local-allreduce-adaptive": dict(
+        config={"stand_in": "local", "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce",
+                "comm_dtype": "fp8"},
+        steps=8, model="uneven", optimizer="adam",
+    ),
+    "int8-eager-allreduce": dict(
+        config={**HEAVY_BALL, "stand_in": "eager", "tau": 3, "collective": "all_reduce", "comm_dtype": "int8"},
+        steps=9, model="uneven",
+    ),
 }  # fmt: skip
 SCENARIOS_R4 = {
     "r4-int8-overlap-reducescatter": dict(
@@ -85,6 +100,14 @@ SCENARIOS_R4 = {
         config={**HEAVY_BALL, "overlap": False, "tau": 2, "gap_penalty": {"mode": "none"},
                 "collective": "reduce_scatter", "comm_dtype": "fp8"},
         steps=6,
+    ),
+    "r4-int8-defaults-reducescatter": dict(
+        config={"tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter", "comm_dtype": "int8"},
+        steps=8, model="uneven",
+    ),
+    "r4-fp8-eager-reducescatter": dict(
+        config={**NESTEROV, "stand_in": "eager", "tau": 2, "collective": "reduce_scatter", "comm_dtype": "fp8"},
+        steps=6, model="uneven", optimizer="adam",
     ),
 }  # fmt: skip
 # the bytes a round sends, on a model large enough that the per-tensor norms do not matter
@@ -298,11 +321,18 @@ def results_r4():
     return run_ranks(train_scenarios, 4, SCENARIOS_R4, (), timeout=300.0)
 
 
+def _shared_start(sc: dict) -> bool:
+    """Whether every replica starts each round at the shared start (no stand-in)."""
+    return resolve_config(sc["config"])["stand_in"] == "shared"
+
+
 def _reference(sc: dict, replicas: int, partitions=None, shards: int = 1):
-    """Round starts and finals of the reference with the compressed exchange of `sc`'s config."""
+    """Every replica's start of every round, and finals, of the reference with the compressed exchange
+    of `sc`'s config: [round][replica], [replica]."""
     config = sc["config"]
     exchange = CompressedExchange(config["comm_dtype"], config["collective"], replicas, partitions)
     starts: list = []
+    step_record: list = []
     kind, opt_kind = sc.get("model", "mlp"), sc.get("optimizer", "sgd")
     sharded = {"shards": shards, "shard_batch": lambda r, s, k: models.shard_batch(r, s, k, shards)}
     finals = simulate(
@@ -314,10 +344,11 @@ def _reference(sc: dict, replicas: int, partitions=None, shards: int = 1):
         replicas=replicas,
         steps=sc["steps"],
         record=starts,
+        step_record=step_record,
         exchange=exchange,
         **({} if shards == 1 else sharded),
     )
-    return starts, finals
+    return replica_round_starts(starts, step_record, config["tau"]), finals
 
 
 def _check_against_reference(results: list, scenarios: dict, name: str) -> None:
@@ -330,7 +361,7 @@ def _check_against_reference(results: list, scenarios: dict, name: str) -> None:
         assert len(got["starts"]) == len(starts)
         atol = sc.get("atol", 1e-6)
         for t, (a, e) in enumerate(zip(got["starts"], starts)):
-            assert_close(a, e, f"{name} rank {rank} round-{t} start", atol=atol)
+            assert_close(a, e[rank], f"{name} rank {rank} round-{t} start", atol=atol)
         assert_close(got["final"], finals[rank], f"{name} rank {rank} final", atol=atol)
 
 
@@ -364,7 +395,10 @@ def test_reference_without_error_feedback_would_not_match(results_r2, name):
 
 
 def test_replicas_identical_at_every_round_start(results_r2, results_r4):
-    for results, names in ((results_r2, [*SCENARIOS_R2, "nan"]), (results_r4, list(SCENARIOS_R4))):
+    shared_r2, shared_r4 = (
+        [n for n, sc in scenarios.items() if _shared_start(sc)] for scenarios in (SCENARIOS_R2, SCENARIOS_R4)
+    )
+    for results, names in ((results_r2, [*shared_r2, "nan"]), (results_r4, shared_r4)):
         for name in names:
             for other in results[1:]:
                 assert len(other[name]["starts"]) == len(results[0][name]["starts"])
@@ -456,6 +490,9 @@ SHARDED = {
                 "collective": "all_reduce", "comm_dtype": "fp8"},
         steps=9, model="uneven",
     ),
+    "oss-int8-defaults-reducescatter": dict(
+        config={"tau": 2, "collective": "reduce_scatter", "comm_dtype": "int8"}, steps=8, model="uneven",
+    ),
 }  # fmt: skip
 
 
@@ -504,11 +541,12 @@ def test_fairscale_two_shards_match_reference(results_sharded, name):
     assert all(partitions) and sum(len(p) for p in partitions) == len(names)
     starts, _ = _reference(sc, len(results_sharded) // shards, partitions, shards)
     for rank, per_rank in enumerate(results_sharded):
-        got = per_rank[name]["starts"]
+        got, replica = per_rank[name]["starts"], rank // shards
         assert len(got) == len(starts) == 1 + sc["steps"] // sc["config"]["tau"]
         for t, (a, e) in enumerate(zip(got, starts)):
-            assert_close(a, e, f"{name} rank {rank} round-{t} start")
-        assert all(torch.equal(a[k], b[k]) for a, b in zip(got, results_sharded[0][name]["starts"]) for k in a)
+            assert_close(a, e[replica], f"{name} rank {rank} round-{t} start")
+        same = results_sharded[replica * shards if not _shared_start(sc) else 0][name]["starts"]
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(got, same) for k in a)  # the shards of a replica agree
 
 
 # ---- convergence: the training script's default model, 2 ranks ----------------------------------------
@@ -519,9 +557,8 @@ def _train_lm(tmp_path: Path, comm_dtype: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        # one algorithm for both wire formats (int8's `auto` stand-in would be the shared start, fp32's the
-        # local one), with a fixed schedule: CO2 as published
-        str(ROOT / "scripts" / "train_lm.py"), "--method", "co2_published", "--comm_dtype", comm_dtype,
+        # the defaults (the local stand-in)
+        str(ROOT / "scripts" / "train_lm.py"), "--method", "co2", "--comm_dtype", comm_dtype,
         "--max_steps", "96", "--eval_every", "0", "--eval_batches", "8", "--data_bytes", "1000000",
         "--no_progress", "--out_json", str(out),
     ]  # fmt: skip
