@@ -176,14 +176,14 @@ class CO2Config:
         metadata={
             "doc": "Where each replica starts a round while the last average is in flight; the true average "
             'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `auto` (the default): '
-            "`local` (`shared` with `overlap: false`); with clipping or `skip_round`, where `local` "
+            "`local` (`shared` with `overlap: false`); with clipping, where `local` "
             "is not defined, name `shared` and an outer step for it (e.g. "
             "`co2_zero.config.PUBLISHED`'s: the defaults' Nesterov 0.9 diverges there). `shared`: the shared "
             "start point, as published. "
             "`eager`: plus an outer step on the replica's own share of the average (Kale et al., arXiv "
             "2502.12996). `local`: the outer step the average will take, on the replica's own displacement "
-            "instead (with the outer momentum). `eager` and `local` set explicitly need `overlap: true`, "
-            "`clip.mode: none` and `nonfinite: raise` (an elastic membership "
+            "instead (with the outer momentum). `eager` and `local` set explicitly need `overlap: true` and "
+            "`clip.mode: none`, `eager` also `nonfinite: raise` (an elastic membership "
             "refuses `eager`); costs up to 2Ψ/S fp32 words per rank.",
         },
     )
@@ -321,10 +321,16 @@ class CO2Config:
     def _stand_in_needs(self) -> tuple[tuple[str, Any, tuple[Any, ...], str], ...]:
         """(field, value, accepted, why) of what a stand-in other than `shared` is defined with, overlap aside
         (docs/design.md §3, "Stand-ins")."""
-        return (
-            ("clip.mode", self.clip.mode, ("none",), "'none' (a stand-in's momentum does not see the clip)"),
-            ("nonfinite", self.nonfinite, ("raise",), "'raise' (a skipped round would leave its stand-in behind)"),
+        clip = ("clip.mode", self.clip.mode, ("none",), "'none' (a stand-in's momentum does not see the clip)")
+        if self.effective_stand_in == "local":
+            return (clip,)
+        skip = (
+            "nonfinite",
+            self.nonfinite,
+            ("raise",),
+            "'raise' (a skipped round would leave eager's share in its momentum)",
         )
+        return clip, skip
 
     def _check_stand_in_combination(self) -> None:
         """An explicit `eager` or `local`: each refusal names the field, its value and what the stand-in accepts."""

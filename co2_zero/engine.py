@@ -124,6 +124,7 @@ class RoundEngine:
         self.inner_steps = 0
         self.rounds = 0
         self.skipped_rounds = 0  # rounds whose outer update was skipped (nonfinite: "skip_round")
+        self._applied_was_skipped = False  # the last pipeline's update was skipped: nothing to track
         self.run_id: Optional[str] = None  # set by the first checkpoint saved or loaded
 
     # ---- the lifecycle, as read by integrations and checkpoints -------------------------------------------
@@ -273,6 +274,8 @@ class RoundEngine:
         if self.config.effective_stand_in == "eager":
             replicas = self.topology.replicas
             eager_start(plan.work, plan.base, self.own_momentum, hyper=hyper, replicas=replicas, out=self.own_start)
+        elif self.config.effective_stand_in == "local" and reset_inner:  # the round will be skipped everywhere:
+            self.own_start.copy_(plan.base)  # its true next start is the shared one
         elif self.config.effective_stand_in == "local":
             local_start(plan.work, plan.base, self._momentum_for_local, hyper=hyper, out=self.own_start)
         job = PipelineJob(plan.work, plan.base, self.momentum, self.g_buffer, plan.gap, self.rounds)
@@ -293,7 +296,10 @@ class RoundEngine:
 
     def _track_applied_step(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """The `local` stand-in's copy of the outer momentum follows each outer step applied to the shared
-        start (`outer.track_momentum`); before the first round end nothing was applied (before == after)."""
+        start (`outer.track_momentum`); before the first round end nothing was applied (before == after), and
+        a skipped round (nonfinite: "skip_round") left the momentum as it was."""
+        if self._applied_was_skipped:
+            return
         if self.config.effective_stand_in == "local" and self.own_momentum is not None and self.rounds:
             track_momentum(self.own_momentum, before, after, hyper=self.exchange.hyper)
 
@@ -419,6 +425,7 @@ class RoundEngine:
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
         self.previous_update_sq_norms = result.update_sq_norms
+        self._applied_was_skipped = result.skipped_replicas is not None
         if result.skipped_replicas is not None:
             self.skipped_rounds += 1
             warnings.warn(

@@ -264,6 +264,7 @@ def simulate(
     fresh_inner_at: int | None = None,
     schedule: Sequence[Collection[int] | None] | None = None,
     joins: Collection[tuple[int, int]] = (),
+    restarts: Collection[tuple[int, int]] = (),
     delay_from: int = 0,
 ) -> list[Params]:
     """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
@@ -297,6 +298,10 @@ def simulate(
     - 1, so its inner optimizer is built anew before that round's first step; with
     the local stand-in its stand-in there is made from a zero displacement (it took
     the shared start from a peer and trained nothing since).
+    ``restarts``: (replica, round) pairs: the replica's displacement of round - 1
+    held NaN or Inf (``nonfinite: "skip_round"``; the schedule cuts that round):
+    it starts round ``round`` from the shared start point, its stand-in too, with
+    its inner optimizer built anew.
     ``sync_delay`` d < tau in the config: :func:`_simulate_sync_delay`; ``delay_from``: the first round
     whose average is applied d steps into the next, earlier rounds' a round late (``sync_delay: "auto"``
     before it fixes d).
@@ -312,7 +317,8 @@ def simulate(
 
     models, opts, bufs = _start_replicas(make_model, make_optimizer, replicas, shards)
     if cfg["sync_delay"] not in (None, tau):
-        if exchange is not None or schedule is not None or joins or fresh_inner_at is not None or trace is not None:
+        unsupported = (exchange, schedule, fresh_inner_at, trace)
+        if joins or restarts or any(given is not None for given in unsupported):
             raise ValueError("a sync delay is simulated without a compressed exchange, membership, joins or trace")
 
         def micro(r: int, k: int) -> list[Batch]:
@@ -336,7 +342,7 @@ def simulate(
     for k in range(steps):
         if k == fresh_inner_at:
             opts = [make_optimizer(list(model.parameters())) for model in models]
-        for r, first_round in joins:
+        for r, first_round in (*joins, *restarts):
             if k == first_round * tau:
                 opts[r] = make_optimizer(list(models[r].parameters()))
         for r, (model, opt) in enumerate(zip(models, opts)):
@@ -365,6 +371,9 @@ def simulate(
                 # a replica that joins here took the shared start from a peer: its displacement is zero
                 ends = [owns[r] if r in joining else x for r, x in enumerate(xs)]
                 local_starts(base, owns, ends, momentum_copy if follows_steps else m, cfg)
+                for r, first_round in restarts:  # its round will be skipped: the next shared start is base
+                    if first_round == (k + 1) // tau:
+                        owns[r] = base
             if g is None:
                 result = {n: v.clone() for n, v in base.items()}
                 u, lam = {n: torch.zeros_like(v) for n, v in base.items()}, {}

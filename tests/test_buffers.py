@@ -30,7 +30,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _build(policy: str) -> tuple[torch.nn.Module, CO2Optimizer]:
     model = models.make_model("bn")
-    # CO2 as published (skip_round needs the shared start, and its outer step), for both policies alike
+    # CO2 as published (the shared start: every replica identical at round starts), for both policies alike
     config = CO2Config(**{**PUBLISHED, "tau": 2}, nonfinite=policy, timeout_s=TIMEOUT_S)
     return model, CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config, model=model)
 

@@ -51,7 +51,6 @@ BAD_FIELDS = [
     [
         ({"overlap": False}, "overlap", False),
         ({"clip": {"mode": "norm"}}, "clip.mode", "norm"),
-        ({"nonfinite": "skip_round"}, "nonfinite", "skip_round"),
     ],
 )
 @pytest.mark.parametrize("stand_in", ["eager", "local"])
@@ -64,6 +63,15 @@ def test_stand_in_refuses_what_it_is_not_defined_with(other, named, value, stand
     assert CO2Config.from_dict({**other, "stand_in": "shared"}).effective_stand_in == "shared"  # fine without one
     for comm_dtype in ("bf16", "int8", "fp8"):  # the stand-in never travels: any wire type
         assert CO2Config.from_dict({"stand_in": stand_in, "comm_dtype": comm_dtype}).stand_in == stand_in
+
+
+def test_skip_round_runs_the_local_stand_in_and_refuses_eager():
+    """A skipped round leaves eager's share in its own momentum; local restarts a non-finite replica from
+    the shared start (design §3), so it and the defaults accept skip_round."""
+    with pytest.raises(ValueError, match="nonfinite='skip_round'.*accepted: 'raise'.*stand_in='eager'"):
+        CO2Config.from_dict({"stand_in": "eager", "nonfinite": "skip_round"})
+    for stand_in in ("local", "auto"):
+        assert CO2Config(stand_in=stand_in, nonfinite="skip_round").effective_stand_in == "local"
 
 
 @pytest.mark.parametrize(
@@ -126,7 +134,7 @@ def test_auto_stand_in_is_local_with_overlap_and_shared_without(other):
 
 @pytest.mark.parametrize(
     "other,named",
-    [({"clip": {"mode": "value"}}, "clip.mode='value'"), ({"nonfinite": "skip_round"}, "nonfinite='skip_round'")],
+    [({"clip": {"mode": "value"}}, "clip.mode='value'"), ({"clip": {"mode": "norm"}}, "clip.mode='norm'")],
 )  # fmt: skip
 def test_auto_stand_in_where_local_is_not_defined_asks_for_shared_and_its_outer_step(other, named):
     """Not a silent fall-back to the shared start: the defaults' Nesterov 0.9 diverges there a round late

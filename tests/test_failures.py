@@ -18,7 +18,9 @@ from co2_zero import CO2Config, CO2Error, CO2Optimizer, CO2TimeoutError, NonFini
 from co2_zero.config import PUBLISHED
 from co2_zero.topology import Topology
 from tests import models
+from tests.compare import assert_close
 from tests.dist_utils import launch_ranks, run_ranks
+from tests.reference import replica_round_starts, simulate
 
 TIMEOUT_S = 4.0
 
@@ -178,7 +180,7 @@ def misconfigured(rank: int, world: int) -> dict:
     def nonfinite(policy, collective="auto"):
         def run():
             model = models.make_model("mlp")
-            # CO2 as published for both policies (skip_round needs the shared start)
+            # CO2 as published for both policies (the shared start: replicas identical at round starts)
             config = CO2Config(**{**PUBLISHED, "tau": 2}, nonfinite=policy, collective=collective)
             opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), config)
 
@@ -461,6 +463,34 @@ def skip_round_with_adam(rank: int, overlap: bool) -> dict:
     }
 
 
+SKIP_STEPS = 10  # 5 rounds at tau 2: sync_delay "auto" applies at the round end while it measures (0-4)
+
+
+def skip_round_with_the_defaults(rank: int, collective: str) -> dict:
+    """The defaults (the local stand-in) with skip_round and Adam: rank 1's NaN gradient at step 3 (the
+    last of round 1) makes its displacement non-finite; it restarts round 2 from the shared start with
+    a fresh Adam while rank 0 starts it from its stand-in; round 1 is skipped. Every round start and the
+    final model, for the reference."""
+    model = models.make_model("mlp")
+    config = CO2Config(tau=2, nonfinite="skip_round", collective=collective, timeout_s=TIMEOUT_S)
+    opt = CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), config, model=model)
+    starts, skipped = [{n: p.detach().clone() for n, p in model.named_parameters()}], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(SKIP_STEPS):
+            x, y = models.batch(rank, step)
+            opt.zero_grad()
+            models.loss_fn(model(x), y).backward()
+            _nan_gradient_on_rank_1(rank, model, step)
+            opt.step()
+            if opt.round_ended:
+                starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
+                skipped.append(opt.last_round["skipped_rounds"])
+        opt.finalize()
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"starts": starts, "skipped": skipped, "final": final, "stand_in": opt.engine.config.effective_stand_in}
+
+
 def frozen_parameters(rank: int) -> dict:
     """The first layer's weight is frozen; rank 1's differs at construction (another init)."""
     out = {}
@@ -532,6 +562,7 @@ def round_failures(rank: int, world: int) -> dict:
         "huge": huge_displacement(rank),
         "skip_overlap": skip_round_with_adam(rank, overlap=True),
         "skip_blocking": skip_round_with_adam(rank, overlap=False),
+        **{f"skip_defaults_{c}": skip_round_with_the_defaults(rank, c) for c in ("all_reduce", "reduce_scatter")},
         "frozen": frozen_parameters(rank),
         "finalize": finalize_after_different_steps(rank),  # last: rank 0's extra round stays in flight
     }
@@ -556,6 +587,29 @@ def test_skip_round_with_adam_resets_the_nonfinite_rank_and_keeps_training(round
         assert all(torch.isfinite(v).all() and torch.equal(v, b[k]) for k, v in a.items()), f"round {t} start"
     assert not torch.equal(first["starts"][-1]["0.weight"], first["starts"][-2]["0.weight"])  # still training
     assert all(torch.isfinite(v).all() and torch.equal(v, second["final"][k]) for k, v in first["final"].items())
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_skip_round_with_the_defaults_restarts_the_nonfinite_replica_from_the_shared_start(round_results, collective):
+    """design §3, "Stand-ins": with the local stand-in a replica whose displacement is non-finite starts
+    the next round from the shared start (the round is skipped everywhere, so that is its true next
+    start), the others from their stand-ins; a skipped round leaves the outer momentum, and local's copy
+    of it (reduce_scatter), as it was. Every replica's every round start and the final against the
+    reference with round 1 cut and replica 1 restarted."""
+    results = [r[f"skip_defaults_{collective}"] for r in round_results]
+    assert results[0]["stand_in"] == "local" and results[0]["skipped"] == [0, 0, 1, 1, 1]
+    record: list = []
+    step_record: list = []
+    finals = simulate(models.make_model, lambda p: torch.optim.Adam(p, lr=0.01), models.batch, models.loss_fn,
+                      {"tau": 2}, replicas=2, steps=SKIP_STEPS, record=record, step_record=step_record,
+                      schedule=[{0, 1}, None, {0, 1}, {0, 1}, {0, 1}], restarts=[(1, 2)])  # fmt: skip
+    expected = replica_round_starts(record, step_record, tau=2)
+    for rank, got in enumerate(results):
+        assert len(got["starts"]) == len(expected)
+        for t, start in enumerate(got["starts"]):
+            assert_close(start, expected[t][rank], f"{collective} rank {rank} round-{t} start")
+        assert_close(got["final"], finals[rank], f"{collective} rank {rank} final")
+    assert not torch.equal(results[0]["starts"][2]["0.weight"], results[1]["starts"][2]["0.weight"])
 
 
 def test_frozen_parameters_are_broadcast_and_stay_identical(round_results):
