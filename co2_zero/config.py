@@ -176,15 +176,12 @@ class CO2Config:
         metadata={
             "doc": "Where each replica starts a round while the last average is in flight; the true average "
             'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `auto` (the default): '
-            "`local` (`shared` with `overlap: false`); with clipping, where `local` "
-            "is not defined, name `shared` and an outer step for it (e.g. "
-            "`co2_zero.config.PUBLISHED`'s: the defaults' Nesterov 0.9 diverges there). `shared`: the shared "
-            "start point, as published. "
+            "`local` (`shared` with `overlap: false`). `shared`: the shared start point, as published. "
             "`eager`: plus an outer step on the replica's own share of the average (Kale et al., arXiv "
             "2502.12996). `local`: the outer step the average will take, on the replica's own displacement "
-            "instead (with the outer momentum). `eager` and `local` set explicitly need `overlap: true` and "
-            "`clip.mode: none`, `eager` also `nonfinite: raise` (an elastic membership "
-            "refuses `eager`); costs up to 2Ψ/S fp32 words per rank.",
+            "instead (with the outer momentum; with a clip, `collective: all_reduce`). `eager` and `local` set "
+            "explicitly need `overlap: true`, `eager` also `clip.mode: none` and `nonfinite: raise` (an elastic "
+            "membership refuses `eager`); costs up to 2Ψ/S fp32 words per rank.",
         },
     )
     sync_delay: Optional[Union[int, str]] = field(
@@ -270,8 +267,6 @@ class CO2Config:
             self._check_sync_delay()
         if self.stand_in in ("eager", "local"):
             self._check_stand_in_combination()
-        elif self.stand_in == "auto" and self.overlap:
-            self._check_auto_stand_in()
         _as_floats(self, "outer_lr", "outer_momentum", "timeout_s")
 
     @property
@@ -318,40 +313,22 @@ class CO2Config:
                 "null or 'auto' when overlap=False (a blocking round applies its average at once)",
             )
 
-    def _stand_in_needs(self) -> tuple[tuple[str, Any, tuple[Any, ...], str], ...]:
-        """(field, value, accepted, why) of what a stand-in other than `shared` is defined with, overlap aside
-        (docs/design.md §3, "Stand-ins")."""
-        clip = ("clip.mode", self.clip.mode, ("none",), "'none' (a stand-in's momentum does not see the clip)")
-        if self.effective_stand_in == "local":
-            return (clip,)
-        skip = (
-            "nonfinite",
-            self.nonfinite,
-            ("raise",),
-            "'raise' (a skipped round would leave eager's share in its momentum)",
-        )
-        return clip, skip
-
     def _check_stand_in_combination(self) -> None:
-        """An explicit `eager` or `local`: each refusal names the field, its value and what the stand-in accepts."""
+        """An explicit `eager` or `local` (`auto` is `local` with overlap, `shared` without, and accepts all
+        the rest): each refusal names the field, its value and what the stand-in accepts (docs/design.md §3,
+        "Stand-ins")."""
         overlap = ("overlap", self.overlap, (True,), "true (a blocking round has no average in flight to stand in for)")
-        for name, value, accepted, what in (overlap, *self._stand_in_needs()):
+        needs = [overlap]
+        if self.stand_in == "eager":
+            unclipped = "'none' (eager's momentum of its own shares is not clipped)"
+            unskipped = "'raise' (a skipped round would leave eager's share in its momentum)"
+            needs += [
+                ("clip.mode", self.clip.mode, ("none",), unclipped),
+                ("nonfinite", self.nonfinite, ("raise",), unskipped),
+            ]
+        for name, value, accepted, what in needs:
             if value not in accepted:
                 _fail(name, value, f"{what} when stand_in={self.stand_in!r}")
-
-    def _check_auto_stand_in(self) -> None:
-        """The default `auto` is the local stand-in; where that is not defined the config must say how a
-        replica starts a round, with an outer step for it: the defaults' (Nesterov 0.9, no gap penalty)
-        diverges from the shared start a round late (docs/configuration.md, "Defaults and presets")."""
-        for name, value, accepted, what in self._stand_in_needs():
-            if value not in accepted:
-                _fail(
-                    name,
-                    value,
-                    f"{what} with stand_in 'auto' (the default: the local stand-in); or set stand_in: 'shared' "
-                    f"with an outer step for the published, shared start, e.g. co2_zero.config.PUBLISHED's "
-                    f"(the defaults' Nesterov 0.9 diverges there)",
-                )
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:

@@ -25,9 +25,11 @@ import warnings
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from . import engine_state, startup
 from .agreement import StepAnnouncements, steps_mismatch
@@ -77,6 +79,7 @@ class RoundEngine:
         partition.check_views()
         if membership is not None:
             config = config.for_membership()  # sync_delay "auto": the round end, where quorums form
+        startup.check_stand_in(config, topology)
         self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
         self.schedule = ApplySchedule(config.steps_before_apply, config.tau)
         self.delay_meter = DelayMeter(config.tau) if config.measures_sync_delay else None
@@ -277,7 +280,8 @@ class RoundEngine:
         elif self.config.effective_stand_in == "local" and reset_inner:  # the round will be skipped everywhere:
             self.own_start.copy_(plan.base)  # its true next start is the shared one
         elif self.config.effective_stand_in == "local":
-            local_start(plan.work, plan.base, self._momentum_for_local, hyper=hyper, out=self.own_start)
+            local_start(plan.work, plan.base, self._momentum_for_local, hyper=hyper, out=self.own_start,
+                        sum_over_replica=self._sum_over_replica)  # fmt: skip
         job = PipelineJob(plan.work, plan.base, self.momentum, self.g_buffer, plan.gap, self.rounds)
         try:
             self._pending, self._pending_index = self.exchange.launch(job), self.rounds
@@ -302,6 +306,20 @@ class RoundEngine:
             return
         if self.config.effective_stand_in == "local" and self.own_momentum is not None and self.rounds:
             track_momentum(self.own_momentum, before, after, hyper=self.exchange.hyper)
+
+    def _sum_over_replica(self, partial: torch.Tensor) -> torch.Tensor:
+        """`partial` summed over this replica's shards (its inner group), within timeout_s: the local
+        stand-in's norm clip, over the replica's whole model."""
+        if self.topology.shards == 1:
+            return partial
+        try:
+            work = dist.all_reduce(partial, group=self.topology.inner_group, async_op=True)
+            work.wait(timeout=timedelta(seconds=self.config.timeout_s))
+        except Exception as error:
+            ranks = list(self.topology.inner_ranks)
+            what = f"round {self.rounds}: the local stand-in's clip norm over its replica (global ranks {ranks})"
+            raise collective_error(what, error, self.config.timeout_s) from error
+        return partial
 
     @property
     def _momentum_for_local(self) -> Optional[torch.Tensor]:

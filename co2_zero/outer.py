@@ -237,16 +237,21 @@ def outer_step(
     else:  # β = 0, heavy ball: m = g/Λ is read by nothing after this step, so it stays in g
         m = g
 
-    if hyper.clip == "value":
-        m.clamp_(-hyper.clip_threshold, hyper.clip_threshold)
-    elif hyper.clip == "norm":
-        norm = sum_across_ranks(counted.sq_norms(m).sum().reshape(1)).sqrt()
-        m.mul_(torch.where(norm > hyper.clip_threshold, hyper.clip_threshold / norm, 1.0).to(m.dtype))
-
+    clip_momentum_(m, hyper, lambda m: sum_across_ranks(counted.sq_norms(m).sum().reshape(1)))
     update = g.add_(m, alpha=beta) if hyper.nesterov else m  # u
     update_sq_norms = counted.sq_norms(update)
     torch.add(base, update, alpha=-alpha, out=g)  # elementwise: writing over u is safe
     return OuterResult(update_sq_norms, True)
+
+
+def clip_momentum_(m: torch.Tensor, hyper: OuterHyper, total_sq_norm: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Outer momentum clipping, in place: each element to [-φ, φ] ("value"), or the whole momentum scaled
+    to norm φ when above it ("norm"; `total_sq_norm(m)`: ‖m‖² over the model, a 1-element tensor)."""
+    if hyper.clip == "value":
+        m.clamp_(-hyper.clip_threshold, hyper.clip_threshold)
+    elif hyper.clip == "norm":
+        norm = total_sq_norm(m).sqrt()
+        m.mul_(torch.where(norm > hyper.clip_threshold, hyper.clip_threshold / norm, 1.0).to(m.dtype))
 
 
 def eager_start(
@@ -285,13 +290,19 @@ def local_start(
     *,
     hyper: OuterHyper,
     out: torch.Tensor,
+    sum_over_replica: SumAcrossRanks = lambda t: t,
 ) -> None:
     """This replica's next round start under the `local` stand-in (docs/design.md §3, "Stand-ins"): the
     outer step the average in flight will take from `shared_start`, on the replica's own displacement D
-    instead, `shared_start - α·u` with m' = β·m + D and u = β·m' + D (Nesterov) or m'; m is the outer
-    momentum as of `shared_start` (`stand_in_momentum`, `track_momentum`; None when β = 0). Nothing is
-    updated: the true step replaces this one when the average arrives. No penalty, no clip. Elementwise."""
+    instead, `shared_start - α·u` with m' = β·m + D, clipped as the step clips m, and u = β·m' + D
+    (Nesterov) or m'; m is the outer momentum as of `shared_start` (`stand_in_momentum`,
+    `track_momentum`; None when β = 0). Nothing is updated: the true step replaces this one when the
+    average arrives. No penalty. Elementwise, but for the norm clip's ‖m'‖² over the replica's model
+    (`sum_over_replica` adds up its shards' partial sums)."""
     alpha, beta = hyper.outer_lr, hyper.outer_momentum
+    if hyper.clip != "none":
+        _clipped_local_start(displacement, shared_start, stand_in_momentum, hyper, out, sum_over_replica)
+        return
     if not beta:  # u = D
         torch.add(shared_start, displacement, alpha=-alpha, out=out)
         return
@@ -301,6 +312,26 @@ def local_start(
     else:  # u = β·m + D
         torch.add(shared_start, stand_in_momentum, alpha=-alpha * beta, out=out)
         out.add_(displacement, alpha=-alpha)
+
+
+def _clipped_local_start(
+    displacement: torch.Tensor,
+    shared_start: torch.Tensor,
+    stand_in_momentum: Optional[torch.Tensor],
+    hyper: OuterHyper,
+    out: torch.Tensor,
+    sum_over_replica: SumAcrossRanks,
+) -> None:
+    """`local_start` with a clip: m' is written into `out` and clipped there, then the start over it."""
+    beta = hyper.outer_momentum
+    if beta:
+        torch.add(displacement, stand_in_momentum, alpha=beta, out=out)
+    else:
+        out.copy_(displacement)
+    clip_momentum_(out, hyper, lambda m: sum_over_replica(torch.linalg.vector_norm(m, dtype=torch.float64).square()))
+    if hyper.nesterov:  # u = β·m' + D
+        out.mul_(beta).add_(displacement)
+    out.mul_(-hyper.outer_lr).add_(shared_start)
 
 
 def track_momentum(

@@ -52,8 +52,10 @@ def resolve_config(config: dict) -> dict[str, Any]:
         cfg["sync_delay"] = None
     if cfg["stand_in"] not in ("shared", "eager", "local"):
         raise ValueError(f"unknown stand_in {cfg['stand_in']!r}")
-    if cfg["stand_in"] != "shared" and (not cfg["overlap"] or cfg["clip"]["mode"] != "none"):
-        raise ValueError("a stand-in needs overlap and no clip")
+    if cfg["stand_in"] != "shared" and not cfg["overlap"]:
+        raise ValueError("a stand-in needs overlap")
+    if cfg["stand_in"] == "eager" and cfg["clip"]["mode"] != "none":
+        raise ValueError("the eager stand-in needs no clip")
     delay = cfg["sync_delay"]
     if delay is not None and (not cfg["overlap"] or not 1 <= delay <= cfg["tau"]):
         raise ValueError("sync_delay needs overlap and 1 <= sync_delay <= tau")
@@ -86,11 +88,13 @@ def eager_starts(shared: Params, owns: list[Params], ends: list[Params], h: list
 def local_starts(shared: Params, owns: list[Params], ends: list[Params], m: Params, cfg: dict[str, Any]) -> None:
     """The `local` stand-in (docs/design.md §3): replica r's next round start is the outer step the
     average will take from ``shared``, with the outer momentum ``m`` as of ``shared`` (not updated), on
-    its own displacement (own start − own end) instead of the average. Replaces ``owns[r]``."""
+    its own displacement (own start − own end) instead of the average, clipped as the step clips (the
+    norm over the replica's whole model). Replaces ``owns[r]``."""
     alpha, beta = cfg["outer_lr"], cfg["outer_momentum"]
     for r in range(len(owns)):
         d = {n: owns[r][n] - ends[r][n] for n in shared}
         m_next = {n: beta * m[n] + d[n] for n in shared}
+        clip_momentum(m_next, cfg)
         u = {n: beta * m_next[n] + d[n] for n in shared} if cfg["nesterov"] else m_next
         owns[r] = {n: shared[n] - alpha * u[n] for n in shared}
 
@@ -106,10 +110,24 @@ def follow_applied_step(copy: Params, before: Params, after: Params, cfg: dict[s
         copy[n] = (u + beta * copy[n]) / (1 + beta) if cfg["nesterov"] else u
 
 
+def clip_momentum(m: Params, cfg: dict[str, Any]) -> None:
+    """Outer momentum clipping (docs/design.md §3 e), in place: every element to [-φ, φ] ("value"), or
+    the whole momentum scaled to norm φ when its global norm is above it ("norm")."""
+    phi, mode = float(cfg["clip"]["threshold"]), cfg["clip"]["mode"]
+    if mode == "value":
+        for name in m:
+            m[name] = m[name].clamp(-phi, phi)
+    elif mode == "norm":
+        total = torch.linalg.vector_norm(torch.cat([t.flatten() for t in m.values()]))
+        if total > phi:
+            for name in m:
+                m[name] = m[name] * (phi / total)
+
+
 def outer_step(base: Params, g: Params, gap: Params, m: Params, cfg: dict[str, Any]) -> tuple[Params, Params, Params]:
     """One outer step; updates ``m`` in place, returns (result, u, penalty Λ)."""
     alpha, beta = cfg["outer_lr"], cfg["outer_momentum"]
-    pen, clip = cfg["gap_penalty"], cfg["clip"]
+    pen = cfg["gap_penalty"]
     lam: Params = {}
     scaled: Params = {}
     for name, g_l in g.items():
@@ -121,15 +139,7 @@ def outer_step(base: Params, g: Params, gap: Params, m: Params, cfg: dict[str, A
             lam[name] = 1.0 + pen["strength"] * gap[name] / (torch.linalg.vector_norm(g_l) + EPS)
         scaled[name] = g_l / lam[name]
         m[name] = beta * m[name] + scaled[name]
-    phi = float(clip["threshold"])
-    if clip["mode"] == "value":
-        for name in m:
-            m[name] = m[name].clamp(-phi, phi)
-    elif clip["mode"] == "norm":
-        total = torch.linalg.vector_norm(torch.cat([t.flatten() for t in m.values()]))
-        if total > phi:
-            for name in m:
-                m[name] = m[name] * (phi / total)
+    clip_momentum(m, cfg)
     if cfg["nesterov"]:
         u = {name: beta * m[name] + scaled[name] for name in m}
     else:

@@ -177,6 +177,11 @@ def misconfigured(rank: int, world: int) -> dict:
         finally:
             out["different_shards_s"] = time.monotonic() - began
 
+    def clip_with_local_stand_in_over_reduce_scatter():
+        model = models.make_model("mlp")
+        config = CO2Config(clip={"mode": "norm", "threshold": 1.0}, collective="reduce_scatter")
+        CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+
     def nonfinite(policy, collective="auto"):
         def run():
             model = models.make_model("mlp")
@@ -199,6 +204,7 @@ def misconfigured(rank: int, world: int) -> dict:
     attempt("different_model", different_model(named=False))
     attempt("different_model_named", different_model(named=True))
     attempt("shards_do_not_divide", shards_do_not_divide)
+    attempt("clip_local_reduce_scatter", clip_with_local_stand_in_over_reduce_scatter)
     attempt("different_shards", different_shards)
     attempt("nonfinite_raise", nonfinite("raise"))  # gloo: all_reduce
     attempt("nonfinite_raise_reduce_scatter", nonfinite("raise", "reduce_scatter"))
@@ -235,6 +241,17 @@ def test_ranks_with_different_models_fail_at_start_naming_the_first_tensor(misco
     assert f"rank 0 has {first} where rank 1 has {second}" in message, message
     assert "rank 0: 4, rank 1: 6" in message, message  # the tensor counts (mlp: 4, uneven: 6)
     assert ("Pass the model" in message) == (case == "different_model"), message
+
+
+def test_the_local_stand_in_with_a_clip_refuses_reduce_scatter_naming_what_is_accepted(misconfigured_results):
+    """With reduce_scatter the local stand-in follows a copy of the outer momentum, which a clipped step
+    leaves unknown (design §3): refused when built, on every rank, before any collective."""
+    for result in misconfigured_results:
+        error = result["clip_local_reduce_scatter"]
+        assert isinstance(error, ValueError), error
+        message = str(error)
+        assert "collective='reduce_scatter'" in message and "clip.mode='norm'" in message, message
+        assert "accepted: collective: 'all_reduce', or stand_in: 'shared'" in message, message
 
 
 def test_shards_that_do_not_divide_the_world_are_rejected(misconfigured_results):

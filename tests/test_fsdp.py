@@ -125,6 +125,19 @@ SCENARIOS = {
         steps=13,
         optimizer="adam",
     ),
+    # the local stand-in's norm clip spans the replica's model: its S shards add up their partial norms
+    "local-nesterov-adaptive-clipnorm-allreduce-uneven": dict(
+        config={
+            **NESTEROV,
+            "tau": 2,
+            "gap_penalty": ADAPTIVE,
+            "clip": {"mode": "norm", "threshold": 0.1},
+            "stand_in": "local",
+            "collective": "all_reduce",
+        },
+        steps=7,
+        model="uneven",
+    ),
     "syncdelay-local-heavyball-adaptive-allreduce": dict(
         config={
             **HEAVY_BALL,

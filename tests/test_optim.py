@@ -112,6 +112,30 @@ SCENARIOS_R2 = {
     # CO2Config's defaults but tau (the local stand-in, Nesterov 0.9, outer lr 0.5, no penalty; "auto"
     # measures in rounds 0-4, applying at the round end: 4 rounds here)
     "defaults": dict(config={"tau": 3}, steps=13),
+    # the local stand-in clips its own step as the outer step clips m (all_reduce: gloo's `auto`)
+    "defaults-clipnorm": dict(config={"tau": 3, "clip": {"mode": "norm", "threshold": 0.05}}, steps=13),
+    "local-nesterov-constant-clipvalue-allreduce": dict(
+        config={
+            **NESTEROV,
+            "tau": 2,
+            "gap_penalty": {"mode": "constant", "value": 2.0},
+            "clip": {"mode": "value", "threshold": 0.02},
+            "collective": "all_reduce",
+        },
+        steps=10,
+        optimizer="adam",
+    ),
+    "local-heavyball-adaptive-clipnorm-allreduce-uneven": dict(
+        config={
+            **HEAVY_BALL,
+            "tau": 2,
+            "gap_penalty": ADAPTIVE,
+            "clip": {"mode": "norm", "threshold": 0.1},
+            "collective": "all_reduce",
+        },
+        steps=9,
+        model="uneven",
+    ),
 }
 
 SCENARIOS_R4 = {
@@ -136,6 +160,10 @@ SCENARIOS_R4 = {
             "stand_in": "shared",
             "collective": "all_reduce",
         },
+        steps=9,
+    ),
+    "r4-local-heavyball-adaptive-clipvalue": dict(
+        config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "clip": {"mode": "value", "threshold": 0.02}},
         steps=9,
     ),
     "r4-blocking-slowmo": dict(
