@@ -253,6 +253,7 @@ def simulate(
     fresh_inner_at: int | None = None,
     schedule: Sequence[Collection[int] | None] | None = None,
     joins: Collection[tuple[int, int]] = (),
+    heals: Collection[tuple[int, int]] = (),
     delay_from: int = 0,
 ) -> list[Params]:
     """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
@@ -283,13 +284,23 @@ def simulate(
     - 1, so its inner optimizer is built anew before that round's first step; with
     the local stand-in its stand-in there is made from a zero displacement (it took
     the shared start from a peer and trained nothing since).
+    ``heals``: (replica, round) pairs: the replica cut round - 2's exchange while
+    its peers committed it (only its copy of the average was lost: the schedule's
+    entry is theirs, its displacement included), so it is one outer step behind
+    them, and it healed from a live peer at the end of round - 1, the next round
+    end. It starts ``round`` from the shared start it received, not from the
+    stand-in it made from its own, stale outer state; it keeps its inner optimizer
+    state. Until then its stand-in came from the shared state, so nothing else of
+    the cut shows (a heal at a later round end is not simulated). A cut in the last
+    round heals in finalize, which gives every replica the shared start anyway.
     ``sync_delay`` d < tau in the config: :func:`_simulate_sync_delay`; ``delay_from``: the first round
     whose average is applied d steps into the next, earlier rounds' a round late (``sync_delay: "auto"``
     before it fixes d).
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
-    if (cfg["stand_in"] != "shared" and exchange is not None) or (cfg["stand_in"] == "eager" and schedule is not None):
+    elastic = schedule is not None or bool(heals)  # eager's stand-in has no rule for a heal either
+    if (cfg["stand_in"] != "shared" and exchange is not None) or (cfg["stand_in"] == "eager" and elastic):
         raise ValueError("a stand-in is not simulated with a compressed exchange, eager's not with elastic membership")
     if replicas < 1 or shards < 1 or steps < 0:
         raise ValueError("replicas and shards must be >= 1 and steps >= 0")
@@ -298,7 +309,7 @@ def simulate(
 
     models, opts, bufs = _start_replicas(make_model, make_optimizer, replicas, shards)
     if cfg["sync_delay"] not in (None, tau):
-        if exchange is not None or schedule is not None or joins or fresh_inner_at is not None or trace is not None:
+        if exchange is not None or elastic or joins or fresh_inner_at is not None or trace is not None:
             raise ValueError("a sync delay is simulated without a compressed exchange, membership, joins or trace")
 
         def micro(r: int, k: int) -> list[Batch]:
@@ -348,6 +359,9 @@ def simulate(
                 joining = {r for r, first_round in joins if first_round == (k + 1) // tau}
                 # a replica that joins here took the shared start from a peer: its displacement is zero
                 local_starts(base, owns, [owns[r] if r in joining else x for r, x in enumerate(xs)], m, cfg)
+                for r, first_round in heals:  # healed here: the shared start it received, not its stand-in
+                    if first_round == (k + 1) // tau:
+                        owns[r] = base
             if g is None:
                 result = {n: v.clone() for n, v in base.items()}
                 u, lam = {n: torch.zeros_like(v) for n, v in base.items()}, {}
