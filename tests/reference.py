@@ -275,6 +275,7 @@ def simulate(
     schedule: Sequence[Collection[int] | None] | None = None,
     joins: Collection[tuple[int, int]] = (),
     restarts: Collection[tuple[int, int]] = (),
+    heals: Collection[tuple[int, int]] = (),
     delay_from: int = 0,
 ) -> list[Params]:
     """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
@@ -312,13 +313,23 @@ def simulate(
     held NaN or Inf (``nonfinite: "skip_round"``; the schedule cuts that round):
     it starts round ``round`` from the shared start point, its stand-in too, with
     its inner optimizer built anew.
+    ``heals``: (replica, round) pairs: the replica cut round - 2's exchange while
+    its peers committed it (only its copy of the average was lost: the schedule's
+    entry is theirs, its displacement included), so it is one outer step behind
+    them, and it healed from a live peer at the end of round - 1, the next round
+    end. It starts ``round`` from the shared start it received, not from the
+    stand-in it made from its own, stale outer state; it keeps its inner optimizer
+    state. Until then its stand-in came from the shared state, so nothing else of
+    the cut shows (a heal at a later round end is not simulated). A cut in the last
+    round heals in finalize, which gives every replica the shared start anyway.
     ``sync_delay`` d < tau in the config: :func:`_simulate_sync_delay`; ``delay_from``: the first round
     whose average is applied d steps into the next, earlier rounds' a round late (``sync_delay: "auto"``
     before it fixes d).
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
-    if cfg["stand_in"] == "eager" and schedule is not None:
+    elastic = schedule is not None or bool(heals)  # eager's stand-in has no rule for a heal either
+    if cfg["stand_in"] == "eager" and elastic:
         raise ValueError("the eager stand-in is not simulated with elastic membership")
     if replicas < 1 or shards < 1 or steps < 0:
         raise ValueError("replicas and shards must be >= 1 and steps >= 0")
@@ -327,8 +338,8 @@ def simulate(
 
     models, opts, bufs = _start_replicas(make_model, make_optimizer, replicas, shards)
     if cfg["sync_delay"] not in (None, tau):
-        unsupported = (exchange, schedule, fresh_inner_at, trace)
-        if joins or restarts or any(given is not None for given in unsupported):
+        unsupported = (exchange, fresh_inner_at, trace)
+        if elastic or joins or restarts or any(given is not None for given in unsupported):
             raise ValueError("a sync delay is simulated without a compressed exchange, membership, joins or trace")
 
         def micro(r: int, k: int) -> list[Batch]:
@@ -381,7 +392,9 @@ def simulate(
                 # a replica that joins here took the shared start from a peer: its displacement is zero
                 ends = [owns[r] if r in joining else x for r, x in enumerate(xs)]
                 local_starts(base, owns, ends, momentum_copy if follows_steps else m, cfg)
-                for r, first_round in restarts:  # its round will be skipped: the next shared start is base
+                # a restart: its round will be skipped everywhere; a heal: the shared start it received;
+                # either way the next shared start, not its stand-in
+                for r, first_round in (*restarts, *heals):
                     if first_round == (k + 1) // tau:
                         owns[r] = base
             if g is None:

@@ -71,10 +71,11 @@ def _lighthouse(join_timeout_ms: int = 60000) -> tuple[subprocess.Popen, str]:
 def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, steps: int, plan: dict) -> None:
     """Rank `rank` of one replica group (its own world of plan["shards"] ranks, 1 by default; with 2, the
     model is FSDP2's over the replica): train `steps` inner steps (from where the job is when it joins),
-    record every round's start point (this rank's partition), its membership history, the outer state it
-    holds and the final parameters in `out`. plan["die"]: ("round", t) SIGKILLs itself mid-round t (its
-    exchange of round t - 1 done); ("exchange", t) when its exchange of round t starts, before any
-    collective; ("round_end", t) as its round end t asks for the quorum. plan["die_ranks"]: the ranks
+    record every round's start point (this rank's partition), its membership history, the round ends at
+    which it took a live peer's state, the outer state it holds and the final parameters in `out`.
+    plan["die"]: ("round", t) SIGKILLs itself mid-round t (its exchange of round t - 1 done); ("exchange",
+    t) when its exchange of round t starts, before any collective; ("round_end", t) as its round end t
+    asks for the quorum. plan["die_ranks"]: the ranks
     that die (default: all); the first of them to get there SIGKILLs them all at once, as a lost node
     would end them (a sibling left alive for a moment would fail in a collective instead: exit code 1,
     not a kill). plan["gate"]: (t, path): before round t, wait for `path` to exist.
@@ -107,9 +108,10 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
     config = CO2Config(**{**fields, "timeout_s": timeout_s, "shards_per_replica": shards})
     model = _model(config, shards)
     membership = Membership(lighthouse, replica, start_replicas=plan.get("start_replicas", 3))
+    healed_at = _record_heals(membership)
     try:
         opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), config, model, membership=membership)
-        result = _train(replica, rank, opt, model, membership, steps, {**plan, "die": die})
+        result = {**_train(replica, rank, opt, model, membership, steps, {**plan, "die": die}), "healed_at": healed_at}
     except CO2Error as error:
         result = {"error": str(error), "error_at": time.time()}
     torch.save(result, f"{out}.tmp")
@@ -169,6 +171,22 @@ def _fail_exchange_at(round_index: int) -> None:
         return original(self, peers, index, contributors, injected if index == round_index else error)
 
     elastic.Membership.settle = failing
+
+
+def _record_heals(membership: Any) -> list[int]:
+    """The round ends at which `membership` takes a live peer's state once training has begun (a heal, or
+    a join), filled in as they happen; the start-up's, where every replica takes one peer's x_0, is left out.
+    Wraps the instance's `_load_state_dict` before its engine is built (the Manager keeps that callback)."""
+    healed_at: list[int] = []
+    load = membership._load_state_dict
+
+    def recording(state: dict) -> None:
+        load(state)
+        if state["inner_steps"]:
+            healed_at.append(state["rounds"])
+
+    membership._load_state_dict = recording
+    return healed_at
 
 
 def _straggle_at(round_index: int, seconds: float) -> None:
@@ -339,10 +357,17 @@ def _reference_final(
 
 
 def _reference(
-    config: dict, schedule: list, joins: list[tuple[int, int]], steps: int, replicas: int = 3, shards: int = 1
+    config: dict,
+    schedule: list,
+    joins: list[tuple[int, int]],
+    steps: int,
+    replicas: int = 3,
+    shards: int = 1,
+    heals: tuple[tuple[int, int], ...] = (),
 ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-    """The reference run with the recorded membership schedule: its final model, and per round start
-    every replica's parameters there (its stand-in, with one), each flattened in the model's order."""
+    """The reference run with the recorded membership schedule (and heals, `simulate`'s): its final model,
+    and per round start every replica's parameters there (its stand-in, with one), each flattened in the
+    model's order."""
     record: list = []
     step_record: list = []
     out = simulate(
@@ -357,6 +382,7 @@ def _reference(
         shard_batch=lambda r, s, k: models.shard_batch(r, s, k, shards),
         schedule=schedule,
         joins=joins,
+        heals=heals,
         record=record,
         step_record=step_record,
     )
@@ -541,6 +567,44 @@ def test_a_replica_killed_inside_the_average_stalls_no_survivor(job_factory):
         assert torch.equal(result["final"], results[0]["final"])
     expected = _reference_final(schedule, [], rounds * TAU, replicas)
     torch.testing.assert_close(results[0]["final"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_round_cut_on_one_replica_only_heals_it_at_the_next_round_end(job_factory):
+    """The defaults (the local stand-in). Replica 1's copy of round 2's average is lost (an error only it
+    sees) while its peers commit the round: it is one outer step behind them. Having cut its last exchange,
+    it asks for its next quorum on the main thread, not in the background (where a straggler that learns
+    it is behind must leave), and heals there from a live peer at round end 3. Its round 3 displacement
+    counts (its stand-in for round 3 came from the shared state), and it starts round 4 from the shared
+    start it received, not from the stand-in it made from its stale start and momentum (design §3, §12).
+    Every replica's parameters at every round start and every final model equal the reference's with
+    that heal."""
+    rounds, replicas, cut, behind = 6, 3, 2, 1
+    job = job_factory(rounds * TAU)
+    plan = {"start_replicas": replicas, "replicas": replicas, "config": DEFAULTS}
+    processes = [p for r in range(replicas) if r != behind for p in job.start(r, **plan)]
+    processes += job.start(behind, fail_exchange=cut, **plan)
+    job.wait(processes, timeout=300)
+    results = [job.result(r) for r in range(replicas)]
+    assert all("error" not in result for result in results), [result.get("error") for result in results]
+
+    everyone = [set(range(replicas))] * rounds
+    for r, result in enumerate(results):
+        history = result["history"]
+        assert [set(contributors) for _, _, contributors, _ in history] == everyone, (r, history)
+        assert [committed for *_, committed in history] == [r != behind or t != cut for t in range(rounds)], (
+            r,
+            history,
+        )
+        assert result["healed_at"] == ([cut + 1] if r == behind else []), (r, result["healed_at"])
+    final, starts = _reference(DEFAULTS, everyone, [], rounds * TAU, replicas, heals=((behind, cut + 2),))
+    for t in range(rounds + 1):  # round by round: a failure names the first round start that differs
+        for r, result in enumerate(results):
+            torch.testing.assert_close(
+                result["starts"][t], starts[t][r], rtol=1e-5, atol=1e-6, msg=f"replica {r} round {t}"
+            )
+    for result in results:
+        assert torch.equal(result["final"], results[0]["final"]), "the replicas ended with different models"
+    torch.testing.assert_close(results[0]["final"], final, rtol=1e-5, atol=1e-6)
 
 
 def test_a_last_round_cut_on_one_replica_only_still_ends_with_one_model(job_factory):

@@ -402,3 +402,18 @@ def test_a_delay_fixed_mid_run_starts_after_the_published_rounds(stand_in: str) 
     simulate(linear, sgd, batch, mse, {**c, "sync_delay": d}, 2, rounds * tau, step_record=late[0],
              delay_from=rounds)  # fmt: skip
     assert all(close(a[m], b[m]) for a, b in zip(late[0], published) for m in range(2))  # never switched
+
+
+def test_a_healed_replica_starts_the_next_round_from_the_shared_start() -> None:
+    """``heals`` (docs/design.md §3, §12): a replica that healed from a peer at a round end starts the next
+    round from the shared start it received, not from its stand-in; its peers keep theirs, and every step
+    before the heal is the run's without it."""
+    c = cfg(overlap=True, stand_in="local", outer_lr=0.7, outer_momentum=0.6, nesterov=True)
+    rounds, first_round = 4, 2  # replica 1 heals at round end 1 and starts round 2 from the shared start
+    plain, healing, shared = [], [], []
+    simulate(linear, sgd, batch, mse, c, 2, rounds * TAU, step_record=plain)
+    simulate(linear, sgd, batch, mse, c, 2, rounds * TAU, step_record=healing, record=shared, heals=[(1, first_round)])
+    heal = first_round * TAU - 1  # the step that ends round first_round - 1
+    assert all(close(a[m], b[m]) for a, b in zip(plain[:heal], healing) for m in range(2))
+    assert close(healing[heal][1], shared[first_round]) and not close(plain[heal][1], shared[first_round])
+    assert close(healing[heal][0], plain[heal][0]) and not close(healing[heal][0], shared[first_round])
