@@ -450,25 +450,32 @@ def _nan_gradient_on_rank_1(rank: int, model: torch.nn.Module, step: int) -> Non
         next(model.parameters()).grad[0, 0] = float("nan")
 
 
+def _train_with_a_nan_gradient_on_rank_1(rank: int, model, opt: CO2Optimizer, steps: int) -> tuple[list, list]:
+    """Train `steps` steps, rank 1's gradient NaN at step 3 -> the parameters and `skipped_rounds` at
+    every round end."""
+    starts, skipped = [], []
+    for step in range(steps):
+        x, y = models.batch(rank, step)
+        opt.zero_grad()
+        models.loss_fn(model(x), y).backward()
+        _nan_gradient_on_rank_1(rank, model, step)
+        opt.step()
+        if opt.round_ended:
+            assert opt.last_round["round"] == len(skipped), opt.last_round  # 0 for the first, both modes
+            skipped.append(opt.last_round["skipped_rounds"])
+            starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return starts, skipped
+
+
 def skip_round_with_adam(rank: int, overlap: bool) -> dict:
     """Adam, skip_round, a NaN gradient on rank 1 at step 3 (round 1): that round is skipped, rank 1's
     Adam state is reset, and every later round trains normally."""
     model = models.make_model("mlp")
     config = CO2Config(**{**PUBLISHED, "tau": 2}, nonfinite="skip_round", overlap=overlap, timeout_s=TIMEOUT_S)
     opt = CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), config, model=model)
-    skipped, starts = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(12):
-            x, y = models.batch(rank, step)
-            opt.zero_grad()
-            models.loss_fn(model(x), y).backward()
-            _nan_gradient_on_rank_1(rank, model, step)
-            opt.step()
-            if opt.round_ended:
-                assert opt.last_round["round"] == len(skipped), opt.last_round  # 0 for the first, both modes
-                skipped.append(opt.last_round["skipped_rounds"])
-                starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        starts, skipped = _train_with_a_nan_gradient_on_rank_1(rank, model, opt, 12)
         adam_finite = all(torch.isfinite(t).all() for s in opt.optimizer.state.values() for t in s.values())
         opt.finalize()
     return {
@@ -491,21 +498,14 @@ def skip_round_with_the_defaults(rank: int, collective: str) -> dict:
     model = models.make_model("mlp")
     config = CO2Config(tau=2, nonfinite="skip_round", collective=collective, timeout_s=TIMEOUT_S)
     opt = CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), config, model=model)
-    starts, skipped = [{n: p.detach().clone() for n, p in model.named_parameters()}], []
+    first = {n: p.detach().clone() for n, p in model.named_parameters()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for step in range(SKIP_STEPS):
-            x, y = models.batch(rank, step)
-            opt.zero_grad()
-            models.loss_fn(model(x), y).backward()
-            _nan_gradient_on_rank_1(rank, model, step)
-            opt.step()
-            if opt.round_ended:
-                starts.append({n: p.detach().clone() for n, p in model.named_parameters()})
-                skipped.append(opt.last_round["skipped_rounds"])
+        starts, skipped = _train_with_a_nan_gradient_on_rank_1(rank, model, opt, SKIP_STEPS)
         opt.finalize()
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"starts": starts, "skipped": skipped, "final": final, "stand_in": opt.engine.config.effective_stand_in}
+    stand_in = opt.engine.config.effective_stand_in
+    return {"starts": [first, *starts], "skipped": skipped, "final": final, "stand_in": stand_in}
 
 
 def frozen_parameters(rank: int) -> dict:
