@@ -19,6 +19,7 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
                       displacement instead) and `sync_delay: SYNC_DELAY`: the average is applied that many
                       steps into the next round, not at its end, the replicas' progress rebased on it: the
                       defaults since 0.2 with the sync delay fixed (`"auto"` measures it on the job)
+  diloco_local_sync_int8  the same with `comm_dtype: int8` (0.254× the bytes a round; τ 32, its outer lr only)
   torchft_diloco      torchft's DiLoCo and Streaming DiLoCo (2 fragments), driven by scripts/torchft_peer.py
   torchft_streaming   --replicas P: a Lighthouse and P replicas of one rank, the diloco preset's outer
                       optimizer (Nesterov) at the cell's outer lr / momentum, fp32 (unavailable without torchft)
@@ -64,14 +65,17 @@ from scripts import bench_convergence as bc
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "scripts" / "torchft_peer.py"
-CO2_FAMILY = ("diloco", "co2", "co2_eager", "co2_local", "diloco_eager", "diloco_local", "diloco_local_sync")
+CO2_FAMILY = ("diloco", "co2", "co2_eager", "co2_local", "diloco_eager", "diloco_local", "diloco_local_sync",
+              "diloco_local_sync_int8")  # fmt: skip
 STAND_IN = {"co2_eager": "eager", "co2_local": "local", "diloco_eager": "eager", "diloco_local": "local",
-            "diloco_local_sync": "local"}  # fmt: skip
+            "diloco_local_sync": "local", "diloco_local_sync_int8": "local"}  # fmt: skip
+COMM_DTYPE = {"diloco_local_sync_int8": "int8"}  # the wire format where not fp32
 # with the config field `sync_delay`: min(SYNC_DELAY, τ) steps, what the study model's exchange needs at 100 Mbit/s
 # (its blocking DiLoCo runs 18% slower than CO2 at τ 32 there: the exchange takes about 6 of its steps)
-SYNCED = ("diloco_local_sync",)
+SYNCED = ("diloco_local_sync", "diloco_local_sync_int8")
 SYNC_DELAY = 8
-DILOCO_STEP = ("diloco", "diloco_eager", "diloco_local", "diloco_local_sync")  # the diloco preset's outer step
+# the diloco preset's outer step
+DILOCO_STEP = ("diloco", "diloco_eager", "diloco_local", "diloco_local_sync", "diloco_local_sync_int8")
 PEERS = {"torchft_diloco": "diloco", "torchft_streaming": "streaming"}  # method -> the peer's algorithm
 METHODS = ("ddp", *CO2_FAMILY, *PEERS)
 # (outer lrs, outer momenta) tried per method at every τ. The DiLoCo family keeps Nesterov 0.9 and
@@ -92,6 +96,7 @@ GRIDS = {
     "diloco_local": ((0.5, 0.7, 1.0), (0.5, 0.9)),  # as diloco_eager: a round late, 0.9 may overshoot
     "co2_local": ((0.5, 0.7, 1.0), (0.8,)),  # eager's best momentum; 0.5 lost on the device (1.56 vs 1.47)
     "diloco_local_sync": NESTEROV_GRID,
+    "diloco_local_sync_int8": ((0.5,), (0.9,)),  # the fp32 defaults' best at τ 32: the wire format alone
     "torchft_diloco": NESTEROV_GRID,
     "torchft_streaming": NESTEROV_GRID,
 }
@@ -112,7 +117,7 @@ GRIDS.update(
 GRIDS["diloco_local@32"] = ((0.2, *GRIDS["diloco_local@32"][0]), GRIDS["diloco_local@32"][1])
 # the stand-in ablation's own methods run at these τ only (every other method at every --taus): which
 # stand-in a one-round-late average needs is asked once, where the study's comparison is closest
-ABLATION_TAUS = {"co2_local": (32,), "diloco_eager": (32,), "diloco_local": (32,)}
+ABLATION_TAUS = {"co2_local": (32,), "diloco_eager": (32,), "diloco_local": (32,), "diloco_local_sync_int8": (32,)}
 # method -> bench_throughput run labels whose tokens/s it has on a link, first found wins: blocking
 # DiLoCo exchanges exactly what blocking Local SGD does (the outer step differs only in its math)
 THROUGHPUT_LABELS = {
@@ -124,6 +129,7 @@ THROUGHPUT_LABELS = {
     "diloco_local": ("co2",),
     "co2_local": ("co2",),
     "diloco_local_sync": (),  # applied after SYNC_DELAY steps: only its own run says whether that hides the exchange
+    "diloco_local_sync_int8": (),
     "torchft_diloco": (),  # torchft's own runs (bench_throughput's torchft labels): OWN_RUN_LABELS
     "torchft_streaming": (),
 }
@@ -139,6 +145,7 @@ PUBLISHED = {
     "diloco_local": "–",
     "co2_local": "–",
     "diloco_local_sync": "a sync overlapped by a few steps costs about nothing: Douillard et al. 2501.18512",
+    "diloco_local_sync_int8": "4-bit exchange at similar quality: Douillard et al. 2501.18512",
     "torchft_diloco": "as diloco",
     "torchft_streaming": "similar to DiLoCo at ~100× less bandwidth: Douillard et al. 2501.18512",
 }
@@ -264,6 +271,7 @@ def train_flags(cell: Cell, steps: int, eval_points: int, common: Sequence[str])
         return [*flags, "--method", "ddp"]
     method = ["--method", "diloco"] if cell.method in (*DILOCO_STEP, *PEERS) else ["--method", "co2_published"]
     eager = ["--stand_in", STAND_IN[cell.method]] if cell.method in STAND_IN else []
+    eager += ["--comm_dtype", COMM_DTYPE[cell.method]] if cell.method in COMM_DTYPE else []
     # the diloco preset blocks; its overlapped variants overlap, a whole round late unless SYNCED (never
     # "auto": a cell's trajectory must not depend on the host's timing)
     if cell.method in DILOCO_STEP and cell.method != "diloco":
