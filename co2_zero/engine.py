@@ -277,8 +277,8 @@ class RoundEngine:
         if self.config.effective_stand_in == "eager":
             replicas = self.topology.replicas
             eager_start(plan.work, plan.base, self.own_momentum, hyper=hyper, replicas=replicas, out=self.own_start)
-        elif self.config.effective_stand_in == "local" and reset_inner:  # the round will be skipped everywhere:
-            self.own_start.copy_(plan.base)  # its true next start is the shared one
+        elif self.config.effective_stand_in == "local" and self._replica_is_nonfinite(reset_inner):
+            self.own_start.copy_(plan.base)  # the round will be skipped everywhere: its true next start
         elif self.config.effective_stand_in == "local":
             local_start(plan.work, plan.base, self._momentum_for_local, hyper=hyper, out=self.own_start,
                         sum_over_replica=self._sum_over_replica)  # fmt: skip
@@ -307,9 +307,18 @@ class RoundEngine:
         if self.config.effective_stand_in == "local" and self.own_momentum is not None and self.rounds:
             track_momentum(self.own_momentum, before, after, hyper=self.exchange.hyper)
 
+    def _replica_is_nonfinite(self, mine: bool) -> bool:
+        """Whether any rank of this replica holds a non-finite displacement ("skip_round" only; `mine`: this
+        rank's): then its round is skipped everywhere, and every shard of the replica, agreeing, starts the
+        next round from the shared start (none takes the stand-in's collectives without the others)."""
+        if self.config.nonfinite != "skip_round":
+            return False
+        flag = torch.tensor([float(mine)], dtype=torch.float64, device=self.start_point.device)
+        return bool(self._sum_over_replica(flag).item() > 0)
+
     def _sum_over_replica(self, partial: torch.Tensor) -> torch.Tensor:
         """`partial` summed over this replica's shards (its inner group), within timeout_s: the local
-        stand-in's norm clip, over the replica's whole model."""
+        stand-in's norm clip over the replica's whole model, and its non-finite flags."""
         if self.topology.shards == 1:
             return partial
         try:

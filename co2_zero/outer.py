@@ -246,7 +246,7 @@ def outer_step(
 
 def clip_momentum_(m: torch.Tensor, hyper: OuterHyper, total_sq_norm: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Outer momentum clipping, in place: each element to [-φ, φ] ("value"), or the whole momentum scaled
-    to norm φ when above it ("norm"; `total_sq_norm(m)`: ‖m‖² over the model, a 1-element tensor)."""
+    to norm φ when above it ("norm"; `total_sq_norm(m)`: ‖m‖² over the model, one element)."""
     if hyper.clip == "value":
         m.clamp_(-hyper.clip_threshold, hyper.clip_threshold)
     elif hyper.clip == "norm":

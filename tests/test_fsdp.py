@@ -138,6 +138,24 @@ SCENARIOS = {
         steps=7,
         model="uneven",
     ),
+    # skip_round with the local stand-in and a norm clip: only replica 1's first shard holds a NaN (its
+    # gradient, in round 1's last step); every shard of replica 1 agrees and starts round 2 from the shared
+    # start (none takes the clip's collective alone), the other replica from its stand-in; round 1 skipped.
+    # The inner SGD keeps no state: a reset clears only the rank that saw the NaN
+    "skip-local-clipnorm-allreduce": dict(
+        config={
+            **NESTEROV,
+            "tau": 2,
+            "clip": {"mode": "norm", "threshold": 0.1},
+            "stand_in": "local",
+            "collective": "all_reduce",
+            "nonfinite": "skip_round",
+        },
+        steps=8,
+        optimizer="sgd_no_state",
+        poison_step=3,
+        reference={"schedule": [{0, 1}, None, {0, 1}, {0, 1}], "restarts": [(1, 2)]},
+    ),
     "syncdelay-local-heavyball-adaptive-allreduce": dict(
         config={
             **HEAVY_BALL,
@@ -176,6 +194,8 @@ def make_model(kind: str = "mlp", frozen: tuple = ()) -> nn.Module:
 def make_inner(kind: str, params) -> torch.optim.Optimizer:
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    if kind == "sgd_no_state":  # nothing for a reset to clear
+        return torch.optim.SGD(params, lr=0.05)
     return models.make_optimizer(kind, params)
 
 
@@ -203,13 +223,19 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(model, opt, rank, shards, first, last, batches=models.shard_batch, record=None, losses=None):
+def _train(model, opt, rank, shards, first, last, batches=models.shard_batch, record=None, losses=None, poison=None):
+    """Inner steps `first`..`last`; `poison` (step, rank): that rank's first local gradient element is NaN
+    at that step."""
     r, s = divmod(rank, shards)
     for step in range(first, last):
         x, y = batches(r, s, step, shards)
         opt.zero_grad()
         loss = models.loss_fn(model(x).float(), y)
         loss.backward()
+        if poison == (step, rank):
+            grad = next(model.parameters()).grad
+            with torch.no_grad():
+                (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
         opt.step()
         if losses is not None:
             losses.append(loss.item())
@@ -249,7 +275,8 @@ def _run_scenario(rank: int, shards: int, mesh, sc: dict) -> dict:
             timings.append((opt.last_round["wait_s"], opt.last_round["round_end_s"]))
 
     opt.register_step_post_hook(after_step)
-    _train(model, opt, rank, shards, 0, sc["steps"], record=steps)
+    poison = (sc["poison_step"], shards) if "poison_step" in sc else None  # replica 1's first shard
+    _train(model, opt, rank, shards, 0, sc["steps"], record=steps, poison=poison)
     out = {
         "pieces": pieces,
         "partition_length": flat.numel(),
@@ -440,6 +467,7 @@ def reference_steps(sc: dict, shards: int) -> tuple[list, list]:
             finalize=finalize,
             shards=shards,
             shard_batch=lambda r, j, k: models.shard_batch(r, j, k, shards),
+            **sc.get("reference", {}),
         )
 
     return [run(k, False) for k in range(sc["steps"] + 1)], run(sc["steps"], True)
