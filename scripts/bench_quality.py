@@ -750,8 +750,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not a.summary:
         bc.require_matplotlib()
         run_cells(a, runnable, grid, steps, results, cells_dir)
-    print(markdown(summary(a, results, steps, out_dir)))
+    print(markdown(summary(whole_study(a), results, steps, out_dir)))
     return 0
+
+
+def whole_study(a: argparse.Namespace) -> argparse.Namespace:
+    """`a` widened to every method and τ of the study: a run of a part (--methods, --taus) still writes
+    the summary of all the cells there are, not a table of that part over the whole one."""
+    taus = sorted({*get_args([]).taus, *a.taus})
+    return argparse.Namespace(**{**vars(a), "methods": list(METHODS), "taus": taus})
 
 
 def run_cells(a, methods: Sequence[str], grid: dict, steps: int, results: dict, cells_dir: Path) -> None:

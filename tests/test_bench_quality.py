@@ -120,6 +120,9 @@ def test_flags_of_each_method():
     assert late[late.index("--stand_in") + 1] == "local" and "--overlap" in late
     assert late[late.index("--sync_delay") + 1] == "32"  # a whole round late, never the timing-dependent "auto"
     assert late[late.index("--method") + 1] == "diloco"
+    int8 = bq.train_flags(bq.Cell("diloco_local_sync_int8", 32, 0.7, 0.9, 5), 640, 2, common)
+    at = int8.index("--comm_dtype")
+    assert int8[at + 1] == "int8" and int8[:at] + int8[at + 2 :] == synced  # the defaults' cell, int8 on the wire
     short = bq.train_flags(bq.Cell("diloco_local_sync", 4, 0.7, 0.9, 5), 640, 2, common)
     assert short[short.index("--sync_delay") + 1] == "4"  # at most τ
     ddp = bq.train_flags(bq.Cell("ddp", None, None, None, 5), 640, 2, common)
@@ -150,6 +153,15 @@ def _study() -> dict:
         cells.update(_finished([bq.Cell("co2", 8, 1.0, 0.0, seed)], [co2]))
     cells.update(_finished([bq.Cell("co2", 8, 0.5, 0.0, 1)], [2.5]))
     return cells
+
+
+def test_a_run_of_a_part_summarizes_the_whole_study():
+    """`--methods X --taus 32` runs X's cells; the summary it writes still covers every method and τ (it
+    once wrote a table of X alone over the study's)."""
+    part = bq.get_args(["--methods", "diloco_local_sync_int8", "--taus", "32", "--max_cells", "1"])
+    whole = bq.whole_study(part)
+    assert whole.methods == list(bq.METHODS) and whole.taus == [8, 32, 128]
+    assert (whole.max_cells, whole.out_dir, part.methods) == (1, part.out_dir, ["diloco_local_sync_int8"])
 
 
 def test_summary_gap_to_ddp_and_spread_over_seeds():
