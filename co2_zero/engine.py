@@ -326,7 +326,7 @@ class RoundEngine:
             work.wait(timeout=timedelta(seconds=self.config.timeout_s))
         except Exception as error:
             ranks = list(self.topology.inner_ranks)
-            what = f"round {self.rounds}: the local stand-in's clip norm over its replica (global ranks {ranks})"
+            what = f"round {self.rounds}: the local stand-in's sum over its replica (global ranks {ranks})"
             raise collective_error(what, error, self.config.timeout_s) from error
         return partial
 

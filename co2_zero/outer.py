@@ -299,32 +299,8 @@ def local_start(
     `track_momentum`; None when β = 0). Nothing is updated: the true step replaces this one when the
     average arrives. No penalty. Elementwise, but for the norm clip's ‖m'‖² over the replica's model
     (`sum_over_replica` adds up its shards' partial sums)."""
-    alpha, beta = hyper.outer_lr, hyper.outer_momentum
-    if hyper.clip != "none":
-        _clipped_local_start(displacement, shared_start, stand_in_momentum, hyper, out, sum_over_replica)
-        return
-    if not beta:  # u = D
-        torch.add(shared_start, displacement, alpha=-alpha, out=out)
-        return
-    if hyper.nesterov:  # u = β²·m + (1 + β)·D
-        torch.add(shared_start, stand_in_momentum, alpha=-alpha * beta * beta, out=out)
-        out.add_(displacement, alpha=-alpha * (1.0 + beta))
-    else:  # u = β·m + D
-        torch.add(shared_start, stand_in_momentum, alpha=-alpha * beta, out=out)
-        out.add_(displacement, alpha=-alpha)
-
-
-def _clipped_local_start(
-    displacement: torch.Tensor,
-    shared_start: torch.Tensor,
-    stand_in_momentum: Optional[torch.Tensor],
-    hyper: OuterHyper,
-    out: torch.Tensor,
-    sum_over_replica: SumAcrossRanks,
-) -> None:
-    """`local_start` with a clip: m' is written into `out` and clipped there, then the start over it."""
     beta = hyper.outer_momentum
-    if beta:
+    if beta:  # m' in `out`, clipped there, then the start written over it
         torch.add(displacement, stand_in_momentum, alpha=beta, out=out)
     else:
         out.copy_(displacement)
