@@ -275,7 +275,7 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
             )
         write_module(framework, module_state, strict=False)
         engine.load_state_dict(state)
-        engine.restart_from_start_point()
+        engine.restart_round()
         framework.after_reshard(saved_framework)
 
     return _Plan(apply, payload["extra"])

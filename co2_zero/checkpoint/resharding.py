@@ -15,7 +15,9 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
 
     Pieces are keyed by parameter tensor and element offset instead of partition position, so a run
     with another R or S (or another integration) can load them (`reshard`). Each rank contributes its
-    sub-shard; the shares of all ranks of a run cover every parameter element exactly once.
+    sub-shard of the shared state; the shares of all ranks of a run cover every parameter element
+    exactly once. A stand-in's state (its replica's own round start and momentum) is its replica's own:
+    each rank contributes it over its whole partition, with its replica's index.
     """
     geometry = state["geometry"]
     start, end = geometry["sub_shard"]
@@ -35,11 +37,15 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
             }
         )
     norms = state["previous_update_sq_norms"]
+    grid = state["grid"]
     return {
         "config_hash": state["config_hash"],
         "signature": state["signature"],
         "num_tensors": geometry["num_tensors"],
         "tau": geometry["tau"],
+        "applies_at": state.get("applies_at", geometry["tau"]),
+        "replicas": grid["replicas"],
+        "replica": state["rank"] // grid["shards"],
         "inner_steps": state["inner_steps"],
         "rounds": state["rounds"],
         "skipped_rounds": state.get("skipped_rounds", 0),
@@ -47,8 +53,27 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
         "fixed_sync_delay": state.get("fixed_sync_delay"),
         "stand_in": state.get("stand_in"),
         "pieces": pieces,
+        "own_pieces": _own_pieces(state),
         "update_sq_norms_partial": None if norms is None else norms.cpu().clone(),
     }
+
+
+OWN = ("own_start", "own_momentum")  # a stand-in's state: its replica's own, over a rank's whole partition
+
+
+def _own_pieces(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stand-in's tensors (those the state has) cut per parameter tensor, over the whole partition."""
+    held = [key for key in OWN if state.get(key) is not None]
+    if not held:
+        return []
+    return [
+        {
+            "tensor_id": tensor_id,
+            "offset": offset,
+            **{key: state[key][seg_start:seg_end].cpu().clone() for key in held},
+        }
+        for tensor_id, seg_start, seg_end, offset in state["geometry"]["segments"]
+    ]
 
 
 def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -56,8 +81,12 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
     every rank of a saved run (any R x S, any integration). Returns (state, dropped steps).
 
     The state resumes at the saved run's last round start: a partial round cannot be carried across
-    partitions, so its steps are dropped (their number is returned). Raises ValueError when the shares
-    do not cover the target's partition or come from another co2 config or model.
+    partitions, so its steps are dropped (their number is returned). With a sync delay d < tau the
+    average that round start waits for has arrived, and is applied at once: the round starts from the
+    newest shared start whatever step of the round was saved (docs/design.md §3, "checkpoints"). With a
+    stand-in, replica m resumes from the stand-in of saved replica m % saved R (`_stand_in`). Raises
+    ValueError when the shares do not cover the target's partition or come from another co2 config or
+    model.
     """
     for share in shares:
         for key in ("config_hash", "signature"):
@@ -66,9 +95,15 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
                     f"co2 checkpoint: the saved state has {key}={share[key]!r} but this run has {identity[key]!r}; "
                     f"resharding needs the same co2 config and model"
                 )
-    saved = shares[0]
-    start_point, next_start, whole_momentum = _assemble(shares, identity["geometry"])
-    lo, hi = identity["geometry"]["momentum_range"]
+    saved, geometry = shares[0], identity["geometry"]
+    by_tensor = _by_tensor(share["pieces"] for share in shares)
+    start_point = _assemble(by_tensor, "start_point", geometry)
+    has_next = all(piece["next_start"] is not None for share in shares for piece in share["pieces"])
+    next_start = _assemble(by_tensor, "next_start", geometry) if has_next and geometry["overlap"] else None
+    if next_start is not None and 0 < saved["applies_at"] < saved["tau"]:
+        start_point, next_start = next_start, None  # the arrived average, applied at once
+    whole_momentum = _assemble(by_tensor, "momentum", geometry)
+    lo, hi = geometry["momentum_range"]
     partials = [s["update_sq_norms_partial"] for s in shares if s["update_sq_norms_partial"] is not None]
     norms = None
     if partials:  # only the sum over ranks matters: rank 0 carries it, the others zeros
@@ -77,54 +112,79 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
     state = {
         **identity,
         "run_id": saved.get("run_id"),
-        "inner_steps": rounds * identity["geometry"]["tau"],
+        "inner_steps": rounds * geometry["tau"],
         "rounds": rounds,
         "skipped_rounds": saved.get("skipped_rounds", 0),
         "start_point": start_point,
         "next_start": next_start,
         "momentum": whole_momentum[lo:hi].clone(),
-        # the local stand-in reads the outer momentum over the whole partition (a copy where it is sharded)
-        "own_momentum": whole_momentum if saved.get("stand_in") == "local" else None,
+        **_stand_in(shares, identity, whole_momentum, applied_at_once=next_start is None),
         "previous_update_sq_norms": norms,
         "fixed_sync_delay": saved.get("fixed_sync_delay"),
     }
     return state, saved["inner_steps"] - rounds * saved["tau"]
 
 
-def _assemble(
-    shares: Sequence[dict[str, Any]], geometry: dict[str, Any]
-) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """This rank's start point, next start point (None in blocking mode) and outer momentum, each over
-    its whole partition, copied from the saved pieces that overlap it; ValueError if they do not cover it."""
-    padded, overlap = geometry["padded"], geometry["overlap"]
-    start_point = torch.zeros(padded, dtype=torch.float32)
-    next_start = torch.zeros(padded, dtype=torch.float32) if overlap else None
-    momentum = torch.zeros(padded, dtype=torch.float32)
+def _stand_in(
+    shares: Sequence[dict[str, Any]], identity: dict[str, Any], whole_momentum: torch.Tensor, applied_at_once: bool
+) -> dict[str, Optional[torch.Tensor]]:
+    """The stand-in's state of the target rank's replica m, from saved replica m % saved R: its own start
+    (unless the round starts from the newest shared start, the stand-in spent), and its momentum:
+    `local`'s copy of the outer momentum as of the start point (the saved copy; the momentum itself
+    once the average was applied, or when the saved run kept no copy), `eager`'s momentum of its own
+    shares rescaled from the saved R to this one (it sums displacements / R)."""
+    saved = shares[0]
+    stand_in, saved_replicas = saved.get("stand_in"), saved["replicas"]
+    if stand_in not in ("local", "eager"):
+        return {"own_start": None, "own_momentum": None}
+    grid = identity["grid"]
+    source = (identity["rank"] // grid["shards"]) % saved_replicas
+    own = _by_tensor(share["own_pieces"] for share in shares if share["replica"] == source)
+    held = {key for pieces in own.values() for piece in pieces for key in OWN if piece.get(key) is not None}
+    geometry = identity["geometry"]
+    own_start = None if applied_at_once or "own_start" not in held else _assemble(own, "own_start", geometry)
+    if stand_in == "local":
+        copied = not applied_at_once and "own_momentum" in held
+        return {
+            "own_start": own_start,
+            "own_momentum": _assemble(own, "own_momentum", geometry) if copied else whole_momentum,
+        }
+    momentum = None
+    if "own_momentum" in held:
+        momentum = _assemble(own, "own_momentum", geometry) * (saved_replicas / grid["replicas"])
+    return {"own_start": own_start, "own_momentum": momentum}
+
+
+def _by_tensor(groups: Any) -> dict[int, list[dict[str, Any]]]:
+    """Pieces grouped by their parameter tensor."""
     by_tensor: dict[int, list[dict[str, Any]]] = {}
-    for share in shares:
-        for piece in share["pieces"]:
+    for pieces in groups:
+        for piece in pieces:
             by_tensor.setdefault(piece["tensor_id"], []).append(piece)
+    return by_tensor
+
+
+def _assemble(by_tensor: dict[int, list[dict[str, Any]]], field: str, geometry: dict[str, Any]) -> torch.Tensor:
+    """`field` over this rank's whole (padded) partition, copied from the saved pieces that overlap it;
+    ValueError if they do not cover it."""
+    out = torch.zeros(geometry["padded"], dtype=torch.float32)
     for tensor_id, seg_start, seg_end, offset in geometry["segments"]:
         here = seg_start - offset  # partition index of this tensor's element 0
         covered = 0
         for piece in by_tensor.get(tensor_id, ()):
-            there = piece["offset"]  # tensor element of the piece's element 0
-            lo, hi = max(offset, there), min(offset + seg_end - seg_start, there + piece["start_point"].numel())
+            there, values = piece["offset"], piece[field]  # tensor element of the piece's element 0
+            lo, hi = max(offset, there), min(offset + seg_end - seg_start, there + values.numel())
             if lo >= hi:
                 continue
             covered += hi - lo
-            start_point[here + lo : here + hi] = piece["start_point"][lo - there : hi - there]
-            if overlap:
-                if piece["next_start"] is None:
-                    raise ValueError("co2 checkpoint: saved in blocking mode (overlap false); this run overlaps")
-                next_start[here + lo : here + hi] = piece["next_start"][lo - there : hi - there]
-            momentum[here + lo : here + hi] = piece["momentum"][lo - there : hi - there]
+            out[here + lo : here + hi] = values[lo - there : hi - there]
         if covered != seg_end - seg_start:
             raise ValueError(
                 f"co2 checkpoint: the saved shares cover {covered} of the {seg_end - seg_start} elements of "
-                f"parameter tensor {tensor_id} this rank needs; every rank's file of the saved run is needed"
+                f"parameter tensor {tensor_id} this rank needs ({field}); every rank's file of the saved run "
+                f"is needed"
             )
-    return start_point, next_start, momentum
+    return out
 
 
 def cut_rows(pieces: Sequence[tuple[int, torch.Tensor]], first: int, rows: int) -> torch.Tensor:
