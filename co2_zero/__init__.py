@@ -13,13 +13,17 @@ import warnings
 # import co2_zero before torch); a process that imported torch already has printed it.
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning, module="torch")
-    import torch  # noqa: F401
+    import torch
+
+from .version import __version__, torch_too_old  # noqa: E402
+
+if torch_too_old(torch.__version__):  # before any module that would fail on an older torch's missing APIs
+    raise ImportError(torch_too_old(torch.__version__))
 
 from . import checkpoint  # noqa: E402
 from .config import Clip, CO2Config, GapPenalty  # noqa: E402
 from .errors import CO2Error, CO2TimeoutError, NonFiniteError  # noqa: E402
 from .optim import CO2Optimizer  # noqa: E402
-from .version import __version__  # noqa: E402
 
 __all__ = [
     "CO2Config",
