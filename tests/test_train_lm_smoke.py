@@ -25,8 +25,10 @@ import torch
 from co2_zero import CO2Config
 from co2_zero.config import PUBLISHED
 from co2_zero.train import args as train_args
+from co2_zero.train import checkpoints as train_checkpoints
 from co2_zero.train import data as train_data
 from co2_zero.train.model import GPT
+from tests.compare import same
 from tests.dist_utils import JobOutcome, launch_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -246,6 +248,49 @@ def test_resume_with_another_grid_needs_and_takes_reshard(resumed, launched):
     assert "at step 4 (resharded)" in stderr and "R x S = 1 x 2" in stderr, stderr[-3000:]
     assert min(by_step(records)) == 4 and records[-1]["steps_run"] == 4 and records[-1]["shards"] == 2
     assert math.isfinite(records[-1]["val_loss"]) and records[-1]["val_loss"] < straight[0]["val_loss"]
+
+
+@pytest.mark.slow  # a 4-rank launch: about a minute on 2 loaded cores
+def test_a_resharded_resume_onto_more_ranks_gives_the_new_ranks_their_own_data(resumed, launched, tmp_path):
+    """plain-co2's step-4 checkpoint of 2 ranks resumed on 4 with --reshard: ranks 2 and 3 read their own
+    streams, not replays of ranks 0 and 1, so the mean loss of step 5 differs from the 2-rank resume's
+    (with replays it was the same, and so was every later step); training goes on and learns."""
+    work, straight, again, _ = resumed["plain-co2"]
+    flags = [*TINY, *TOKENS, "--data", str(work.parent / "tokens"), "--batch_size", "4", "--grad_accum", "2",
+             "--tau", "2", "--max_steps", "8", "--eval_every", "1", *RESUME_CASES["plain-co2"],
+             "--resume", str(work / "ckpt" / "step00000004"), "--reshard"]  # fmt: skip
+    records, stderr = run_job(tmp_path, flags, ranks=4, timeout=400)
+    assert "at step 4 (resharded)" in stderr and "R x S = 4 x 1" in stderr, stderr[-3000:]
+    onto_four, onto_two = by_step(records), by_step(again)
+    assert min(onto_four) == 4 and onto_four[4]["val_loss"] == onto_two[4]["val_loss"]  # the same model at step 4
+    assert onto_four[5]["loss"] != onto_two[5]["loss"], (onto_four[5], onto_two[5])
+    assert math.isfinite(records[-1]["val_loss"]) and records[-1]["val_loss"] < straight[0]["val_loss"]
+
+
+def test_a_resharded_resume_puts_each_rank_where_an_uninterrupted_run_reads(tmp_path):
+    """In process: 2 ranks' data samplers saved at step 5 and restored on 4 ranks at step 4 (the last round
+    start, where a resharded run resumes): every rank reads from there what an uninterrupted 4-rank run
+    reads, and ranks 2 and 3 read other batches than ranks 0 and 1. The same world restores the saved
+    position itself."""
+    args = train_args.get_args([*TINY, *TOKENS, "--data", str(write_tokens(tmp_path / "tokens"))])
+
+    def after(rank: int, steps: int) -> train_data.Batches:
+        batches = train_data.Batches(args, rank, torch.device("cpu"))
+        for _ in range(steps):
+            batches.micro_batches()
+        return batches
+
+    saved = [train_checkpoints.rng_state(after(rank, 5).gen) for rank in range(2)]
+    read = []
+    for rank in range(4):
+        resumed = after(rank, 0)
+        train_checkpoints.restore_data_position(resumed, saved[rank % 2], 4, resharded=True)
+        read.append(resumed.micro_batches())
+        assert same(read[-1], after(rank, 4).micro_batches()), rank
+    assert not same(read[2], read[0]) and not same(read[3], read[1])
+    exact = after(1, 0)
+    train_checkpoints.restore_data_position(exact, saved[1], 5, resharded=False)
+    assert same(exact.micro_batches(), after(1, 5).micro_batches())
 
 
 def test_engines_agree_when_every_rank_is_a_replica(resumed):

@@ -165,10 +165,8 @@ def resume(args, trainer: Trainer, batches: Batches, console: Console) -> int:
     """Load the --resume checkpoint into the trainer and the data sampler; returns the step to go on from."""
     directory = checkpoints.resume_directory(args)
     extra = checkpoints.load(trainer, directory, reshard=args.reshard)
-    checkpoints.set_rng_state(batches.gen, extra["rng"])
-    step = extra["step"]
-    if args.reshard:  # resharding resumes at the saved run's last round start
-        step = trainer.opt.engine.inner_steps
+    step = trainer.opt.engine.inner_steps if args.reshard else extra["step"]  # resharded: the last round start
+    checkpoints.restore_data_position(batches, extra["rng"], step, resharded=args.reshard)
     console.line(f"resumed from {directory} at step {step}" + (" (resharded)" if args.reshard else ""))
     return step
 
