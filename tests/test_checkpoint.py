@@ -368,6 +368,20 @@ def test_reshard_recuts_every_tensor_exactly(saved_name, target_name, stand_in):
     assert torch.allclose(torch.stack(norm_sums).sum(0), torch.stack(truth["norms"]).sum(0))
 
 
+def test_a_local_copy_of_the_momentum_that_cannot_be_rebuilt_is_named():
+    """The local stand-in's copy of the momentum as of the start point: rebuilt from a saved copy; from a run
+    that kept none (all_reduce), for a target that keeps one, a warning text says what it costs."""
+    saved = _run(*SAVED_RUNS["R2xS1-all_reduce"])
+    truth = _truth(2)
+    target = _run(*TARGETS["R4xS1"])[0]
+    with_copy = [consolidate(_state_from_truth(identity, truth, stand_in="local")) for identity in saved]
+    without = [consolidate({**_state_from_truth(i, truth, stand_in="local"), "own_momentum": None}) for i in saved]
+    state, _ = checkpoint.reshard(without, target)
+    assert "kept no copy" in checkpoint.stand_in_cost(without, state, keeps_copy=True)
+    assert checkpoint.stand_in_cost(without, state, keeps_copy=False) is None  # all_reduce: reads the momentum
+    assert checkpoint.stand_in_cost(with_copy, checkpoint.reshard(with_copy, target)[0], keeps_copy=True) is None
+
+
 def test_reshard_refuses_missing_shares_and_another_config():
     saved = _run(*SAVED_RUNS["R2xS1-reduce_scatter"])
     truth = _truth(2)

@@ -38,7 +38,7 @@ from .record import (
     saved_pieces,
     write_module,
 )
-from .resharding import consolidate, reshard
+from .resharding import consolidate, reshard, stand_in_cost
 
 
 def load(
@@ -262,6 +262,7 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
         engine.check_state_dict(state)
     except ValueError as error:
         raise Refused(f"{directory.name}: {error}") from error
+    cost = stand_in_cost(shares, state, keeps_copy=engine.own_momentum is not None)
     module_state = module_for_here(framework, pieces, needed, name)
     same_framework = payload["identity"].get("integration") == framework.integration
     saved_framework = payload["framework"] if same_framework else None
@@ -273,6 +274,8 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
                 f"resumes at its last round start (step {state['inner_steps']})",
                 stacklevel=4,
             )
+        if cost is not None:
+            warnings.warn(cost, stacklevel=4)
         write_module(framework, module_state, strict=False)
         engine.load_state_dict(state)
         engine.restart_round()

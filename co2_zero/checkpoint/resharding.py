@@ -155,6 +155,24 @@ def _stand_in(
     return {"own_start": own_start, "own_momentum": momentum}
 
 
+def stand_in_cost(shares: Sequence[dict[str, Any]], state: dict[str, Any], keeps_copy: bool) -> Optional[str]:
+    """What a resharded load of `state` (from `shares`) cannot rebuild of the stand-in, or None: the local
+    stand-in's copy of the outer momentum as of the start point, for a target that keeps one
+    (`keeps_copy`: reduce_scatter, momentum > 0) from a run that kept none (all_reduce), while the next
+    start point is still pending (no sync delay). The momentum the saved run reached stands in for it."""
+    applied = state["next_start"] is None
+    kept = any(piece.get("own_momentum") is not None for share in shares for piece in share["own_pieces"])
+    if shares[0].get("stand_in") != "local" or not keeps_copy or applied or kept:
+        return None
+    return (
+        "co2 resharding: the saved run read the outer momentum itself (collective all_reduce) and kept no copy "
+        "of it as of its start point, which this run's local stand-in (reduce_scatter) follows: the momentum one "
+        "outer step ahead stands in for it, so with Nesterov momentum the stand-ins after the load are made from "
+        "a copy that is off by part of one outer step, an error that shrinks by a factor beta/(1 + beta) every "
+        "round (the shared start point and the averages stay exact). Resume with collective all_reduce to avoid it"
+    )
+
+
 def _by_tensor(groups: Any) -> dict[int, list[dict[str, Any]]]:
     """Pieces grouped by their parameter tensor."""
     by_tensor: dict[int, list[dict[str, Any]]] = {}
