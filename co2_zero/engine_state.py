@@ -160,9 +160,7 @@ def load_state_dict(engine: RoundEngine, state: dict[str, Any]) -> None:
         engine.next_start.copy_(state["next_start"])
     engine.momentum.copy_(state["momentum"])
     _load_sync_delay(engine, state.get("fixed_sync_delay"))
-    # a pending next start under a sync delay d < tau is applied d steps into the round (a resharded state
-    # applied it at once: it carries none)
-    engine.average_unapplied = state["next_start"] is not None and 0 < engine.schedule.steps < engine.config.tau
+    engine.average_unapplied = _pending_apply(engine, state)
     engine.buffers.take_current_as_agreed()  # checkpoint.load wrote the module first
     norms = state["previous_update_sq_norms"]
     engine.previous_update_sq_norms = None if norms is None else norms.to(engine.momentum.device).clone()
@@ -176,6 +174,17 @@ def load_state_dict(engine: RoundEngine, state: dict[str, Any]) -> None:
         saved = state.get("residuals")
         for name, residual in engine.exchange.residuals._asdict().items():
             residual.copy_(saved[name]) if saved is not None else residual.zero_()
+
+
+def _pending_apply(engine: RoundEngine, state: dict[str, Any]) -> bool:
+    """Whether the state's next start is still to be applied d steps into the round (a sync delay d < tau).
+    A state without `applies_at` (written before states said so) always carried the buffer: there the
+    step counter says whether its apply point has passed."""
+    steps, tau = engine.schedule.steps, engine.config.tau
+    pending = state["next_start"] is not None and 0 < steps < tau
+    if "applies_at" not in state:
+        pending = pending and state["rounds"] > 0 and state["inner_steps"] % tau < steps
+    return pending
 
 
 def _load_sync_delay(engine: RoundEngine, fixed: Optional[int]) -> None:

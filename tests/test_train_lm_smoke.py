@@ -250,11 +250,12 @@ def test_resume_with_another_grid_needs_and_takes_reshard(resumed, launched):
     assert math.isfinite(records[-1]["val_loss"]) and records[-1]["val_loss"] < straight[0]["val_loss"]
 
 
-@pytest.mark.slow  # a 4-rank launch: about a minute on 2 loaded cores
+@pytest.mark.slow  # a 4-rank launch: about half a minute on 2 loaded cores
 def test_a_resharded_resume_onto_more_ranks_gives_the_new_ranks_their_own_data(resumed, launched, tmp_path):
     """plain-co2's step-4 checkpoint of 2 ranks resumed on 4 with --reshard: ranks 2 and 3 read their own
-    streams, not replays of ranks 0 and 1, so the mean loss of step 5 differs from the 2-rank resume's
-    (with replays it was the same, and so was every later step); training goes on and learns."""
+    streams, not replays of ranks 0 and 1, so the mean loss of the first step logged after it differs
+    from the 2-rank resume's (with replays it was the same, and so was every later one); training goes on
+    and learns."""
     work, straight, again, _ = resumed["plain-co2"]
     flags = [*TINY, *TOKENS, "--data", str(work.parent / "tokens"), "--batch_size", "4", "--grad_accum", "2",
              "--tau", "2", "--max_steps", "8", "--eval_every", "1", *RESUME_CASES["plain-co2"],
@@ -263,7 +264,8 @@ def test_a_resharded_resume_onto_more_ranks_gives_the_new_ranks_their_own_data(r
     assert "at step 4 (resharded)" in stderr and "R x S = 4 x 1" in stderr, stderr[-3000:]
     onto_four, onto_two = by_step(records), by_step(again)
     assert min(onto_four) == 4 and onto_four[4]["val_loss"] == onto_two[4]["val_loss"]  # the same model at step 4
-    assert onto_four[5]["loss"] != onto_two[5]["loss"], (onto_four[5], onto_two[5])
+    after = min(s for s in onto_two if s > 4)  # the first step logged after the resume
+    assert sorted(onto_four) == sorted(onto_two) and onto_four[after]["loss"] != onto_two[after]["loss"], after
     assert math.isfinite(records[-1]["val_loss"]) and records[-1]["val_loss"] < straight[0]["val_loss"]
 
 
