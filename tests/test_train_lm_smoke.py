@@ -171,8 +171,9 @@ def outcome(result: JobOutcome, out: Path, ok: bool = True) -> tuple[list[dict],
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Per case: an uninterrupted run of 8 steps saving at 4 and 8, and a run resumed from step 4; then
-    fairscale's step-4 checkpoint (R x S = 2 x 1) resumed on R x S = 1 x 2, without and with --reshard.
+    """Per case: an uninterrupted run of 8 steps saving at 4 and 8, and a run resumed from step 4 (plain-co2
+    also with --reshard); then fairscale's step-4 checkpoint (R x S = 2 x 1) resumed on R x S = 1 x 2,
+    without and with --reshard.
     All in one torchrun launch of 2 ranks (tests.dist_utils.launch_jobs), each run in a process of its
     own -> per job name: (its JobOutcome, its JSON output file, its directory)."""
     root = tmp_path_factory.mktemp("resume")
@@ -188,6 +189,9 @@ def launched(tmp_path_factory):
             [*common, *flags, "--save_dir", "ckpt2", "--resume", "ckpt/step00000004"],
             root / case,
         )
+    # the same checkpoint resharded onto the same 2 ranks: fresh inner state, as onto 4
+    resharded = [*common, *RESUME_CASES["plain-co2"], "--resume", "ckpt/step00000004", "--reshard"]
+    planned["plain-co2/resharded"] = (resharded, root / "plain-co2")
     planned["reshard/refused"] = (other_grid, root / "reshard")
     planned["reshard/taken"] = ([*other_grid, "--reshard"], root / "reshard")
     jobs = []
@@ -252,11 +256,11 @@ def test_resume_with_another_grid_needs_and_takes_reshard(resumed, launched):
 
 @pytest.mark.slow  # a 4-rank launch: about half a minute on 2 loaded cores
 def test_a_resharded_resume_onto_more_ranks_gives_the_new_ranks_their_own_data(resumed, launched, tmp_path):
-    """plain-co2's step-4 checkpoint of 2 ranks resumed on 4 with --reshard: ranks 2 and 3 read their own
-    streams, not replays of ranks 0 and 1, so the mean loss of the first step logged after it differs
-    from the 2-rank resume's (with replays it was the same, and so was every later one); training goes on
-    and learns."""
-    work, straight, again, _ = resumed["plain-co2"]
+    """plain-co2's step-4 checkpoint of 2 ranks resharded onto 4: ranks 2 and 3 read their own streams, not
+    replays of ranks 0 and 1, so the mean loss of the first step logged after it differs from that of the
+    same checkpoint resharded onto 2 (with replays every loss was the same); training goes on and learns."""
+    work, straight, _, _ = resumed["plain-co2"]
+    again = outcome(*launched["plain-co2/resharded"][:2])[0]
     flags = [*TINY, *TOKENS, "--data", str(work.parent / "tokens"), "--batch_size", "4", "--grad_accum", "2",
              "--tau", "2", "--max_steps", "8", "--eval_every", "1", *RESUME_CASES["plain-co2"],
              "--resume", str(work / "ckpt" / "step00000004"), "--reshard"]  # fmt: skip
