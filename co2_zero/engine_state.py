@@ -178,8 +178,8 @@ def load_state_dict(engine: RoundEngine, state: dict[str, Any]) -> None:
 
 def _pending_apply(engine: RoundEngine, state: dict[str, Any]) -> bool:
     """Whether the state's next start is still to be applied d steps into the round (a sync delay d < tau).
-    A state without `applies_at` (written before states said so) always carried the buffer: there the
-    step counter says whether its apply point has passed."""
+    A state without `applies_at` carries the buffer whatever the phase (scratch after the apply point):
+    for it the step counter says whether its apply point has passed."""
     steps, tau = engine.schedule.steps, engine.config.tau
     pending = state["next_start"] is not None and 0 < steps < tau
     if "applies_at" not in state:

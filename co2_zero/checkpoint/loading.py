@@ -49,8 +49,9 @@ def load(
     Without `tag`: the one `latest_co2` names, else the newest complete one; never a partial one. Same
     topology: every rank restores its own file and the run continues bit for bit. `reshard=True`
     assembles the CO2 state per parameter tensor from every rank's file, so R, S and the integration may
-    differ from the saved run's: training resumes at its last round start, the inner optimizer state
-    starts fresh. A refused load (CO2Error on every rank) changes nothing.
+    differ from the saved run's: training resumes at its last round start (with a sync delay, the arrived
+    average applied at once), each replica from its rebuilt stand-in, the inner optimizer state fresh. A
+    refused load (CO2Error on every rank) changes nothing.
 
     Args:
         directory: the checkpoint root given to `save`.
