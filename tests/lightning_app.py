@@ -29,8 +29,8 @@ def as_torchrun(rank: int, world: int) -> None:
 class Lit(L.LightningModule):
     """tests.models' model and loss; `optimizer` as tests.models builds it; `schedule`: a per-step LR
     schedule (LambdaLR on the inner optimizer, interval "step"); `build`: replaces configure_optimizers;
-    `by_step`: each step trains on `models.batch(rank, global step)` whatever the loader gave, so the data
-    follow the step across a resume (Lightning restarts a plain DataLoader at its epoch's first batch)."""
+    `by_step`: each step trains on `by_step(rank, global step)` whatever the loader gave, so the data follow
+    the step across a resume (Lightning restarts a plain DataLoader at its epoch's first batch)."""
 
     def __init__(
         self,
@@ -38,7 +38,7 @@ class Lit(L.LightningModule):
         optimizer: str = "sgd",
         schedule: bool = False,
         build: Optional[Callable] = None,
-        by_step: bool = False,
+        by_step: Optional[Callable[[int, int], Any]] = None,
     ) -> None:
         super().__init__()
         self.net = models.make_model(kind)
@@ -48,7 +48,7 @@ class Lit(L.LightningModule):
         return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = models.batch(self.global_rank, self.trainer.global_step) if self.by_step else batch
+        x, y = batch if self.by_step is None else self.by_step(self.global_rank, self.trainer.global_step)
         return models.loss_fn(self.net(x.to(next(self.parameters()).dtype)).float(), y)
 
     def configure_optimizers(self) -> Any:

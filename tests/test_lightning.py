@@ -81,7 +81,7 @@ def _resume(rank: int, directory: str) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     sc = RESUME
-    data = loader(lambda i: torch.zeros(1), 100)  # the batches come from the step (Lit(by_step=True))
+    data = loader(lambda i: torch.zeros(1), 100)  # the batches come from the step (Lit(by_step=...))
     saves = Path(directory) / "saves"
     runs = {}
     for start in (None, "epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"):
@@ -92,7 +92,7 @@ def _resume(rank: int, directory: str) -> dict:
         run = trainer(
             WORLD, CO2Strategy(co2=sc["config"]), max_steps=sc["steps"], callbacks=callbacks, enable_checkpointing=True
         )
-        run.fit(Lit(schedule=True, by_step=True), data, ckpt_path=None if start is None else saves / start)
+        run.fit(Lit(schedule=True, by_step=models.batch), data, ckpt_path=None if start is None else saves / start)
         runs[start] = {"steps": recorder.steps, "final": params(run.lightning_module)}
         runs[start]["lr"] = run.optimizers[0].param_groups[0]["lr"]
     runs["files"] = sorted(p.name for p in (saves / "epoch=0-step=4.ckpt" / "checkpoint").iterdir())
