@@ -81,7 +81,8 @@ def loader(batch: Callable[[int], Any], count: int) -> torch.utils.data.DataLoad
 
 
 def trainer(world: int, strategy: Any, **kwargs: Any) -> L.Trainer:
-    """A quiet CPU Trainer over `world` ranks with this rank's own data (no distributed sampler)."""
+    """A quiet CPU Trainer over `world` ranks with this rank's own data (no distributed sampler), writing
+    nothing unless told (no logger, no checkpoints)."""
     settings = dict(
         accelerator="cpu",
         devices=world,

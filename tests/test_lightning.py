@@ -90,7 +90,11 @@ def _resume(rank: int, directory: str) -> dict:
         if start is None:
             callbacks.append(ModelCheckpoint(dirpath=saves, save_top_k=-1, every_n_train_steps=2))
         run = trainer(
-            WORLD, CO2Strategy(co2=sc["config"]), max_steps=sc["steps"], callbacks=callbacks, enable_checkpointing=True
+            WORLD,
+            CO2Strategy(co2=sc["config"]),
+            max_steps=sc["steps"],
+            callbacks=callbacks,
+            enable_checkpointing=start is None,
         )
         run.fit(Lit(schedule=True, by_step=models.batch), data, ckpt_path=None if start is None else saves / start)
         runs[start] = {"steps": recorder.steps, "final": params(run.lightning_module)}

@@ -49,7 +49,9 @@ def run_all(rank: int, world: int, directory: str) -> dict:
         if start is None:
             callbacks.append(ModelCheckpoint(dirpath=saves, save_top_k=-1, every_n_train_steps=2))
         strategy = CO2DeepSpeedStrategy(config=SCENARIO["config"])
-        run = trainer(WORLD, strategy, max_steps=SCENARIO["steps"], callbacks=callbacks, enable_checkpointing=True)
+        run = trainer(
+            WORLD, strategy, max_steps=SCENARIO["steps"], callbacks=callbacks, enable_checkpointing=start is None
+        )
         run.fit(Lit(by_step=_slice), data, ckpt_path=None if start is None else saves / start)
         runs[start] = {"steps": recorder.steps, "final": params(run.lightning_module)}
     final = Path(directory) / "final.ckpt"
