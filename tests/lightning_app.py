@@ -51,6 +51,10 @@ class Lit(L.LightningModule):
         x, y = batch if self.by_step is None else self.by_step(self.global_rank, self.trainer.global_step)
         return models.loss_fn(self.net(x.to(next(self.parameters()).dtype)).float(), y)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", models.loss_fn(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         if self.build is not None:
             return self.build(self)

@@ -63,6 +63,9 @@ def _fit(rank: int, sc: dict, directory: str) -> dict:
     out["loaded"] = params(Lit.load_from_checkpoint(final))
     metrics = logger_dir / "run" / "version_0" / "metrics.csv"
     out["metrics"] = list(csv.DictReader(metrics.open())) if rank == 0 else None
+    evaluated = Lit()
+    trainer(WORLD, CO2Strategy(co2=sc["config"])).validate(evaluated, data, ckpt_path=final, verbose=False)
+    out["validated"] = params(evaluated)
     again = trainer(WORLD, CO2Strategy(co2=sc["config"]), max_steps=2 * sc["steps"])
     out["refit_from_file"] = _error(lambda: again.fit(Lit(), data, ckpt_path=final))
     return out
@@ -99,6 +102,8 @@ def _resume(rank: int, directory: str) -> dict:
         run.fit(Lit(schedule=True, by_step=models.batch), data, ckpt_path=None if start is None else saves / start)
         runs[start] = {"steps": recorder.steps, "final": params(run.lightning_module)}
         runs[start]["lr"] = run.optimizers[0].param_groups[0]["lr"]
+    evaluate = trainer(WORLD, CO2Strategy(co2=sc["config"]))
+    runs["validate_dir"] = _error(lambda: evaluate.validate(Lit(), data, ckpt_path=saves / "epoch=0-step=4.ckpt"))
     runs["files"] = sorted(p.name for p in (saves / "epoch=0-step=4.ckpt" / "checkpoint").iterdir())
     return runs
 
@@ -173,6 +178,7 @@ def test_every_rank_ends_with_the_same_model_and_the_saved_file_holds_it(results
         for per_rank in results:
             assert all(torch.equal(first[k], v) for k, v in per_rank[name]["final"].items()), name
             assert all(torch.equal(first[k], v) for k, v in per_rank[name]["loaded"].items()), name
+            assert all(torch.equal(first[k], v) for k, v in per_rank[name]["validated"].items()), name
         saved = results[0][name]["saved"]
         assert "optimizer_states" not in saved and saved["global_step"] == SCENARIOS[name]["steps"]
         assert all(torch.equal(saved["state_dict"][f"net.{k}"], v) for k, v in first.items())
@@ -239,6 +245,11 @@ def test_the_uninterrupted_resume_run_matches_the_reference(results):
 def test_fit_from_the_file_saved_after_fit_is_refused(results):
     message = results[0]["defaults"]["refit_from_file"]
     assert message.startswith("CO2Error") and "single file" in message and "final.ckpt" in message, message
+
+
+def test_evaluating_a_per_rank_checkpoint_is_refused(results):
+    message = results[1]["resume"]["validate_dir"]
+    assert message.startswith("CO2Error") and "each replica's own model" in message and "after fit" in message
 
 
 def test_refusals_at_fit_start_name_what_is_accepted(results):

@@ -66,13 +66,12 @@ def wrap_optimizers(optimizers: list[Any], config: CO2Config, module: torch.nn.M
 class CO2Strategy(CO2Hooks, DDPStrategy):
     """Lightning strategy for CO2: `Trainer(strategy=CO2Strategy(co2={"tau": 32}), ...)`.
 
-    Every rank is its own replica (S = 1). Accepts `DDPStrategy`'s launch arguments; its DDP options
-    (`ddp_comm_hook`, `find_unused_parameters`, ...) are refused, as no DDP wrapper exists to use them.
+    Every rank is its own replica (S = 1). The other arguments are `DDPStrategy`'s launch arguments, as
+    there; its DDP options (`ddp_comm_hook`, `find_unused_parameters`, ...) are refused, as no DDP wrapper
+    exists to use them.
 
     Args:
         co2: a `CO2Config`, a dict of its fields, or None for the defaults.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method: as for Lightning's `DDPStrategy`.
         **ddp_options: refused (ValueError naming them).
 
     Raises:
