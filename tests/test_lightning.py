@@ -62,7 +62,7 @@ def _fit(rank: int, sc: dict, directory: str) -> dict:
     out["saved"] = torch.load(final, weights_only=False) if rank == 0 else None
     out["loaded"] = params(Lit.load_from_checkpoint(final))
     metrics = logger_dir / "run" / "version_0" / "metrics.csv"
-    out["metrics"] = list(csv.DictReader(metrics.open())) if rank == 0 else None
+    out["metrics"] = list(csv.DictReader(metrics.open())) if rank == 0 and metrics.exists() else []
     evaluated = Lit()
     trainer(WORLD, CO2Strategy(co2=sc["config"])).validate(evaluated, data, ckpt_path=final, verbose=False)
     out["validated"] = params(evaluated)
