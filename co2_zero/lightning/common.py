@@ -73,6 +73,8 @@ class CO2Hooks:
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        if self.co2_optimizer is None:
+            raise CO2Error(f"co2: {type(self).__name__} built no CO2 optimizer; nothing would be averaged")
         problem = steps_warning(trainer.estimated_stepping_batches, self.co2_optimizer.config.tau)
         if problem is not None:
             warnings.warn(problem, stacklevel=2)
