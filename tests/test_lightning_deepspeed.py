@@ -37,7 +37,7 @@ def _slice(rank: int, step: int):
 
 def run_all(rank: int, world: int, directory: str) -> dict:
     """Uninterrupted with a save every 2 steps, then fit(ckpt_path=...) from step 4 (mid-round: the round
-    that ended at step 3 is in flight), then the model saved after fit."""
+    that ended at step 3 is in flight), then the model saved after fit, read back by validate."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     as_torchrun(rank, world)
@@ -57,6 +57,10 @@ def run_all(rank: int, world: int, directory: str) -> dict:
     final = Path(directory) / "final.ckpt"
     run.save_checkpoint(final)  # after fit: one model, Lightning's single file from rank 0
     runs["saved"] = params(Lit.load_from_checkpoint(final))
+    evaluated = Lit()  # validate builds Lightning's inference engine, on CPU too
+    checks = loader(lambda i: _slice(rank, i), 2)
+    trainer(WORLD, CO2DeepSpeedStrategy(config=SCENARIO["config"])).validate(evaluated, checks, ckpt_path=final)
+    runs["validated"] = params(evaluated)
     return runs
 
 
@@ -78,6 +82,7 @@ def _close(actual: dict, expected: dict, what: str) -> None:
         torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{what}/{k}: {m}")
 
 
+@pytest.mark.slow  # 4 ranks, DeepSpeed and Lightning: about 40 s of 2 idle cores
 def test_every_step_matches_the_reference(results):
     _, steps, finals = reference(SCENARIO, SHARDS)
     for rank, per_rank in enumerate(results):
@@ -88,6 +93,7 @@ def test_every_step_matches_the_reference(results):
         _close(got["final"], finals[rank // SHARDS], f"rank {rank} final")
 
 
+@pytest.mark.slow  # 4 ranks, DeepSpeed and Lightning: about 40 s of 2 idle cores
 def test_resume_mid_round_continues_bit_for_bit(results):
     for rank, per_rank in enumerate(results):
         whole, resumed = per_rank[None], per_rank["epoch=0-step=4.ckpt"]
@@ -97,10 +103,12 @@ def test_resume_mid_round_continues_bit_for_bit(results):
         assert all(torch.equal(whole["final"][k], v) for k, v in resumed["final"].items()), rank
 
 
+@pytest.mark.slow  # 4 ranks, DeepSpeed and Lightning: about 40 s of 2 idle cores
 def test_every_rank_ends_with_the_model_the_file_after_fit_holds(results):
     final = results[0][None]["final"]
     for per_rank in results:
-        for got in (per_rank[None]["final"], per_rank["epoch=0-step=4.ckpt"]["final"], per_rank["saved"]):
+        resumed = per_rank["epoch=0-step=4.ckpt"]["final"]
+        for got in (per_rank[None]["final"], resumed, per_rank["saved"], per_rank["validated"]):
             assert all(torch.equal(final[k], v) for k, v in got.items())
 
 

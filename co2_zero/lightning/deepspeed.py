@@ -1,13 +1,15 @@
 """`CO2DeepSpeedStrategy`: Lightning's `DeepSpeedStrategy` with a `"co2"` section, on GPUs and on CPU.
 
 The engine is built by `co2_zero.deepspeed.initialize` (ZeRO-1/2 inside each replica, CO2 across them),
-called directly: no process-wide `patch()`. Lightning's DeepSpeedStrategy assumes CUDA in three places,
-each overridden here only on a CPU accelerator (DeepSpeed runs there with `DS_ACCELERATOR=cpu`):
-`setup_environment` (refuses any accelerator but CUDA), `setup_distributed` (checks that device indices
-match the local ranks: a CPU device has none) and the `device_rank` handed to `deepspeed.initialize`
-(a CUDA index). The process group comes from `co2_zero.deepspeed.init_distributed`, DeepSpeed's own
-without the JIT build of an inference-only op. Checkpoints, the round figures and `finalize()` are
-`common.CO2Hooks`'; the per-rank files are `co2_zero.deepspeed.save_checkpoint`'s.
+called directly: no process-wide `patch()`. Lightning's DeepSpeedStrategy assumes CUDA: it refuses any
+other accelerator in `setup_environment`, and reads a device index (which a CPU device lacks) in its
+check that the indices match the local ranks and as the `device_rank` of both its
+`deepspeed.initialize` calls (fit, and validate/test/predict). On a CPU accelerator (DeepSpeed runs there
+with `DS_ACCELERATOR=cpu`), `setup_environment` lets it through and names each rank's device
+`cpu:<local rank>`, as DeepSpeed itself names it (torch places tensors on the CPU either way), which
+answers both index reads. The process group comes from `co2_zero.deepspeed.init_distributed`,
+DeepSpeed's own without the JIT build of an inference-only op. Checkpoints, the round figures and
+`finalize()` are `common.CO2Hooks`'; the per-rank files are `co2_zero.deepspeed.save_checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import argparse
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-from lightning.fabric.strategies.deepspeed import _validate_device_index_selection
-from lightning.fabric.utilities.seed import reset_seed
+import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -59,8 +60,8 @@ class CO2DeepSpeedStrategy(CO2Hooks, DeepSpeedStrategy):
         return optimizer if isinstance(optimizer, co2_deepspeed.CO2ZeroOptimizer) else None
 
     def setup_environment(self) -> None:
-        """CUDA: Lightning's. CPU: DDPStrategy's (the device, then `setup_distributed`), once DeepSpeed's
-        own accelerator is the CPU too."""
+        """CUDA: Lightning's. CPU: DDPStrategy's (the device, then `setup_distributed`) with each rank's
+        device named `cpu:<local rank>`, once DeepSpeed's own accelerator is the CPU too."""
         if not isinstance(self.accelerator, CPUAccelerator):
             super().setup_environment()
             return
@@ -71,15 +72,13 @@ class CO2DeepSpeedStrategy(CO2Hooks, DeepSpeedStrategy):
                 f"co2: Trainer(accelerator='cpu') with DeepSpeed's accelerator {get_accelerator().device_name()!r}; "
                 f"set DS_ACCELERATOR=cpu before deepspeed is imported"
             )
+        assert self.parallel_devices is not None
+        self.parallel_devices = [torch.device("cpu", index) for index in range(len(self.parallel_devices))]
         super(DeepSpeedStrategy, self).setup_environment()
 
-    def setup_distributed(self) -> None:
-        """Lightning's steps, the device-index check on GPUs only, and co2_zero's `init_distributed`."""
-        assert self.parallel_devices is not None and self.cluster_environment is not None
-        if not isinstance(self.accelerator, CPUAccelerator):
-            _validate_device_index_selection(self.parallel_devices)
-        reset_seed()
-        self.set_world_ranks()
+    def _init_deepspeed_distributed(self) -> None:
+        """Lightning's, with co2_zero's `init_distributed` for DeepSpeed's."""
+        assert self.cluster_environment is not None
         self._set_node_environment_variables()
         self._process_group_backend = self._get_process_group_backend()
         co2_deepspeed.init_distributed(
@@ -89,11 +88,9 @@ class CO2DeepSpeedStrategy(CO2Hooks, DeepSpeedStrategy):
         )
 
     def _setup_model_and_optimizer(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
-        """`co2_zero.deepspeed.initialize` where Lightning calls `deepspeed.initialize`; a CPU device has no
-        `device_rank` to give."""
-        index = self.root_device.index
+        """`co2_zero.deepspeed.initialize` where Lightning calls `deepspeed.initialize`."""
         engine, zero, _, _ = co2_deepspeed.initialize(
-            args=None if index is None else argparse.Namespace(device_rank=index),
+            args=argparse.Namespace(device_rank=self.root_device.index),
             config=self.config,
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
