@@ -287,3 +287,15 @@ def test_ddp_options_and_bad_co2_fields_are_refused_when_built():
     with pytest.raises(ValueError, match="tau"):
         CO2Strategy(co2={"tau": 0})
     assert CO2Strategy().co2 == CO2Config()  # the defaults
+
+
+def test_missing_lightning_names_the_extra(monkeypatch):
+    """Without Lightning, `import co2_zero.lightning` raises an ImportError naming the extra."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # as if Lightning were not installed
+    for name in [name for name in sys.modules if name.startswith("co2_zero.lightning")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[lightning\]'"):
+        importlib.import_module("co2_zero.lightning")
