@@ -71,6 +71,7 @@ class CO2Hooks:
     # ---- the run ------------------------------------------------------------------------------------
 
     def on_train_start(self) -> None:
+        """Refuse a run without a CO2 optimizer; warn when finalize() will drop steps."""
         super().on_train_start()  # type: ignore[misc]
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         if self.co2_optimizer is None:
