@@ -1,8 +1,10 @@
 """co2_zero: CO2 (Sun et al., ICLR 2024) with the outer state sharded like ZeRO.
 
-Each replica takes `tau` local optimizer steps; the replicas' mean displacement is exchanged in the
-background while the next `tau` steps compute, and an outer momentum step with a staleness gap
-penalty and momentum clipping applies it one round late.
+Each replica takes `tau` local optimizer steps. The replicas' mean displacement is averaged in the
+background while the next steps compute, and an outer Nesterov momentum step applies it as soon as the
+exchange is hidden (the sync delay, measured on the job); meanwhile each replica continues from its own
+stand-in for that step (`stand_in: local`). CO2 as published (heavy ball, the adaptive staleness gap
+penalty, the average applied a round late) is `co2_zero.config.PUBLISHED`. docs/design.md §3 has the math.
 """
 
 import warnings

@@ -31,9 +31,9 @@ CHOICES = {
 }
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week; process-group timeouts are kept in milliseconds by the backends
 
-# CO2 as published (Sun et al., ICLR 2024), the defaults of co2_zero 0.1: `CO2Config(**PUBLISHED)`, or these
-# keys in a "co2" section. Checkpoints saved with 0.1's defaults load under it (the config hash is the same).
-# The defaults since 0.2 won the quality study (docs/configuration.md, "Defaults and presets").
+# CO2 as published (Sun et al., ICLR 2024): `CO2Config(**PUBLISHED)`, or these keys in a "co2" section.
+# Checkpoints saved under this setting load under it (the config hash is the same). The defaults are the
+# setting that won the quality study (docs/configuration.md, "Defaults and presets").
 PUBLISHED: dict[str, Any] = {
     "tau": 12,
     "outer_lr": 1.0,

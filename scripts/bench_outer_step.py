@@ -174,7 +174,8 @@ def run(args, tau, device):
     return out
 
 
-OUTER_CONFIGS = {  # the outer step alone, on the model's layout; "default": 0.1's, as the results in benchmarks/
+# the outer step alone, on the model's layout; "default": CO2 as published, as the results in benchmarks/
+OUTER_CONFIGS = {
     "default (adaptive penalty, no momentum)": CO2Config(**PUBLISHED),
     "momentum 0.9 + Nesterov + norm clip": CO2Config(
         **{**PUBLISHED, "outer_momentum": 0.9, "nesterov": True}, clip={"mode": "norm"}

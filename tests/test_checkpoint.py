@@ -95,8 +95,8 @@ def resumed(rank: int, world: int, root: str) -> dict:
 
 
 def _published_under_new_defaults(rank: int, directory: str) -> dict:
-    """A checkpoint of co2_zero 0.1's defaults (CO2 as published): refused under today's defaults with the
-    preset named, and loaded under `PUBLISHED`."""
+    """A checkpoint saved under CO2 as published: refused under the defaults with the preset named, and
+    loaded under `PUBLISHED`."""
     model, opt = _build(PUBLISHED)
     models.train_steps(rank, model, opt, 0, 2)
     checkpoint.save(directory, model, opt, extra={"step": 2})
@@ -151,8 +151,8 @@ def test_resume_with_another_config_is_refused(runs):
 
 
 def test_a_checkpoint_of_the_old_defaults_names_the_published_preset(runs):
-    """co2_zero 0.2 changed the defaults: a 0.1-default checkpoint is refused under them, naming the preset
-    that holds 0.1's defaults, and loads under it."""
+    """A checkpoint saved under CO2 as published (the defaults of co2_zero 0.1) is refused under the
+    defaults, naming the preset that holds it, and loads under it."""
     _, _, second = runs
     for result in second:
         assert "config_hash" in result["old-defaults"] and "co2_zero.config.PUBLISHED" in result["old-defaults"]

@@ -138,6 +138,31 @@ loader = torch.utils.data.DataLoader(train_data[:24], batch_size=2)
 """
 )
 
+_LIGHTNING = """
+import torch
+import lightning.pytorch as L
+
+torch.manual_seed(0)  # the same model on every rank
+torch.set_num_threads(1)
+
+
+class LitModel(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+data = torch.utils.data.TensorDataset(torch.randn(48, 8), torch.randn(48, 2))
+train_loader = torch.utils.data.DataLoader(data, batch_size=4)
+"""
+
 _CORPUS = """
 import pathlib
 
@@ -152,6 +177,7 @@ PREAMBLES = {  # (kind, multi-rank) -> preamble
     ("trained", True): _TINY + _RANKS + _TRAINED,
     ("hf", True): _HF,
     ("accelerate", True): _ACCELERATE,
+    ("lightning", True): _LIGHTNING,
     ("corpus", False): _CORPUS,
 }
 

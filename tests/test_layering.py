@@ -10,12 +10,24 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "co2_zero" / "checkpoint"
 PACKAGE = ["co2_zero", "checkpoint"]
-INTEGRATIONS = ("fsdp", "fairscale", "deepspeed", "hf", "optim", "integration", "elastic", "train", "tune_tau")
+INTEGRATIONS = (
+    "fsdp",
+    "fairscale",
+    "deepspeed",
+    "hf",
+    "lightning",
+    "optim",
+    "integration",
+    "elastic",
+    "train",
+    "tune_tau",
+)
 FRAMEWORKS = (
     "fairscale",
     "deepspeed",
     "transformers",
     "accelerate",
+    "lightning",
     "torchft",
     "torch.distributed.tensor",
     "torch.distributed.fsdp",

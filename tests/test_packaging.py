@@ -31,7 +31,7 @@ VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "co2_zero" / "version.py
 TORCH = f"torch=={torch.__version__.split('+')[0]}"  # the local-version-free pin: 2.13.0 matches 2.13.0+cpu
 SCRIPTS = {"co2-train": "co2_zero.train:main", "co2-tune-tau": "co2_zero.tune_tau:main"}
 SDIST_MUST_HOLD = [
-    "LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in", "co2_zero/py.typed",
+    "CHANGELOG.md", "LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in", "co2_zero/py.typed",
     "co2_zero/configs/ds_zero2_co2.json", "configs/ds_zero1_co2.json", "configs/ds_zero2_co2.json",
     "configs/ds_zero2_co2_bf16.json", "tests/reference.py", "tests/compare.py", "tests/dist_utils.py",
     "scripts/train_lm.py", "scripts/tune_tau.py", "examples/hf_trainer.py", "examples/ds_zero2_co2_hf.json",

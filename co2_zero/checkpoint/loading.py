@@ -286,14 +286,14 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
 
 
 def _config_hint(saved_hash: Any) -> str:
-    """What to resume with when the co2 config differs: the same config; for a checkpoint of co2_zero 0.1's
-    defaults (CO2 as published), the preset that holds them."""
+    """What to resume with when the co2 config differs: the same config; for a checkpoint saved under CO2 as
+    published, the preset that holds it."""
     if saved_hash == CO2Config(**PUBLISHED).math_hash():
         return (
-            "it was saved with co2_zero 0.1's defaults (CO2 as published): resume with co2_zero.config.PUBLISHED "
+            "it was saved under CO2 as published: resume with co2_zero.config.PUBLISHED "
             "(CO2Config(**PUBLISHED), or train_lm's --method co2_published; docs/configuration.md)"
         )
-    return "resume with the same co2 config (co2_zero 0.2 changed the defaults: docs/configuration.md)"
+    return "resume with the same co2 config (the defaults and presets: docs/configuration.md)"
 
 
 def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkState) -> _Plan:

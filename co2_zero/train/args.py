@@ -14,7 +14,7 @@ from .data import BYTE_VOCAB, TOKEN_VOCAB
 from .model import MODEL_PRESETS
 
 # The baselines are CO2 configurations; "co2" is the library's defaults (CO2Config), "co2_published" CO2 as
-# published (co2_zero 0.1's defaults). Precedence, low to high: CO2Config's defaults, the "co2" section of
+# published (config.PUBLISHED). Precedence, low to high: CO2Config's defaults, the "co2" section of
 # --deepspeed_config (engine deepspeed), the method's preset, the flags given.
 METHOD_PRESETS = {
     "co2": {},
