@@ -85,15 +85,36 @@ def _save_every_step_of_a_round(rank: int, root: str) -> dict:
             if step > _save_steps(schedule)[0]:
                 models.train_steps(rank, model, opt, step - 1, step)
             checkpoint.save(f"{root}/{_name(schedule, stand_in)}", model, opt, extra={"step": step}, tag=f"s{step}")
+            if schedule == "delay":
+                _save_an_older_state(f"{root}/{_name(schedule, stand_in)}", model, opt, step)
         out[_name(schedule, stand_in)] = {"delay": opt.engine.schedule.steps}
     return out
 
 
-def _resume(rank: int, directory: str, schedule: str, stand_in: str, step: int, reshard: bool) -> dict:
+def _save_an_older_state(directory: str, model, opt, step: int) -> None:
+    """Tag o<step>: the files a run wrote before states said whether a start point is pending: no
+    `applies_at`, and `next_start` at every step (after the apply point scratch, here garbage)."""
+    engine = opt.engine
+    current = engine.state_dict
+
+    def older() -> dict:
+        state = {k: v for k, v in current().items() if k != "applies_at"}
+        if state["next_start"] is None:
+            state["next_start"] = torch.full_like(state["start_point"], 7.0)
+        return state
+
+    engine.state_dict = older
+    try:
+        checkpoint.save(directory, model, opt, extra={"step": step}, tag=f"o{step}")
+    finally:
+        del engine.state_dict
+
+
+def _resume(rank: int, directory: str, schedule: str, stand_in: str, step: int, reshard: bool, tag="s") -> dict:
     model, opt = _build(schedule, stand_in)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # resharding drops the saved partial round, with a warning
-        checkpoint.load(directory, model, opt, reshard=reshard, tag=f"s{step}")
+        checkpoint.load(directory, model, opt, reshard=reshard, tag=f"{tag}{step}")
     first = opt.engine.inner_steps
     steps = _train(rank, model, opt, first, SCHEDULES[schedule][2])
     opt.finalize()
@@ -133,6 +154,8 @@ def saving_run(rank: int, world: int, root: str, other_root: str) -> dict:
             else:
                 directory = f"{other_root}/{name}"
                 out[("reshard", name, step)] = _resume(rank, directory, schedule, stand_in, step, True)
+                if schedule == "delay":
+                    out[("reshard-older", name, step)] = _resume(rank, directory, schedule, stand_in, step, True, "o")
     return out
 
 
@@ -143,6 +166,9 @@ def resharding_run(rank: int, world: int, root: str, other_root: str) -> dict:
         name = _name(schedule, stand_in)
         for step in _save_steps(schedule):
             out[("reshard", name, step)] = _resume(rank, f"{other_root}/{name}", schedule, stand_in, step, True)
+            if schedule == "delay":
+                older = _resume(rank, f"{other_root}/{name}", schedule, stand_in, step, True, "o")
+                out[("reshard-older", name, step)] = older
     return out
 
 
@@ -227,3 +253,16 @@ def test_a_checkpoint_at_any_step_reshards_to_the_same_round_start(runs, directi
     expected, finals = _reference(schedule, stand_in, delay, saved, reshard_at=(start, target))
     for step in _save_steps(schedule):
         _check(runs[direction], ("reshard", name, step), start, expected, finals)
+
+
+@pytest.mark.parametrize("direction", list(RESHARDS))
+@pytest.mark.parametrize("stand_in", list(STAND_INS))
+def test_an_older_state_reshards_to_the_same_round_start(runs, direction, stand_in):
+    """Files without `applies_at`, whose `next_start` held scratch after the apply point, reshard as the
+    files that say it: the delay and the step counter tell whether the saved start point is pending."""
+    saved, target = RESHARDS[direction]
+    name = _name("delay", stand_in)
+    start = _save_steps("delay")[0]
+    expected, finals = _reference("delay", stand_in, DELAY, saved, reshard_at=(start, target))
+    for step in _save_steps("delay"):
+        _check(runs[direction], ("reshard-older", name, step), start, expected, finals)

@@ -259,7 +259,7 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
         del payload
     name, payload = source
     try:
-        state, dropped = reshard(shares, engine.identity())
+        state, dropped = reshard(shares, engine.identity(), engine.config.steps_before_apply)
         engine.check_state_dict(state)
     except ValueError as error:
         raise Refused(f"{directory.name}: {error}") from error

@@ -43,7 +43,7 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
         "signature": state["signature"],
         "num_tensors": geometry["num_tensors"],
         "tau": geometry["tau"],
-        "applies_at": state.get("applies_at", geometry["tau"]),
+        "applies_at": state.get("applies_at"),  # None: a state written before states said it
         "replicas": grid["replicas"],
         "replica": state["rank"] // grid["shards"],
         "inner_steps": state["inner_steps"],
@@ -76,7 +76,9 @@ def _own_pieces(state: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple[dict[str, Any], int]:
+def reshard(
+    shares: Sequence[dict[str, Any]], identity: dict[str, Any], sync_delay: Optional[int] = None
+) -> tuple[dict[str, Any], int]:
     """A `RoundEngine` state for the engine whose `identity()` is given, assembled from the shares of
     every rank of a saved run (any R x S, any integration). Returns (state, dropped steps).
 
@@ -84,7 +86,9 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
     partitions, so its steps are dropped (their number is returned). With a sync delay d < tau the
     average that round start waits for has arrived, and is applied at once: the round starts from the
     newest shared start whatever step of the round was saved (docs/design.md §3, "checkpoints"). With a
-    stand-in, replica m resumes from the stand-in of saved replica m % saved R (`_stand_in`). Raises
+    stand-in, replica m resumes from the stand-in of saved replica m % saved R (`_stand_in`).
+    `sync_delay`: this run's steps before the apply point (its config's), which reads a state written
+    before states said when their start point is applied (`_applies_at`). Raises
     ValueError when the shares do not cover the target's partition or come from another co2 config or
     model.
     """
@@ -100,7 +104,10 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
     start_point = _assemble(by_tensor, "start_point", geometry)
     has_next = all(piece["next_start"] is not None for share in shares for piece in share["pieces"])
     next_start = _assemble(by_tensor, "next_start", geometry) if has_next and geometry["overlap"] else None
-    if next_start is not None and 0 < saved["applies_at"] < saved["tau"]:
+    applies_at, pending = _applies_at(saved, sync_delay)
+    if next_start is not None and not pending:
+        next_start = None  # scratch: the apply point had passed, and start_point holds the applied start
+    if next_start is not None and 0 < applies_at < saved["tau"]:
         start_point, next_start = next_start, None  # the arrived average, applied at once
     whole_momentum = _assemble(by_tensor, "momentum", geometry)
     lo, hi = geometry["momentum_range"]
@@ -221,3 +228,16 @@ def cut_rows(pieces: Sequence[tuple[int, torch.Tensor]], first: int, rows: int) 
         gaps = (~covered).nonzero().flatten() + first
         raise ValueError(f"rows {int(gaps[0])}..{int(gaps[-1])} ({len(gaps)} rows) are in none of the saved files")
     return out
+
+
+def _applies_at(saved: dict[str, Any], sync_delay: Optional[int]) -> tuple[int, bool]:
+    """(the step of a round its average is applied at, whether the saved next start is still pending).
+    A state that says `applies_at` carries a next start only while one is pending. An older one carried
+    the buffer at every step, scratch after the apply point: the delay it ran (fixed by "auto", else this
+    run's, the config hash being the same) and its step counter say which."""
+    tau = saved["tau"]
+    if saved["applies_at"] is not None:
+        return saved["applies_at"], True
+    delay = saved["fixed_sync_delay"] or (tau if sync_delay is None else sync_delay)
+    after_apply = 0 < delay < tau and saved["rounds"] > 0 and saved["inner_steps"] % tau >= delay
+    return delay, not after_apply
