@@ -5,8 +5,8 @@
 - Every fenced block of README.md and docs/*.md preceded by `<!-- run[: KIND] -->` (one process) or
   `<!-- run: N ranks[, KIND] -->` (torchrun, N gloo ranks) is executed, after a preamble that fills in
   what the snippet leaves to the reader (`MyModel`, `model`, `batches`, `loader`, `loss_fn`, a
-  `ds_config.json`, ...: `PREAMBLES`), in a fresh directory holding the repository's `configs/` and
-  `examples/`. Identical snippets (the README's examples are copies of the pages') run once. The
+  `ds_config.json`, ...: `PREAMBLES`), in a fresh directory holding the repository's `examples/` (not its
+  `configs/`: a snippet must run from any directory). Identical snippets (the README's examples are copies of the pages') run once. The
   torchrun snippets share one launch (tests.dist_utils.launch_jobs: the launch and the heavy imports
   once, then each snippet in a process forked for it, with its own process group; a failed or hung
   snippet is stopped on every rank and reported by its file:line, and the next one runs).
@@ -157,8 +157,9 @@ PREAMBLES = {  # (kind, multi-rank) -> preamble
 
 
 def _workdir(tmp_path: Path) -> Path:
-    for name in ("configs", "examples"):
-        shutil.copytree(ROOT / name, tmp_path / name)
+    """A fresh directory with the checkout's examples/ and no configs/: the shipped DeepSpeed configs are read
+    from the package (`co2_zero.configs.path`), so a snippet that works only inside a checkout fails here."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
     return tmp_path
 
 
@@ -254,6 +255,14 @@ def test_documented_code_runs(block, request, tmp_path):
     verdict = request.getfixturevalue("multi_rank_verdicts")[block.where]
     if verdict is not None:
         pytest.fail(verdict, pytrace=False)
+
+
+def test_readme_deepspeed_example_averages_two_replicas_on_its_two_ranks(tmp_path):
+    """The README promises 2 ranks: the DeepSpeed example's grid must then be R = 2 replicas, not one."""
+    (block,) = [b for b in runnable() if b.where.startswith("README.md") and "co2_zero.deepspeed.initialize" in b.code]
+    checked = block._replace(code=block.code + "\nassert optimizer.topology.replicas == 2, optimizer.topology\n")
+    verdict = run_on_ranks([checked], 2, tmp_path)[block.where]
+    assert verdict is None, verdict
 
 
 def test_every_command_block_is_run_or_says_what_it_needs():
