@@ -6,10 +6,11 @@
   `<!-- run: N ranks[, KIND] -->` (torchrun, N gloo ranks) is executed, after a preamble that fills in
   what the snippet leaves to the reader (`MyModel`, `model`, `batches`, `loader`, `loss_fn`, a
   `ds_config.json`, ...: `PREAMBLES`), in a fresh directory holding the repository's `examples/` (not its
-  `configs/`: a snippet must run from any directory). Identical snippets (the README's examples are copies of the pages') run once. The
-  torchrun snippets share one launch (tests.dist_utils.launch_jobs: the launch and the heavy imports
-  once, then each snippet in a process forked for it, with its own process group; a failed or hung
-  snippet is stopped on every rank and reported by its file:line, and the next one runs).
+  `configs/`: a snippet must run from any directory). Identical snippets (the README's examples are
+  copies of the pages') run once. The torchrun snippets share one launch (tests.dist_utils.launch_jobs:
+  the launch and the heavy imports once, then each snippet in a process forked for it, with its own
+  process group; a failed or hung snippet is stopped on every rank and reported by its file:line,
+  and the next one runs).
 - Every ```bash / ```sh block is either run (`<!-- run -->`), run by CI (`<!-- main-command -->`,
   `<!-- test-command -->`: .ci/run), or says what it needs that a test machine lacks
   (`<!-- needs: gpu -->`, `cluster`, `root`, `minutes`); an unmarked command block fails.
