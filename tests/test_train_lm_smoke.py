@@ -325,7 +325,7 @@ def test_help_shows_every_default():
         if action.option_strings and action.dest != "help" and action.help != "==SUPPRESS==":
             text = formatter._get_help_string(action) % {"default": action.default}
             assert action.help and "default" in text and "default: None" not in text, (action.dest, text)
-    assert "(default: 300)" in " ".join(parser.format_help().split())  # --max_steps, as printed
+    assert "(default: 320)" in " ".join(parser.format_help().split())  # --max_steps, as printed
 
 
 def test_co2_settings_precedence(tmp_path):

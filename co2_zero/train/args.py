@@ -70,7 +70,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     )
     a("--engine", default="plain", choices=ENGINES, help="plain: CO2Optimizer (or DDP); the others shard")
     a("--deepspeed_config", default="configs/ds_zero2_co2.json", help="--engine deepspeed: ZeRO config")
-    a("--max_steps", type=int, default=300,
+    a("--max_steps", type=int, default=320,
       help="optimizer steps per rank (CO2: at least tau; rounded up to whole rounds, with a warning)")  # fmt: skip
     a("--max_seconds", type=float, default=0.0, help="stop at the next round end after this (0: off)")
     a("--seed", type=int, default=1337, help="model init and held-out batches; rank r samples with seed + r")
