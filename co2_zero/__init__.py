@@ -1,8 +1,9 @@
 """co2_zero: CO2 (Sun et al., ICLR 2024) with the outer state sharded like ZeRO.
 
 Each replica takes `tau` local optimizer steps; the replicas' mean displacement is exchanged in the
-background while the next `tau` steps compute, and an outer momentum step with a staleness gap
-penalty and momentum clipping applies it one round late.
+background while the next `tau` steps compute, and an outer momentum step applies it as soon as the
+exchange is hidden (`sync_delay`; as published, a round late, with a staleness gap penalty and momentum
+clipping).
 """
 
 import warnings

@@ -171,7 +171,8 @@ class CO2Config:
     overlap: bool = field(
         default=True,
         metadata={
-            "doc": "`true`: CO2, the exchange overlaps the next round and is applied one round late. `false`: "
+            "doc": "`true`: CO2, the exchange overlaps the next round and its average is applied `sync_delay` "
+            "steps into it (by default as soon as the exchange is hidden; `null`: a round late). `false`: "
             "blocking outer steps (Local SGD, SlowMo, DiLoCo), on the same code path."
         },
     )

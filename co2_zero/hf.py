@@ -26,8 +26,7 @@ try:
     import transformers
 except ImportError as error:  # an optional extra
     raise ImportError(
-        "co2_zero.hf needs Hugging Face transformers and accelerate: pip install -e '.[hf]' "
-        "(or pip install 'co2_zero[hf]')"
+        "co2_zero.hf needs Hugging Face transformers and accelerate: pip install -e '.[hf]' in the clone"
     ) from error
 try:
     from . import deepspeed as co2_deepspeed

@@ -313,6 +313,37 @@ def test_readme_quality_table_is_generated_from_the_benchmark_json():
     )
 
 
+def test_install_commands_install_from_the_clone_and_the_extras_list_is_pyprojects():
+    """co2_zero is installed from its checkout (`pip install -e '.[extra]'`), not by name from an index;
+    every extra a page installs exists, and the index page's list of extras is pyproject.toml's."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    sources = [*PAGES, *sorted((ROOT / "co2_zero").rglob("*.py"))]
+    by_name = [f"{p.relative_to(ROOT)}: {m}" for p in sources for m in re.findall(r"co2_zero\[\w+\]", p.read_text())]
+    assert not by_name, f"installs co2_zero by name from an index, where it is not: {by_name}"
+    installed = {e for p in PAGES for group in re.findall(r"pip install -e '\.\[([\w,]+)\]'", p.read_text())
+                 for e in group.split(",")}  # fmt: skip
+    assert installed and installed <= extras, installed - extras
+    (listed,) = re.findall(r"^Extras: (.*?)\n\n", (ROOT / "docs" / "index.md").read_text(), re.M | re.S)
+    assert set(re.findall(r"`(\w+)`", listed.split(": `pip install")[0])) == extras, listed
+
+
+def test_no_page_says_the_default_applies_each_average_a_round_late():
+    """With the defaults the average is applied as soon as its exchange is hidden (`sync_delay: "auto"`,
+    design §3); a round late is CO2 as published. The pages, the package docstring and the `overlap`
+    field's help (the generated reference) must not state the published schedule as what always happens."""
+    import dataclasses
+
+    import co2_zero
+    from co2_zero import CO2Config
+
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in PAGES}
+    texts["co2_zero/__init__.py"] = co2_zero.__doc__
+    texts["CO2Config.overlap"] = next(f for f in dataclasses.fields(CO2Config) if f.name == "overlap").metadata["doc"]
+    stale = {name for name, text in texts.items() if re.search(r"appl(?:ied|ies it)\s+one\s+round\s+later?\b", text)}
+    assert not stale, stale
+
+
 def test_readme_links_resolve():
     """The README is not part of the site: its relative links are checked here."""
     text = (ROOT / "README.md").read_text()

@@ -256,6 +256,13 @@ def test_resumed_summary_counts_only_its_own_steps(resumed, case):
     assert again[-1]["tokens_per_s"] > 0
 
 
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_the_header_names_the_dtype_it_trains_in(resumed, case):
+    """--dtype left to the engine (deepspeed: its config's precision) is named as trained, not as None."""
+    head = next(line for line in resumed[case][3].splitlines() if "method=co2 engine=" in line)
+    assert " dtype=float32 " in head, head
+
+
 def test_resume_with_another_grid_needs_and_takes_reshard(resumed, launched):
     """fairscale's checkpoint of R x S = 2 x 1 on R x S = 1 x 2: refused without --reshard (saying which
     flag loads it), loaded with it; training goes on from step 4 and learns."""

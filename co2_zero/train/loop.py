@@ -180,9 +180,10 @@ def header(job: Job) -> str:
     replicas, shards = job.trainer.grid(job.world)
     b = job.batches
     data = f"--data {a.data}" if a.data else "stdlib bytes"
+    dtype = a.dtype or str(next(job.trainer.model.parameters()).dtype).replace("torch.", "")  # deepspeed: its config's
     line = (
         f"method={a.method} engine={a.engine} world={job.world} R x S = {replicas} x {shards} device={a.device} "
-        f"dtype={a.dtype} model={a.model} params={job.n_params / 1e6:.2f}M data={data} "
+        f"dtype={dtype} model={a.model} params={job.n_params / 1e6:.2f}M data={data} "
         f"train={len(b.train) / 1e6:.2f}M val={b.val_tokens / 1e6:.2f}M tokens tokens/step={job.tokens_per_step} "
         f"max_steps={a.max_steps}"
     )
