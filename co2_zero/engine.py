@@ -104,6 +104,7 @@ class RoundEngine:
         self._failure: Optional[CO2Error] = None
         self.last_round: dict[str, Any] = {}
         self._bytes_reported = 0  # of exchange.bytes_sent, already in some last_round
+        self.finalize_bytes_sent = 0  # what finalize() sent: the last exchange (it waits for it), the buffers
         if membership is not None and membership.attach(self):
             self._round_end()  # joined a running job at a round end: take part in its exchange
 
@@ -368,9 +369,11 @@ class RoundEngine:
         self._check_steps(finalizing=True)
         dropped = self.inner_steps % self.config.tau
         if dropped:
+            where = "start point" if self.rounds else f"model it started from: no round ended (tau={self.config.tau})"
             warnings.warn(
                 f"co2 finalize: the {dropped} inner step(s) since the last round end (step "
-                f"{self.inner_steps - dropped}) are dropped; every rank returns to the start point",
+                f"{self.inner_steps - dropped}) are dropped; every rank returns to the {where}. Train whole rounds: "
+                f"a number of steps that tau divides",
                 stacklevel=3,
             )
         self._wait_pending()
@@ -381,7 +384,8 @@ class RoundEngine:
         if self.average_unapplied:  # arrived before its apply point
             self.start_point, self.next_start = self.next_start, self.start_point
         self._set_live(self.schedule.last_start(self.start_point, self.next_start))
-        self._average_buffers("finalize")
+        buffer_bytes, _ = self._average_buffers("finalize")
+        self.finalize_bytes_sent = self._exchange_bytes_since_last_report() + buffer_bytes
         self.phase = Phase.FINALIZED
         self.close(join_s=self.config.timeout_s)
 

@@ -114,6 +114,26 @@ def test_train_lm_co2_two_ranks(tmp_path):
     assert s["bytes_sent"] > 0 and s["wait_s"] >= 0
 
 
+def test_summary_counts_every_exchange(tmp_path):
+    """n rounds are n exchanges: the last one, launched at the last round end, finishes in finalize() and is
+    counted too (a one-round run sent its average; it is no "0 B sent")."""
+    flags = [*TINY, "--method", "co2", "--tau", "2", "--eval_every", "0"]
+    (one, stderr), (three, _) = (run_job(tmp_path, [*flags, "--max_steps", str(n)]) for n in (2, 6))
+    one, three = one[-1], three[-1]
+    assert (one["rounds"], three["rounds"]) == (1, 3)
+    assert one["bytes_sent"] >= 4 * one["n_params"]  # fp32 all_reduce over R = 2: 8 (R - 1) / R bytes per element
+    assert three["bytes_sent"] == 3 * one["bytes_sent"], (one["bytes_sent"], three["bytes_sent"])
+    assert f"| 1 rounds | rank 0: {one['bytes_sent'] / 1e3:.1f} kB sent" in summary_line(stderr), summary_line(stderr)
+
+
+def test_one_process_warns_that_there_is_nothing_to_average(tmp_path):
+    """Without torchrun the job is R x S = 1 x 1: said, as every other R = 1 grid is."""
+    _, stderr = run_job(tmp_path, [*TINY, "--method", "co2", "--tau", "2", "--max_steps", "2"], ranks=1)
+    assert "co2-train: one process (world size 1" in stderr and "nothing to average" in stderr, stderr[-3000:]
+    _, stderr = run_job(tmp_path, [*TINY, "--method", "co2", "--tau", "2", "--max_steps", "2"])
+    assert "nothing to average" not in stderr, stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """DDP in one process on the token file: 24 steps of 8 windows (saving at step 8), the same as 2
@@ -242,6 +262,13 @@ def test_resumed_summary_counts_only_its_own_steps(resumed, case):
     assert again[-1]["tokens_per_s"] > 0
 
 
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_the_header_names_the_dtype_it_trains_in(resumed, case):
+    """--dtype left to the engine (deepspeed: its config's precision) is named as trained, not as None."""
+    head = next(line for line in resumed[case][3].splitlines() if "method=co2 engine=" in line)
+    assert " dtype=float32 " in head, head
+
+
 def test_resume_with_another_grid_needs_and_takes_reshard(resumed, launched):
     """fairscale's checkpoint of R x S = 2 x 1 on R x S = 1 x 2: refused without --reshard (saying which
     flag loads it), loaded with it; training goes on from step 4 and learns."""
@@ -356,7 +383,7 @@ def test_help_shows_every_default():
         if action.option_strings and action.dest != "help" and action.help != "==SUPPRESS==":
             text = formatter._get_help_string(action) % {"default": action.default}
             assert action.help and "default" in text and "default: None" not in text, (action.dest, text)
-    assert "(default: 300)" in " ".join(parser.format_help().split())  # --max_steps, as printed
+    assert "(default: 320)" in " ".join(parser.format_help().split())  # --max_steps, as printed
 
 
 def test_co2_settings_precedence(tmp_path):
