@@ -579,14 +579,16 @@ def test_checkpoint_resume_continues_the_trajectory(which, sharded, one_shard):
 @pytest.mark.parametrize("which", ["sharded", "one_shard"])
 def test_checkpoint_reshards_into_co2optimizer(which, sharded, one_shard):
     """co2_zero.checkpoint's resharding reads CO2OSS's per-rank files into CO2Optimizer (S = 1): every
-    rank resumes at the saved run's last round start (the partial round is dropped, with a warning)."""
+    rank resumes at the saved run's last round start (the partial round is dropped, with a warning), from
+    its replica's stand-in there: new replica m continues saved replica m % R (docs/checkpoints.md)."""
     cases = {"sharded": (sharded, 2, RESUME_SHARDED), "one_shard": (one_shard, 1, RESUME_ONE_SHARD)}
     results, shards, sc = cases[which]
-    _, _, shared = reference(sc, len(results) // shards, shards)
-    last_start = shared[sc["save_at"] // sc["config"]["tau"]]
+    saved_replicas = len(results) // shards
+    starts, _, _ = reference(sc, saved_replicas, shards)
+    last_starts = starts[sc["save_at"] // sc["config"]["tau"]]
     for rank, per_rank in enumerate(results):
         got = per_rank["resume"]
-        assert_close(got["resharded"], last_start, f"resharded rank {rank}")
+        assert_close(got["resharded"], last_starts[rank % saved_replicas], f"resharded rank {rank}")
         assert any("dropped" in w for w in got["reshard_warnings"]), got["reshard_warnings"]
 
 
