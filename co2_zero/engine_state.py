@@ -88,10 +88,10 @@ def check_state_dict(engine: RoundEngine, state: Any) -> None:
     for key in ("inner_steps", "rounds", "skipped_rounds"):
         if not isinstance(state.get(key), int) or state[key] < 0:
             raise ValueError(f"co2 checkpoint: {key}={state.get(key)!r}; expected an integer >= 0")
-    if state["rounds"] != state["inner_steps"] // engine.config.tau:
+    if state["rounds"] != state["inner_steps"] // engine.tau:
         raise ValueError(
             f"co2 checkpoint: rounds={state['rounds']} does not fit inner_steps={state['inner_steps']} "
-            f"at tau={engine.config.tau}"
+            f"at tau={engine.tau} (this replica's)"
         )
     _check_fixed_sync_delay(engine, state.get("fixed_sync_delay"))
 
