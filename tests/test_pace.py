@@ -228,6 +228,19 @@ def test_integrations_it_was_not_tested_with_refuse_it():
     refuse(CO2Config(tau=TAU), "FairScale OSS")  # null: nothing to refuse
 
 
+def test_fairscale_and_lightning_refuse_it_when_built():
+    """Both refuse before any process group is touched (DeepSpeed's adapter calls the same `refuse`)."""
+    from co2_zero.fairscale import CO2OSS
+
+    paced = {"tau": TAU, "replica_tau": [4, 2]}
+    with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with FairScale OSS"):
+        CO2OSS(models.make_model("mlp").parameters(), co2=paced)
+    from co2_zero.lightning import CO2Strategy
+
+    with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with Lightning"):
+        CO2Strategy(co2=paced)
+
+
 def test_finalize_agreement_compares_rounds():
     taus = [4, 2]
     assert steps_mismatch([[8, 1, 0], [4, 1, 0]], 0, 8, taus) is None  # 2 rounds each
