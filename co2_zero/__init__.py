@@ -7,21 +7,17 @@ stand-in for that step (`stand_in: local`). CO2 as published (heavy ball, the ad
 penalty, the average applied a round late) is `co2_zero.config.PUBLISHED`. docs/design.md §3 has the math.
 """
 
-import warnings
+import torch
 
-# Without numpy (the base install needs none), `import torch` warns "Failed to initialize NumPy" in every
-# process, five times per 4-rank launch. Import torch here first, with that one warning from torch
-# silenced, when co2_zero comes first (the co2-train job, `python -m co2_zero.train`, scripts that
-# import co2_zero before torch); a process that imported torch already has printed it.
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning, module="torch")
-    import torch  # noqa: F401
+from .version import __version__, torch_too_old
+
+if torch_too_old(torch.__version__):  # before any module that would fail on an older torch's missing APIs
+    raise ImportError(torch_too_old(torch.__version__))
 
 from . import checkpoint  # noqa: E402
 from .config import Clip, CO2Config, GapPenalty  # noqa: E402
 from .errors import CO2Error, CO2TimeoutError, NonFiniteError  # noqa: E402
 from .optim import CO2Optimizer  # noqa: E402
-from .version import __version__  # noqa: E402
 
 __all__ = [
     "CO2Config",

@@ -54,8 +54,12 @@ def _check_bool(name: str, value: Any) -> None:
         _fail(name, value, "true or false")
 
 
+def _is_int_at_least(value: Any, minimum: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not _is_int_at_least(value, minimum):
         _fail(name, value, f"an integer >= {minimum}")
 
 
@@ -174,7 +178,8 @@ class CO2Config:
     overlap: bool = field(
         default=True,
         metadata={
-            "doc": "`true`: CO2, the exchange overlaps the next round and is applied one round late. `false`: "
+            "doc": "`true`: CO2, the exchange overlaps the next round and its average is applied `sync_delay` "
+            "steps into it (by default as soon as the exchange is hidden; `null`: a round late). `false`: "
             "blocking outer steps (Local SGD, SlowMo, DiLoCo), on the same code path."
         },
     )
@@ -219,7 +224,6 @@ class CO2Config:
             "doc": 'S, ranks per replica (ZeRO, OSS or FSDP2 shard over them). `"node"`: the ranks per node '
             "as the launcher says (`LOCAL_WORLD_SIZE`, `LOCAL_SIZE`, `OMPI_COMM_WORLD_LOCAL_SIZE`). Must "
             "divide the world size. A plain `CO2Optimizer` (no FSDP2) uses 1.",
-            "accepted": "an integer >= 1, or 'node'",
         },
     )
     collective: str = field(
@@ -276,8 +280,8 @@ class CO2Config:
         _check_bool("overlap", self.overlap)
         object.__setattr__(self, "gap_penalty", _build(GapPenalty, "gap_penalty", self.gap_penalty))
         object.__setattr__(self, "clip", _build(Clip, "clip", self.clip))
-        if self.shards_per_replica != "node":
-            _check_int("shards_per_replica", self.shards_per_replica, 1)
+        if self.shards_per_replica != "node" and not _is_int_at_least(self.shards_per_replica, 1):
+            _fail("shards_per_replica", self.shards_per_replica, "an integer >= 1, or 'node'")
         _check_choice("collective", self.collective, COLLECTIVES)
         _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         seconds = f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]"

@@ -108,6 +108,7 @@ class RoundEngine:
         self._failure: Optional[CO2Error] = None
         self.last_round: dict[str, Any] = {}
         self._bytes_reported = 0  # of exchange.bytes_sent, already in some last_round
+        self.finalize_bytes_sent = 0  # what finalize() sent: the last exchange (it waits for it), the buffers
         if membership is not None and membership.attach(self):
             self._round_end()  # joined a running job at a round end: take part in its exchange
 
@@ -132,6 +133,9 @@ class RoundEngine:
         self.rounds = 0
         self.skipped_rounds = 0  # rounds whose outer update was skipped (nonfinite: "skip_round")
         self._applied_was_skipped = False  # the last pipeline's update was skipped: nothing to track
+        # a sync delay d < tau: the average launched at the last round end is still to be applied, d steps into
+        # this round (set at round ends, cleared at the apply point; a state without a next start has none)
+        self.average_unapplied = False
         self.run_id: Optional[str] = None  # set by the first checkpoint saved or loaded
 
     # ---- the lifecycle, as read by integrations and checkpoints -------------------------------------------
@@ -186,7 +190,7 @@ class RoundEngine:
         if self.inner_steps % self.tau:
             if self.delay_meter is not None and self.delay_meter.watching:  # a few steps of rounds 2 and 3 only
                 self.delay_meter.saw(self.inner_steps % self.tau, _finished(self._pending))
-            if self.rounds and self.schedule.applies_mid_round(self.inner_steps):  # round 0 has none in flight
+            if self.average_unapplied and self.schedule.applies_mid_round(self.inner_steps):
                 self._apply_mid_round()
             return False
         self._round_end()
@@ -207,6 +211,7 @@ class RoundEngine:
         self._set_live(retiring)
         if self.own_start is not None:
             self.own_start.copy_(self.start_point)
+        self.average_unapplied = False
         self._mid_round_s = (wait_s, time.perf_counter() - began)
 
     def _round_end(self) -> None:
@@ -225,6 +230,7 @@ class RoundEngine:
         reset_inner = self._launch(plan)  # step 2
         if self.delay_meter is not None:
             self._follow_delay_meter()
+        self.average_unapplied = 0 < self.schedule.steps < self.tau  # applied d steps into the next round
         if plan.wait_at_once:
             wait_s += self._wait_pending()
             sent += self._exchange_bytes_since_last_report()
@@ -372,9 +378,11 @@ class RoundEngine:
         self._check_steps(finalizing=True)
         dropped = self.inner_steps % self.tau
         if dropped:
+            where = "start point" if self.rounds else f"model it started from: no round ended (tau={self.tau})"
             warnings.warn(
                 f"co2 finalize: the {dropped} inner step(s) since the last round end (step "
-                f"{self.inner_steps - dropped}) are dropped; every rank returns to the start point",
+                f"{self.inner_steps - dropped}) are dropped; every rank returns to the {where}. Train whole rounds: "
+                f"a number of steps that tau divides",
                 stacklevel=3,
             )
         self._wait_pending()
@@ -382,10 +390,11 @@ class RoundEngine:
             self.exchange.agree_final(self.rounds)
         except CO2Error as error:
             self._fail(error)
-        if self.schedule.unapplied_after(self.inner_steps, self.rounds):  # arrived before its apply point
+        if self.average_unapplied:  # arrived before its apply point
             self.start_point, self.next_start = self.next_start, self.start_point
         self._set_live(self.schedule.last_start(self.start_point, self.next_start))
-        self._average_buffers("finalize")
+        buffer_bytes, _ = self._average_buffers("finalize")
+        self.finalize_bytes_sent = self._exchange_bytes_since_last_report() + buffer_bytes
         self.phase = Phase.FINALIZED
         self.close(join_s=self.config.timeout_s)
 
@@ -518,9 +527,16 @@ class RoundEngine:
         self._wait_pending()
         engine_state.load_state_dict(self, state)
 
+    def restart_round(self) -> None:
+        """Set the live parameters to where this replica's round starts (`round_start`: its stand-in when
+        the loaded state carried one, else the shared start) and refresh the replica: a resharded state
+        resumes at the saved run's last round start."""
+        self.check_usable()
+        self._set_live(self.round_start)
+
     def restart_from_start_point(self) -> None:
-        """Set the live parameters to the current start point (a resharded state resumes at the
-        saved run's last round start) and refresh the replica."""
+        """Set the live parameters, and a stand-in, to the current shared start point (an elastic replica
+        that took the shared state from a peer) and refresh the replica."""
         self.check_usable()
         if self.own_start is not None:  # a stand-in: this replica has trained nothing since
             self.own_start.copy_(self.start_point)

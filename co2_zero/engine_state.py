@@ -58,7 +58,10 @@ def state_dict(engine: RoundEngine) -> dict[str, Any]:
         "rounds": engine.rounds,
         "skipped_rounds": engine.skipped_rounds,
         "start_point": engine.start_point,
-        "next_start": engine.schedule.carried_next_start(engine.next_start),
+        # None when no start point is pending: blocking mode, and a sync delay from its apply point to the
+        # round end (the buffer is scratch then); `applies_at` says when a pending one is applied
+        "next_start": engine.schedule.carried_next_start(engine.next_start, engine.average_unapplied),
+        "applies_at": engine.schedule.steps,  # the inner step of a round: 0 at once, tau the round end, else d
         "momentum": engine.momentum,
         "previous_update_sq_norms": engine.previous_update_sq_norms,
         # comm_dtype int8/fp8: the error-feedback residuals (comm.Residuals), else None
@@ -112,9 +115,10 @@ def _check_fixed_sync_delay(engine: RoundEngine, fixed: Any) -> None:
 
 def _check_tensors(engine: RoundEngine, state: dict[str, Any]) -> None:
     """Every tensor of `state` has this engine's shape and dtype (and is present iff it has one)."""
+    pending = engine.config.overlap and state.get("next_start") is not None  # None: none pending (sync delay)
     expected = {
         "start_point": engine.start_point,
-        "next_start": engine.schedule.carried_next_start(engine.next_start),
+        "next_start": engine.next_start if pending else None,
         "momentum": engine.momentum,
     }
     for key, like in expected.items():
@@ -156,11 +160,11 @@ def load_state_dict(engine: RoundEngine, state: dict[str, Any]) -> None:
         engine.next_start.copy_(state["next_start"])
     engine.momentum.copy_(state["momentum"])
     _load_sync_delay(engine, state.get("fixed_sync_delay"))
+    engine.average_unapplied = _pending_apply(engine, state)
     engine.buffers.take_current_as_agreed()  # checkpoint.load wrote the module first
     norms = state["previous_update_sq_norms"]
     engine.previous_update_sq_norms = None if norms is None else norms.to(engine.momentum.device).clone()
-    if engine.own_start is not None:  # a resharded state has none: each replica restarts from the shared start
-        # (with the local stand-in's copy of the outer momentum, which resharding makes; eager's restarts at 0)
+    if engine.own_start is not None:  # a resharded state may carry none: the replica starts from the shared start
         saved = state.get("own_start")
         engine.own_start.copy_(saved if saved is not None else engine.start_point)
         if engine.own_momentum is not None:
@@ -170,6 +174,17 @@ def load_state_dict(engine: RoundEngine, state: dict[str, Any]) -> None:
         saved = state.get("residuals")
         for name, residual in engine.exchange.residuals._asdict().items():
             residual.copy_(saved[name]) if saved is not None else residual.zero_()
+
+
+def _pending_apply(engine: RoundEngine, state: dict[str, Any]) -> bool:
+    """Whether the state's next start is still to be applied d steps into the round (a sync delay d < tau).
+    A state without `applies_at` carries the buffer whatever the phase (scratch after the apply point):
+    for it the step counter says whether its apply point has passed."""
+    steps, tau = engine.schedule.steps, engine.tau
+    pending = state["next_start"] is not None and 0 < steps < tau
+    if "applies_at" not in state:
+        pending = pending and state["rounds"] > 0 and state["inner_steps"] % tau < steps
+    return pending
 
 
 def _load_sync_delay(engine: RoundEngine, fixed: Optional[int]) -> None:

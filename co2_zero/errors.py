@@ -49,6 +49,7 @@ def missing_extra(package: str, extra: str, error: ImportError) -> ImportError:
     """The ImportError to raise when an optional integration's framework is not installed."""
     message = (
         f"co2_zero needs {package} for this integration, which the base install does not include: "
-        f"pip install 'co2_zero[{extra}]' (from a clone: pip install -e '.[{extra}]'); import failed with: {error}"
+        f"pip install -e '.[{extra}]' in the clone (co2_zero is installed from its checkout, not from an index); "
+        f"import failed with: {error}"
     )
     return ImportError(message, name=getattr(error, "name", None))

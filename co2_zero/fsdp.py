@@ -64,11 +64,6 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() and ("nccl" in backend or "cuda" in backend) else "cpu"
 
 
-def is_sharded(params: Sequence[torch.Tensor]) -> bool:
-    """True when any parameter is a DTensor (the model went through `fully_shard`)."""
-    return any(isinstance(p, DTensor) for p in params)
-
-
 def find_partition(
     params: Sequence[torch.nn.Parameter], config: CO2Config, module: Optional[torch.nn.Module] = None
 ) -> tuple[Partition, Any, Callable[[], None]]:

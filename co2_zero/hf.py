@@ -17,6 +17,7 @@ Checkpoints need nothing here: Trainer saves and resumes a DeepSpeed run through
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -25,8 +26,7 @@ try:
     import transformers
 except ImportError as error:  # an optional extra
     raise ImportError(
-        "co2_zero.hf needs Hugging Face transformers and accelerate: pip install -e '.[hf]' "
-        "(or pip install 'co2_zero[hf]')"
+        "co2_zero.hf needs Hugging Face transformers and accelerate: pip install -e '.[hf]' in the clone"
     ) from error
 try:
     from . import deepspeed as co2_deepspeed
@@ -35,6 +35,7 @@ except ImportError as error:
 
 from . import checkpoint
 from .errors import CO2Error
+from .step_budget import step_budget_problem
 
 __all__ = ["CO2Callback", "check_co2_section"]
 
@@ -64,6 +65,21 @@ def _leaves(section: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
         else:
             out.append((f"{prefix}.{key}", value))
     return out
+
+
+def _check_world_size(args: Any) -> None:
+    """Trainer fills the DeepSpeed batch sizes for the processes it counts; on CPU without `use_cpu=True`
+    it counts one, and DeepSpeed then fails with a bare "train_batch_size is not equal to
+    micro_batch_per_gpu * gradient_acc_step * world_size". Say what to do instead."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, DeepSpeed's and Accelerate's launchers set it
+    counted = getattr(args, "world_size", launched)
+    if counted < launched:
+        raise ValueError(
+            f"co2: Trainer counts world_size={counted} process(es) but the launch started {launched} (WORLD_SIZE), "
+            f"so DeepSpeed would refuse the batch sizes Trainer fills in ('train_batch_size is not equal to "
+            f"micro_batch_per_gpu * gradient_acc_step * world_size'); on CPU give TrainingArguments(use_cpu=True) "
+            f"(with DS_ACCELERATOR=cpu), which counts every rank"
+        )
 
 
 def _co2_optimizer(optimizer: Any) -> Optional[co2_deepspeed.CO2ZeroOptimizer]:
@@ -106,6 +122,7 @@ class CO2Callback(transformers.TrainerCallback):
                 f'TrainingArguments(deepspeed=<config with "co2": {{...}}>), got deepspeed={args.deepspeed!r}'
             )
         check_co2_section(ds_config)
+        _check_world_size(args)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self.optimizer = _co2_optimizer(optimizer)
@@ -117,13 +134,9 @@ class CO2Callback(transformers.TrainerCallback):
                 "or the engine came from another initialize, e.g. MS-AMP's); call co2_zero.deepspeed.patch() "
                 "before trainer.train()"
             )
-        tau = self.optimizer.config.tau
-        if state.max_steps % tau:
-            warnings.warn(
-                f"co2: max_steps={state.max_steps} is not a multiple of tau={tau}: finalize() at the end of "
-                f"training drops the last {state.max_steps % tau} optimizer step(s)",
-                stacklevel=2,
-            )
+        problem = step_budget_problem(state.max_steps, self.optimizer.config.tau, "max_steps", "co2.tau")
+        if problem is not None:
+            warnings.warn(f"co2: {problem}", stacklevel=2)
         if args.save_strategy != "no" and args.save_only_model:
             warnings.warn(
                 "co2: save_only_model=True: Trainer's checkpoints hold no DeepSpeed/CO2 state and cannot resume",

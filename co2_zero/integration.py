@@ -16,6 +16,7 @@ Imports no integration; the integrations import it.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Protocol, Sequence
 
 import torch
@@ -317,3 +318,11 @@ def refuse_membership(entry_point: str, given: dict[str, Any]) -> None:
             f"co2 elastic: {entry_point} takes no membership=: elastic training is not supported there; "
             f"it runs with {ELASTIC_ENGINES}"
         )
+
+
+def is_sharded(params: Sequence[torch.Tensor]) -> bool:
+    """True when any parameter is a DTensor (the model went through FSDP2's `fully_shard`). Asked without
+    importing torch.distributed.tensor, so `CO2Optimizer` over plain parameters imports no FSDP2 machinery
+    (co2_zero.fsdp): a process that holds a DTensor has imported it already."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in params)

@@ -24,6 +24,7 @@ from .integration import (
     InnerOptimizerState,
     Integration,
     check_fp32_parameters,
+    is_sharded,
     one_device,
     trainable_parameters,
 )
@@ -103,10 +104,8 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
             raise ValueError("co2: the inner optimizer holds no trainable parameters")
         if model is not None:  # this optimizer lays out the partition: in the model's order, not the groups'
             params = in_model_order(params, model)
-        from . import fsdp  # here, not at import: torch.distributed.tensor takes a while to import
-
         self._params = params
-        self.integration = Integration.FSDP2 if fsdp.is_sharded(params) else Integration.PLAIN
+        self.integration = Integration.FSDP2 if is_sharded(params) else Integration.PLAIN
         self.flat_params: Optional[torch.Tensor] = None
         self._replica_group: Any = None  # FSDP2: the replica mesh's group
         self._check_shards: Callable[[], None] = _nothing_to_spread

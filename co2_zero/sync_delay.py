@@ -58,18 +58,18 @@ class ApplySchedule:
         """Whether the average in flight is applied after this inner step (not at a round end)."""
         return 0 < self.steps < self.tau and inner_steps % self.tau == self.steps
 
-    def unapplied_after(self, inner_steps: int, rounds: int) -> bool:
-        """Whether a launched average is still to be applied after `inner_steps` (finalize applies it)."""
-        return 0 < self.steps < self.tau and rounds > 0 and inner_steps % self.tau < self.steps
-
     def last_start(self, start_point: torch.Tensor, next_start: torch.Tensor) -> torch.Tensor:
         """The start point the last finished round produced, once applied, which finalize() gives every
         rank."""
         return next_start if self.steps == self.tau else start_point
 
-    def carried_next_start(self, next_start: torch.Tensor) -> Optional[torch.Tensor]:
-        """The next start point as state: in blocking mode it is a spare buffer, carried as None."""
-        return next_start if self.steps else None
+    def carried_next_start(self, next_start: torch.Tensor, unapplied: bool) -> Optional[torch.Tensor]:
+        """The next start point as state, None when none is pending: in blocking mode the buffer is a spare,
+        and with a sync delay it is one from the apply point to the round end (`unapplied`: the average
+        launched at the last round end is still to be applied)."""
+        if self.steps == self.tau:
+            return next_start
+        return next_start if self.steps and unapplied else None
 
 
 MARGIN = 1.5  # the headroom over the measured exchange, as co2-tune-tau's tau_comm = ceil(1.5 t_comm / t_step)

@@ -58,6 +58,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -65,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from co2_zero import CO2Config, CO2Optimizer
-from co2_zero.sync_delay import MARGIN
+from co2_zero.sync_delay import MARGIN, delay_for
 from co2_zero.topology import collective_device
 from co2_zero.train.args import HelpWithDefaults, co2_config
 from co2_zero.train.args import get_args as training_args
@@ -103,7 +104,8 @@ def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, reps: 
     is the previous round's whole pipeline. Every rank is a replica (CO2Optimizer's S = 1), as in
     the training job's plain engine. Every rank must call this (it creates process groups).
     """
-    config = dataclasses.replace(config or CO2Config(), tau=1, shards_per_replica=1, overlap=True)
+    # sync_delay None: the pipeline alone, timed at each round end (there is no delay to measure at tau 1)
+    config = dataclasses.replace(config or CO2Config(), tau=1, shards_per_replica=1, overlap=True, sync_delay=None)
     device = collective_device()  # where training's partition (hence its exchange) lives
     flat = torch.nn.Parameter(torch.zeros(numel, device=device))
     flat.grad = torch.zeros_like(flat)
@@ -163,7 +165,10 @@ def verify(args, tau: int, rounds: int, t_step: float) -> dict:
     Each round ends, as in a training loop, with a tiny all-reduce on the default group (the loss
     for the log), which also makes the compute-only rounds pay the ranks' skew like CO2's rounds
     do. Efficiency = compute-only round / CO2 round (means; CO2's round 0, with nothing in flight,
-    is not counted). Also reports CO2's blocked time and bookkeeping (round_end_s - wait_s).
+    is not counted). Also reports CO2's blocked time, bookkeeping (round_end_s - wait_s) and, with
+    `sync_delay: "auto"`, the inner steps the exchange took as the training job measures them
+    (`exchange_steps`) and the sync delay that gives (`sync_delay`; the job's warning that the exchange
+    fills the round is this report's `hidden: false` instead).
     """
     args = argparse.Namespace(**vars(args))
     args.tau = tau
@@ -197,10 +202,13 @@ def verify(args, tau: int, rounds: int, t_step: float) -> dict:
             waits.append(opt.last_round["wait_s"])
             books.append(opt.last_round["round_end_s"] - opt.last_round["wait_s"])
 
-    co2 = run(co2_step, rounds + 1)[1:]
-    waits, books = waits[1:], books[1:]
-    opt.finalize()
+    with warnings.catch_warnings():  # what it says is `exchange_steps` below, in the report
+        warnings.filterwarnings("ignore", message="co2: sync_delay 'auto': the exchange took", category=UserWarning)
+        co2 = run(co2_step, rounds + 1)[1:]
+        waits, books = waits[1:], books[1:]
+        opt.finalize()
     opt.topology.destroy()
+    steps = opt.engine.delay_meter.most_steps if opt.engine.delay_meter is not None else 0
     base_round = _slowest(statistics.mean(base))
     co2_round = _slowest(statistics.mean(co2))
     return {
@@ -214,7 +222,18 @@ def verify(args, tau: int, rounds: int, t_step: float) -> dict:
         "t_book": _slowest(statistics.mean(books)),
         "wait_fraction": _slowest(statistics.mean(waits)) / co2_round,
         "book_fraction": _slowest(statistics.mean(books)) / co2_round,
+        **exchange_hidden(steps or None, tau),
     }
+
+
+def exchange_hidden(steps: Optional[int], tau: int) -> dict:
+    """What `sync_delay: "auto"` makes of an exchange that took `steps` inner steps (the most any rank
+    counted; None: not measured): the delay, and whether it is hidden inside the round (a delay below tau;
+    at tau every average stays a round late, and the job warns)."""
+    if steps is None:
+        return {"exchange_steps": None, "sync_delay": None, "hidden": True}
+    delay = delay_for(steps, tau)
+    return {"exchange_steps": steps, "sync_delay": delay, "hidden": delay < tau}
 
 
 def search_tau(args, ours, rec: dict, t_step: float) -> list[dict]:
@@ -230,7 +249,8 @@ def search_tau(args, ours, rec: dict, t_step: float) -> list[dict]:
     for _ in range(ours.max_verifies):
         rounds = max(ours.verify_rounds, math.ceil(ours.verify_seconds / (tau * t_step)))
         v = verify(args, tau, rounds, t_step)
-        v["passes"] = v["efficiency"] >= ours.target_efficiency and v["book_fraction"] <= ours.max_overhead
+        fast = v["efficiency"] >= ours.target_efficiency and v["book_fraction"] <= ours.max_overhead
+        v["passes"] = fast and v["hidden"]
         checks.append(v)
         if v["passes"]:
             passing = tau if passing is None else min(passing, tau)
@@ -246,7 +266,8 @@ def search_tau(args, ours, rec: dict, t_step: float) -> list[dict]:
                 round_overhead=v["round_overhead_s"],
                 target_efficiency=ours.target_efficiency,
             )
-            tau = min(ours.max_tau, max(tau + 1, est["tau"]))
+            hides = math.ceil(MARGIN * v["exchange_steps"]) + 1 if v["exchange_steps"] else 0
+            tau = min(ours.max_tau, max(tau + 1, est["tau"], hides))
             if tau == v["tau"]:  # at --max_tau already
                 break
         elif passing - failing <= 1:
@@ -357,32 +378,48 @@ def _report(r: dict) -> None:
         print(f"  t_comm = {m['t_comm'] * 1e3:.1f} ms  ({m['collective']} pipeline in {m['comm_dtype']} over "
               f"{m['outer_group_size']} replicas, {m['bytes_sent'] / 1e6:.1f} MB sent per rank"
               + (f", {bw / 1e6:.0f} Mbit/s)" if bw else ")"))  # fmt: skip
+    alone = " (the exchange alone: a first guess, verified below while training)" if r.get("verify") else ""
     print(f"  t_comm / t_step = {rec['comm_over_step']:.2f}; margin {rec['margin']} -> "
-          f"tau_comm = ceil({rec['margin']} x {rec['comm_over_step']:.2f}) = {rec['tau_comm']}")  # fmt: skip
-    print(f"  with a larger tau, the default sync_delay 'auto' (the job measures about {rec['tau_comm']}; or set it) "
-          f"applies each average as soon as it is hidden (docs/design.md §3, 'The sync delay')")  # fmt: skip
+          f"tau_comm = ceil({rec['margin']} x {rec['comm_over_step']:.2f}) = {rec['tau_comm']}{alone}")  # fmt: skip
     for v in r.get("verify", []):
         print(f"  verify tau={v['tau']:3d} ({v['rounds']} rounds): round {v['round_s'] * 1e3:.0f} ms vs compute-only "
               f"{v['compute_round_s'] * 1e3:.0f} ms -> efficiency {v['efficiency']:.3f}; bookkeeping "
               f"{v['t_book'] * 1e3:.1f} ms ({100 * v['book_fraction']:.1f}%); blocked {v['wait_s'] * 1e3:.0f} ms "
-              f"({100 * v['wait_fraction']:.0f}%) -> {'pass' if v['passes'] else 'fail'}")  # fmt: skip
+              f"({100 * v['wait_fraction']:.0f}%){_exchange_words(v)} -> "
+              f"{'pass' if v['passes'] else 'fail'}")  # fmt: skip
     if r.get("verify"):
         print(f"  targets: efficiency >= {rec['target_efficiency']} of compute-only, bookkeeping <= "
-              f"{100 * rec['max_overhead']:.0f}% of a round")  # fmt: skip
+              f"{100 * rec['max_overhead']:.0f}% of a round, the exchange hidden inside the round")  # fmt: skip
         if any(v["wait_fraction"] > 0.05 and v["passes"] for v in r["verify"]):
             print("  note: ranks blocked on the exchange without losing throughput: with more ranks than cores a "
                   "waiting rank lends its core to the others; what counts is the efficiency")  # fmt: skip
-    print(recommendation_line(rec))
+    print(recommendation_line(rec, next((v for v in r.get("verify", []) if v["tau"] == rec["tau"]), None)))
 
 
-def recommendation_line(rec: dict) -> str:
-    """The report's last line: the tau, and when no tau tried met the targets, that it is only the best
-    measured."""
+def _exchange_words(v: dict) -> str:
+    """A verify line's exchange as sync_delay "auto" measures it, or nothing where it was not measured."""
+    if v.get("exchange_steps") is None:
+        return ""
+    where = f"applied after {v['sync_delay']} steps" if v["hidden"] else "not hidden: a round late"
+    return f"; exchange {v['exchange_steps']} steps ({where})"
+
+
+def recommendation_line(rec: dict, verified: Optional[dict] = None) -> str:
+    """The report's last line: the tau, what the verify run at that tau measured of the exchange (the sync
+    delay the job will fix), and when no tau tried met the targets, that it is only the best measured."""
+    line = f"recommended tau = {rec['tau']}"
+    if verified is not None and verified.get("exchange_steps") is not None:
+        line += (
+            f" (there the exchange took {verified['exchange_steps']} inner steps: sync_delay 'auto' applies each "
+            f"average after {verified['sync_delay']}; docs/design.md §3)"
+        )
+    elif verified is None and "tau_comm" in rec:
+        line += " (not verified while training: --verify_rounds > 0 on more than one rank does)"
     if rec.get("verified", True):
-        return f"recommended tau = {rec['tau']}"
+        return line
     return (
-        f"recommended tau = {rec['tau']}: NO tau tried met the targets (the link or the host is too slow, or "
-        f"busy, for them); tau = {rec['tau']} measured best (efficiency {rec['best_efficiency']:.3f})"
+        f"{line}: NO tau tried met the targets (the link or the host is too slow, or busy, for them); "
+        f"tau = {rec['tau']} measured best (efficiency {rec['best_efficiency']:.3f})"
     )
 
 

@@ -10,6 +10,7 @@ any of the tricks (flattening, sharding, collectives) of the real library.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -277,6 +278,7 @@ def simulate(
     restarts: Collection[tuple[int, int]] = (),
     heals: Collection[tuple[int, int]] = (),
     delay_from: int = 0,
+    reshard_at: tuple[int, int] | None = None,
 ) -> list[Params]:
     """Train ``replicas`` copies with CO2 for ``steps`` inner steps.
 
@@ -325,6 +327,8 @@ def simulate(
     ``sync_delay`` d < tau in the config: :func:`_simulate_sync_delay`; ``delay_from``: the first round
     whose average is applied d steps into the next, earlier rounds' a round late (``sync_delay: "auto"``
     before it fixes d).
+    ``reshard_at``: (step, new replica count): a resharded checkpoint load at that round start
+    (:func:`_reshard`); with a sync delay d < tau the average still to be applied there is applied at once.
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
@@ -335,6 +339,8 @@ def simulate(
         raise ValueError("replicas and shards must be >= 1 and steps >= 0")
     if shards > 1 and shard_batch is None:
         raise ValueError("shards > 1 needs shard_batch")
+    if reshard_at is not None and (reshard_at[0] % cfg["tau"] or elastic or joins or restarts or exchange):
+        raise ValueError("a reshard is simulated at a round start, without membership, joins, restarts or exchange")
 
     models, opts, bufs = _start_replicas(make_model, make_optimizer, replicas, shards)
     if cfg["sync_delay"] not in (None, tau):
@@ -345,8 +351,9 @@ def simulate(
         def micro(r: int, k: int) -> list[Batch]:
             return [batch(r, k)] if shards == 1 else [shard_batch(r, s, k) for s in range(shards)]  # type: ignore[misc]
 
+        reshard = None if reshard_at is None else (*reshard_at, make_optimizer)
         return _simulate_sync_delay(
-            models, opts, bufs, micro, loss_fn, cfg, steps, finalize, record, step_record, delay_from
+            models, opts, bufs, micro, loss_fn, cfg, steps, finalize, record, step_record, delay_from, reshard
         )
 
     start = _params(models[0])  # B: this round's start point x_t
@@ -363,6 +370,11 @@ def simulate(
     for k in range(steps):
         if k == fresh_inner_at:
             opts = [make_optimizer(list(model.parameters())) for model in models]
+        if reshard_at is not None and k == reshard_at[0]:
+            models, opts, bufs, owns, own_momenta = _reshard(
+                models, bufs, owns, own_momenta, reshard_at[1], make_optimizer
+            )
+            replicas = reshard_at[1]
         for r, first_round in (*joins, *restarts):
             if k == first_round * tau:
                 opts[r] = make_optimizer(list(models[r].parameters()))
@@ -437,6 +449,28 @@ def simulate(
     return _results(models, bufs)
 
 
+def _reshard(
+    models: list[nn.Module],
+    bufs: list[list[Params]],
+    owns: list[Params],
+    own_momenta: list[Params],
+    replicas: int,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> tuple[list[nn.Module], list[torch.optim.Optimizer], list[list[Params]], list[Params], list[Params]]:
+    """A resharded checkpoint load at a round start (docs/checkpoints.md): ``replicas`` replicas, replica m
+    continuing saved replica m % (saved R) from where that one's round starts (its stand-in, or the shared
+    start) with its buffers and, for eager, the momentum of its own shares rescaled to the new R (it sums
+    displacements / R); every inner optimizer built anew (its state is not carried)."""
+    saved = len(models)
+    new_models = [copy.deepcopy(models[m % saved]) for m in range(replicas)]
+    for model, m in zip(new_models, range(replicas)):
+        _set_params(model, owns[m % saved])
+    opts = [make_optimizer(list(model.parameters())) for model in new_models]
+    new_bufs = [[dict(b) for b in bufs[m % saved]] for m in range(replicas)]
+    momenta = [{n: v * saved / replicas for n, v in own_momenta[m % saved].items()} for m in range(replicas)]
+    return new_models, opts, new_bufs, [owns[m % saved] for m in range(replicas)], momenta
+
+
 def replica_round_starts(record: list[Params], step_record: list[list[Params]], tau: int) -> list[list[Params]]:
     """Per round start, every replica's parameters there, from one ``simulate`` run's ``record`` and
     ``step_record``: x_0, then where each replica started the round (the shared start, or its stand-in),
@@ -464,6 +498,7 @@ def _simulate_sync_delay(
     record: list[Params] | None,
     step_record: list[list[Params]] | None,
     delay_from: int = 0,
+    reshard: tuple[int, int, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] | None = None,
 ) -> list[Params]:
     """CO2 with a sync delay d < tau, written as the algorithm reads (docs/design.md §3, "The sync delay").
 
@@ -479,6 +514,7 @@ def _simulate_sync_delay(
     Rounds before ``delay_from`` go as published instead (sync_delay "auto" while it measures): the average
     of round t is applied a round late, to the next start x_{t+1}, gap unscaled, and the replicas start
     round t+1 at x_{t+1}. The last of them, x_{delay_from+1}, arrives d steps into round delay_from.
+    ``reshard``: (step, new replica count, make_optimizer), as ``simulate``'s ``reshard_at``.
     """
     tau, delay, alpha, replicas = cfg["tau"], cfg["sync_delay"], cfg["outer_lr"], len(models)
 
@@ -493,6 +529,12 @@ def _simulate_sync_delay(
         record.append({n: v.clone() for n, v in shared.items()})
 
     for k in range(steps):
+        if reshard is not None and k == reshard[0]:
+            if arriving is not None:  # the average still to be applied in this round: at once
+                shared, arriving = arriving, None
+                owns = [shared] * replicas
+            models, opts, bufs, owns, own_momenta = _reshard(models, bufs, owns, own_momenta, *reshard[1:])
+            replicas = reshard[1]
         for r, (model, opt) in enumerate(zip(models, opts)):
             _inner_step(model, opt, loss_fn, micro(r, k), bufs[r])
         if arriving is not None and (k + 1) % tau == delay:

@@ -239,3 +239,36 @@ def test_each_replica_gets_a_core_or_an_equal_share_and_the_report_says_which():
     assert "capped at 0.5 core" in capped and "leaves its share idle" in capped
     for settings in ({"nodes": 4, "cpus_per_node": None}, {"nodes": 4}):
         assert "uncapped" in be.cpu_note(settings, 2) and "flatters step efficiency" in be.cpu_note(settings, 2)
+
+
+def test_tuner_gives_one_answer_and_its_verify_runs_warn_nothing(tmp_path):
+    """co2-tune-tau on 2 ranks: its own runs print no warning (the exchange timing used to warn that tau=1
+    cannot hide it, the verify runs that their exchange filled the round); every verified tau reports the
+    exchange as the job's sync_delay "auto" measures it, and a verified recommendation is a tau where that
+    exchange is hidden (the sync delay the job will fix is below tau), as its last line says."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "tune.json"
+    flags = ["--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--block_size", "32", "--batch_size", "4",
+             "--steps", "3", "--reps", "2", "--verify_rounds", "4", "--verify_seconds", "0", "--max_verifies", "3",
+             "--max_tau", "24", "--tune_json", str(out)]  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*launcher, str(root / "scripts" / "tune_tau.py"), *flags], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Warning" not in done.stderr and "sync_delay 'auto'" not in done.stderr, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    checks, rec = result["verify"], result["recommendation"]
+    assert checks and all(isinstance(v["exchange_steps"], int) and v["exchange_steps"] >= 1 for v in checks), checks
+    for v in checks:
+        assert v["hidden"] == (v["sync_delay"] < v["tau"]) and (v["passes"] <= v["hidden"]), v
+    chosen = next(v for v in checks if v["tau"] == rec["tau"])
+    assert chosen["hidden"] or not rec["verified"], (chosen, rec)
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"recommended tau = {rec['tau']} (there the exchange took {chosen['exchange_steps']} "), last

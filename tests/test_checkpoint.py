@@ -165,7 +165,8 @@ def _assemble(shares: list) -> dict:
     for share in shares:
         for piece in share["pieces"]:
             for field in ("start_point", "next_start", "momentum"):
-                parts.setdefault((field, piece["tensor_id"]), []).append((piece["offset"], piece[field]))
+                if piece[field] is not None:  # no next start: none pending
+                    parts.setdefault((field, piece["tensor_id"]), []).append((piece["offset"], piece[field]))
     full = {}
     for key, pieces in parts.items():
         pieces.sort(key=lambda p: p[0])
@@ -182,33 +183,43 @@ def _saved_files(directory: str) -> list:
     return [checkpoint.load_file(f"{directory}/{tag}/{entry['name']}") for entry in marker["files"]]
 
 
+STAND_IN_KEPT = ("all_reduce", "eager")  # no sync delay and a stand-in (all_reduce: the defaults' local)
+
+
 def test_reshard_two_replicas_to_four(runs):
+    """The CO2 state re-cut per tensor is the saved one; with a sync delay the average that arrived is applied
+    at once (the start point is the saved next start, none is pending); replica m resumes from saved
+    replica m % 2's stand-in (its own start; eager's own-share momentum rescaled from R = 2 to 4, local's
+    copy of the momentum as of the start point), else from the start point. Every step after it is checked
+    against the reference in tests/test_checkpoint_phases.py."""
     root, first, _ = runs
     results = run_ranks(resharded, 4, root)
-    for name in CONFIGS:
+    for name, config in CONFIGS.items():
         saved = _saved_files(f"{root}/{name}")
         assert len(saved) == 2
         expected = _assemble([consolidate(s["co2"]) for s in saved])
+        applied = config.get("sync_delay") is not None
+        if applied:
+            for i in range(len(SIZES)):
+                expected[("start_point", i)] = expected.pop(("next_start", i))
         got = _assemble([r[name]["share"] for r in results])
-        assert expected.keys() == got.keys()
-        # the local stand-in's copy of the outer momentum (kept with reduce_scatter) is the saved momentum,
-        # not zeros; eager's momentum of a replica's own shares restarts at 0
-        momentum = torch.cat([expected[("momentum", i)] for i in range(len(SIZES))])
-        for rank in range(4):
-            copy = results[rank][name]["own_momentum"]
-            if name in ("sync_delay-local", "eager"):
-                assert copy is not None, name
-                want = momentum if name == "sync_delay-local" else torch.zeros_like(momentum)
-                assert torch.equal(copy[: momentum.numel()], want), (name, rank)
-            else:
-                assert copy is None, name  # no stand-in, or local with all_reduce: it reads the momentum itself
+        assert expected.keys() == got.keys(), name
         for key, value in expected.items():
             assert torch.equal(got[key], value), f"{name} {key}"
-        model = models.make_model("mlp")
-        for rank in range(4):  # every replica resumes from the saved start point
-            for i, (pname, _) in enumerate(model.named_parameters()):
-                start = expected[("start_point", i)]
-                assert torch.equal(results[rank][name]["live"][pname].reshape(-1), start), pname
+        momentum = torch.cat([expected[("momentum", i)] for i in range(len(SIZES))])
+        start = torch.cat([expected[("start_point", i)] for i in range(len(SIZES))])
+        for rank in range(4):
+            source = saved[rank % 2]["co2"]
+            copy = results[rank][name]["own_momentum"]
+            if name == "sync_delay-local":
+                assert torch.equal(copy[: momentum.numel()], momentum), (name, rank)
+            elif name == "eager":
+                assert torch.equal(copy, source["own_momentum"] * 0.5), (name, rank)
+            else:
+                assert copy is None, name  # no stand-in, or local with all_reduce: it reads the momentum itself
+            live = torch.cat([p.reshape(-1) for p in results[rank][name]["live"].values()])
+            want = source["own_start"][: start.numel()] if name in STAND_IN_KEPT else start
+            assert torch.equal(live, want), (name, rank)
         for rank in range(1, 4):
             for key, value in results[0][f"{name}-final"].items():
                 assert torch.equal(results[rank][f"{name}-final"][key], value)
@@ -253,7 +264,8 @@ def _identity(geometry, rank, replicas, shards):
 
 def _state_from_truth(identity, truth, inner_steps=8, tau=3, stand_in="shared"):
     """A rank's saved state holding the global truth (per tensor: start point, next start, momentum, norms;
-    with the local stand-in its whole-partition copy of the momentum, and a start of its own)."""
+    with the local stand-in its replica's own start, the start point x (2 + its replica), and its
+    whole-partition copy of the momentum as of the start point, the momentum x 3: the padding stays 0)."""
     geo = identity["geometry"]
     vectors = {}
     for field in ("start_point", "next_start", "momentum"):
@@ -264,10 +276,11 @@ def _state_from_truth(identity, truth, inner_steps=8, tau=3, stand_in="shared"):
     lo, hi = geo["momentum_range"]
     norms = truth["norms"][identity["rank"] % len(truth["norms"])]
     local = stand_in == "local"
+    replica = identity["rank"] // identity["grid"]["shards"]
     return {
         "stand_in": stand_in,
-        "own_start": vectors["start_point"] + identity["rank"] if local else None,  # a replica's own: not re-cut
-        "own_momentum": vectors["momentum"] if local else None,  # the momentum, over the whole partition
+        "own_start": vectors["start_point"] * (2 + replica) if local else None,
+        "own_momentum": vectors["momentum"] * 3 if local else None,
         **identity,
         "run_id": "r",
         "inner_steps": inner_steps,
@@ -334,9 +347,9 @@ def _run(replicas, shards, strategy, owned):
 @pytest.mark.parametrize("target_name", list(TARGETS))
 def test_reshard_recuts_every_tensor_exactly(saved_name, target_name, stand_in):
     """consolidate + reshard from any saved R x S to any target: each target rank's start points, next
-    start points and momentum slice (and the local stand-in's whole-partition copy of the momentum) are
-    the global truth at its partition's places; a replica's own start is not carried; the staleness-gap
-    partial norms keep their sum; the step falls back to the last round start."""
+    start points and momentum slice are the global truth at its partition's places, and the local
+    stand-in's own start and copy of the momentum those of saved replica (its replica % saved R); the
+    staleness-gap partial norms keep their sum; the step falls back to the last round start."""
     saved_identities = _run(*SAVED_RUNS[saved_name])
     truth = _truth(len(saved_identities))
     shares = [consolidate(_state_from_truth(identity, truth, stand_in=stand_in)) for identity in saved_identities]
@@ -345,12 +358,28 @@ def test_reshard_recuts_every_tensor_exactly(saved_name, target_name, stand_in):
         state, dropped = checkpoint.reshard(shares, identity)
         assert dropped == 8 - 2 * 3 and state["inner_steps"] == 6 and state["rounds"] == 2
         assert state["skipped_rounds"] == 1 and state["run_id"] == "r" and state["fixed_sync_delay"] == 2
+        source = (identity["rank"] // identity["grid"]["shards"]) % saved_identities[0]["grid"]["replicas"]
         expected = _state_from_truth(identity, truth, stand_in=stand_in)
-        assert state.get("own_start") is None
-        for field in ("start_point", "next_start", "momentum", "own_momentum"):
+        if stand_in == "local":  # saved replica `source`'s, not this replica's
+            expected["own_start"] = expected["start_point"] * (2 + source)
+        for field in ("start_point", "next_start", "momentum", "own_momentum", "own_start"):
             assert same(state[field], expected[field]), (identity["rank"], field)
         norm_sums.append(state["previous_update_sq_norms"])
     assert torch.allclose(torch.stack(norm_sums).sum(0), torch.stack(truth["norms"]).sum(0))
+
+
+def test_a_local_copy_of_the_momentum_that_cannot_be_rebuilt_is_named():
+    """The local stand-in's copy of the momentum as of the start point: rebuilt from a saved copy; from a run
+    that kept none (all_reduce), for a target that keeps one, a warning text says what it costs."""
+    saved = _run(*SAVED_RUNS["R2xS1-all_reduce"])
+    truth = _truth(2)
+    target = _run(*TARGETS["R4xS1"])[0]
+    with_copy = [consolidate(_state_from_truth(identity, truth, stand_in="local")) for identity in saved]
+    without = [consolidate({**_state_from_truth(i, truth, stand_in="local"), "own_momentum": None}) for i in saved]
+    state, _ = checkpoint.reshard(without, target)
+    assert "kept no copy" in checkpoint.stand_in_cost(without, state, keeps_copy=True)
+    assert checkpoint.stand_in_cost(without, state, keeps_copy=False) is None  # all_reduce: reads the momentum
+    assert checkpoint.stand_in_cost(with_copy, checkpoint.reshard(with_copy, target)[0], keeps_copy=True) is None
 
 
 def test_reshard_refuses_missing_shares_and_another_config():

@@ -40,8 +40,8 @@ from tests.test_fsdp import _assert_close, make_model, shard
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, here and in the children
 
-# the published shared start: a resharded load restarts every replica from the shared start, which the
-# reference's fresh_inner_at (inner state rebuilt, nothing else) matches only without a stand-in
+# the published shared start, so that the reference is a straight run with fresh_inner_at (inner state
+# rebuilt, nothing else); stand-ins rebuilt by a resharded load: tests/test_checkpoint_phases.py
 CO2 = {
     "tau": 3,
     "outer_lr": 0.8,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +95,20 @@ def test_sync_delay_and_stand_in_refusals_name_what_is_accepted(section, accepte
         CO2Config.from_dict(section)
     key = next(iter(section))
     assert f"{key}={section[key]!r}" in str(info.value) and accepted in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("value", ["nodes", 0, 2.0, True])
+def test_shards_per_replica_refusal_says_what_the_reference_table_says(value):
+    """One source of truth: docs/configuration.md's "accepted" cell is the refusal's own words."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs" / "hooks"))
+    import config_reference
+
+    with pytest.raises(ValueError) as info:
+        CO2Config(shards_per_replica=value)
+    accepted = str(info.value).split("accepted: ", 1)[1]
+    assert f"shards_per_replica={value!r}" in str(info.value) and accepted == "an integer >= 1, or 'node'"
+    (row,) = [r for r in config_reference.reference_markdown().splitlines() if r.startswith("| `shards_per_replica`")]
+    assert f" {accepted} |" in row, row
 
 
 def test_sync_delay_null_is_the_round_end():

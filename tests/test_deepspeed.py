@@ -716,6 +716,22 @@ def test_shipped_configs_are_valid(monkeypatch):
         assert check_shards(co2.resolve_shards(4), 4) > 1, f"{path}: shards_per_replica gives R = 1 on one machine"
 
 
+def test_a_config_path_that_names_no_file_says_where_it_looked_and_names_the_shipped_file(tmp_path, monkeypatch):
+    """DeepSpeed would read it as base64 ("Expected a string path to an existing deepspeed config")."""
+    monkeypatch.chdir(tmp_path)  # no configs/ here: a checkout-relative path names no file
+    with pytest.raises(ValueError) as info:
+        co2_deepspeed.split_config("configs/ds_zero2_co2.json")
+    message = str(info.value)
+    assert "config='configs/ds_zero2_co2.json' is no file" in message and str(tmp_path) in message, message
+    assert "co2_zero.configs.path('ds_zero2_co2.json')" in message, message
+    with pytest.raises(ValueError, match=r"config='mine\.json' is no file") as info:
+        co2_deepspeed.split_config("mine.json")
+    assert "co2_zero.configs" not in str(info.value)  # not a shipped name: no such hint
+    import co2_zero.configs
+
+    assert co2_deepspeed.split_config(co2_zero.configs.path("ds_zero2_co2.json"))[1].tau == 32  # from anywhere
+
+
 # ---- a misspelt co2 section (DeepSpeed would ignore it and train plain ZeRO) -------------------------------
 
 

@@ -152,3 +152,48 @@ def test_co2_zero_initialize_without_gradient_clipping_hands_the_true_gradient(r
     _assert_true_gradient(results[f"co2_zero-absent-z{stage}"], f"co2_zero initialize ZeRO-{stage}, no clipping key")
     messages = results[f"co2_zero-absent-z{stage}-warnings"]
     assert any("gradient_clipping" in m and "does not clip" in m for m in messages), messages
+
+
+# ---- the deprecated collective names DeepSpeed binds (workarounds._quiet_renamed_collectives) ---------------
+
+
+def test_deepspeed_binds_the_collective_names_torch_warns_about():
+    """DeepSpeed 0.19.8's comm backend binds torch's old names, and torch warns on them with the message the
+    workaround ignores. When either changes, review `_quiet_renamed_collectives`."""
+    import re
+
+    from deepspeed.comm.torch import TorchBackend
+
+    from co2_zero.deepspeed.workarounds import RENAMED_COLLECTIVES
+
+    old = (torch.distributed.all_gather_into_tensor, torch.distributed.reduce_scatter_tensor)
+    assert (TorchBackend.get_all_gather_function(), TorchBackend.get_reduce_scatter_function()) == old
+    for function in old:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError):  # no process group: the warning comes first
+                function(torch.zeros(2), torch.zeros(1))
+        assert any(w.category is FutureWarning and re.match(RENAMED_COLLECTIVES, str(w.message)) for w in caught)
+
+
+def _sharded_run_warnings(rank: int, world: int) -> list[str]:
+    """Two ZeRO-2 steps over a ZeRO group of 2 ranks (its all-gathers), recording what is warned as a script
+    would see it (the default filters, no "always")."""
+    import co2_zero.deepspeed as co2_deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    config = _config(2, gradient_clipping=1.0, co2={"tau": 2, "shards_per_replica": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        model = models.make_model()
+        engine, zero, _, _ = co2_deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        for step in range(2):
+            x, y = models.shard_batch(0, rank, step, world)
+            engine.backward(models.loss_fn(engine(x), y))
+            engine.step()
+        zero.finalize()
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_a_sharded_co2_run_shows_no_deprecated_collective_warning():
+    for caught in run_ranks(_sharded_run_warnings, 2, timeout=240):
+        assert not [w for w in caught if "all_gather_into_tensor" in w or "reduce_scatter_tensor" in w], caught

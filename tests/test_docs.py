@@ -5,11 +5,12 @@
 - Every fenced block of README.md and docs/*.md preceded by `<!-- run[: KIND] -->` (one process) or
   `<!-- run: N ranks[, KIND] -->` (torchrun, N gloo ranks) is executed, after a preamble that fills in
   what the snippet leaves to the reader (`MyModel`, `model`, `batches`, `loader`, `loss_fn`, a
-  `ds_config.json`, ...: `PREAMBLES`), in a fresh directory holding the repository's `configs/` and
-  `examples/`. Identical snippets (the README's examples are copies of the pages') run once. The
-  torchrun snippets share one launch (tests.dist_utils.launch_jobs: the launch and the heavy imports
-  once, then each snippet in a process forked for it, with its own process group; a failed or hung
-  snippet is stopped on every rank and reported by its file:line, and the next one runs).
+  `ds_config.json`, ...: `PREAMBLES`), in a fresh directory holding the repository's `examples/` (not its
+  `configs/`: a snippet must run from any directory). Identical snippets (the README's examples are
+  copies of the pages') run once. The torchrun snippets share one launch (tests.dist_utils.launch_jobs:
+  the launch and the heavy imports once, then each snippet in a process forked for it, with its own
+  process group; a failed or hung snippet is stopped on every rank and reported by its file:line,
+  and the next one runs).
 - Every ```bash / ```sh block is either run (`<!-- run -->`), run by CI (`<!-- main-command -->`,
   `<!-- test-command -->`: .ci/run), or says what it needs that a test machine lacks
   (`<!-- needs: gpu -->`, `cluster`, `root`, `minutes`); an unmarked command block fails.
@@ -183,8 +184,9 @@ PREAMBLES = {  # (kind, multi-rank) -> preamble
 
 
 def _workdir(tmp_path: Path) -> Path:
-    for name in ("configs", "examples"):
-        shutil.copytree(ROOT / name, tmp_path / name)
+    """A fresh directory with the checkout's examples/ and no configs/: the shipped DeepSpeed configs are read
+    from the package (`co2_zero.configs.path`), so a snippet that works only inside a checkout fails here."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
     return tmp_path
 
 
@@ -282,6 +284,14 @@ def test_documented_code_runs(block, request, tmp_path):
         pytest.fail(verdict, pytrace=False)
 
 
+def test_readme_deepspeed_example_averages_two_replicas_on_its_two_ranks(tmp_path):
+    """The README promises 2 ranks: the DeepSpeed example's grid must then be R = 2 replicas, not one."""
+    (block,) = [b for b in runnable() if b.where.startswith("README.md") and "co2_zero.deepspeed.initialize" in b.code]
+    checked = block._replace(code=block.code + "\nassert optimizer.topology.replicas == 2, optimizer.topology\n")
+    verdict = run_on_ranks([checked], 2, tmp_path)[block.where]
+    assert verdict is None, verdict
+
+
 def test_every_command_block_is_run_or_says_what_it_needs():
     unmarked = []
     for b in blocks():
@@ -327,6 +337,37 @@ def test_readme_quality_table_is_generated_from_the_benchmark_json():
         "README.md's quality table differs from benchmarks/quality/quality.json; paste the output of "
         "`python docs/hooks/benchmarks.py` (its third table)"
     )
+
+
+def test_install_commands_install_from_the_clone_and_the_extras_list_is_pyprojects():
+    """co2_zero is installed from its checkout (`pip install -e '.[extra]'`), not by name from an index;
+    every extra a page installs exists, and the index page's list of extras is pyproject.toml's."""
+    tomllib = pytest.importorskip("tomllib")
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    sources = [*PAGES, *sorted((ROOT / "co2_zero").rglob("*.py"))]
+    by_name = [f"{p.relative_to(ROOT)}: {m}" for p in sources for m in re.findall(r"co2_zero\[\w+\]", p.read_text())]
+    assert not by_name, f"installs co2_zero by name from an index, where it is not: {by_name}"
+    installed = {e for p in PAGES for group in re.findall(r"pip install -e '\.\[([\w,]+)\]'", p.read_text())
+                 for e in group.split(",")}  # fmt: skip
+    assert installed and installed <= extras, installed - extras
+    (listed,) = re.findall(r"^Extras: (.*?)\n\n", (ROOT / "docs" / "index.md").read_text(), re.M | re.S)
+    assert set(re.findall(r"`(\w+)`", listed.split(": `pip install")[0])) == extras, listed
+
+
+def test_no_page_says_the_default_applies_each_average_a_round_late():
+    """With the defaults the average is applied as soon as its exchange is hidden (`sync_delay: "auto"`,
+    design §3); a round late is CO2 as published. The pages, the package docstring and the `overlap`
+    field's help (the generated reference) must not state the published schedule as what always happens."""
+    import dataclasses
+
+    import co2_zero
+    from co2_zero import CO2Config
+
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in PAGES}
+    texts["co2_zero/__init__.py"] = co2_zero.__doc__
+    texts["CO2Config.overlap"] = next(f for f in dataclasses.fields(CO2Config) if f.name == "overlap").metadata["doc"]
+    stale = {name for name, text in texts.items() if re.search(r"appl(?:ied|ies it)\s+one\s+round\s+later?\b", text)}
+    assert not stale, stale
 
 
 def test_readme_links_resolve():

@@ -115,6 +115,12 @@ def test_two_replicas_train_together_and_end_on_one_model(replicas):
     assert len(losses0) == 4 and losses0 != losses1  # each replica its own stream
     assert "elastic: replica 0 of the job at http://" in stderr0
     assert stderr0.rstrip().endswith("| membership: no changes"), stderr0[-500:]
+    for stderr in (stderr0, stderr1):  # torchft's noise on CPU (co2_zero/elastic/quiet.py): none of it shown
+        noise = [line for line in stderr.splitlines() if any(n in line for n in TORCHFT_NOISE)]
+        assert not noise, noise
+
+
+TORCHFT_NOISE = ("Unable to reset NCCL flight recorder", '"GET /checkpoint/', "The given buffer is not writable")
 
 
 @pytest.mark.slow
@@ -294,3 +300,27 @@ def test_a_joined_replica_starts_at_the_jobs_step_with_its_lr_schedule():
             membership=object(), opt=SimpleNamespace(engine=SimpleNamespace(inner_steps=inner_steps))
         )
         assert train_loop.joined_step(args, trainer, console) == expected
+
+
+_HEAL_READ = """
+import io, warnings, torch
+from torch.distributed._serialization import _streaming_save, _streaming_load
+buf = io.BytesIO()
+_streaming_save({"x": torch.ones(3)}, buf)
+if QUIET:
+    from co2_zero.elastic.quiet import quiet_torchft
+    quiet_torchft(object())
+with warnings.catch_warnings(record=True) as caught:
+    _streaming_load(io.BytesIO(buf.getvalue()))  # how a heal's receiver reads what the peer sent
+print([str(w.message) for w in caught])
+"""
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_heals_read_warns_about_no_read_only_buffer(quiet):
+    """torch warns once per process, so each case runs in a fresh one; without the filter it does warn."""
+    code = f"QUIET = {quiet}\n{_HEAL_READ}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert ("The given buffer is not writable" in done.stdout) != quiet, done.stdout

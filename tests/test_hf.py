@@ -721,3 +721,32 @@ def test_example_does_not_resume_a_finished_run(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"nothing to train: {out} holds a checkpoint at step 30 >= --max_steps 30" in done.stdout, done.stdout
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-30"]  # no step 31, no final model rewritten
+
+
+_WITHOUT_USE_CPU = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+from tests.test_hf import trainer_ds_config, make_model
+from transformers import Trainer, TrainingArguments
+from co2_zero.hf import CO2Callback
+
+args = TrainingArguments(output_dir="out", deepspeed=trainer_ds_config(), per_device_train_batch_size=2, max_steps=4)
+try:
+    Trainer(model=make_model(), args=args, train_dataset=[], callbacks=[CO2Callback()])
+except ValueError as error:
+    print("REFUSED", error)
+"""
+
+
+def test_trainer_without_use_cpu_on_cpu_says_what_to_do(tmp_path):
+    """On CPU without use_cpu=True Trainer counts one process and DeepSpeed would fail on the batch sizes
+    ('4 != 4 * 2 * 1'); the callback says to give use_cpu=True when the Trainer is built."""
+    script = tmp_path / "without_use_cpu.py"
+    script.write_text(_WITHOUT_USE_CPU.format(root=str(ROOT)))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([*launcher, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    refusals = [line for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refusals) == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert all("world_size=1" in r and "launch started 2" in r and "use_cpu=True" in r for r in refusals), refusals

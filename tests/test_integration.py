@@ -37,19 +37,17 @@ def test_the_schedule_decides_buffer_roles_the_wait_the_gap_and_the_final_start(
     late, blocking, delayed = ApplySchedule(4, 4), ApplySchedule(0, 4), ApplySchedule(2, 4)
     plan = late.plan(start, nxt, gap)  # D overwrites the retiring start point, update a round late
     assert (plan.base, plan.work, plan.wait_at_once, plan.swap, plan.gap) == (nxt, start, False, True, gap)
-    assert late.last_start(start, nxt) is nxt and late.carried_next_start(nxt) is nxt
+    assert late.last_start(start, nxt) is nxt and all(late.carried_next_start(nxt, u) is nxt for u in (0, 1))
     plan = blocking.plan(start, nxt, gap)  # blocking: D in the spare buffer, applied at once, no gap
     assert (plan.base, plan.work, plan.wait_at_once, plan.swap, plan.gap) == (start, nxt, True, True, None)
-    assert blocking.last_start(start, nxt) is start and blocking.carried_next_start(nxt) is None
+    assert blocking.last_start(start, nxt) is start and blocking.carried_next_start(nxt, True) is None
     plan = delayed.plan(start, nxt, gap)  # a sync delay: applied to the base D was measured from, mid-round
     assert (plan.base, plan.work, plan.wait_at_once, plan.swap, plan.gap) == (start, nxt, False, False, gap)
-    assert delayed.last_start(start, nxt) is start and delayed.carried_next_start(nxt) is nxt
+    assert delayed.last_start(start, nxt) is start and delayed.carried_next_start(nxt, True) is nxt
+    assert delayed.carried_next_start(nxt, False) is None  # from the apply point to the round end: none pending
 
 
-def test_the_apply_point_comes_once_a_round_and_is_found_again_at_load():
+def test_the_apply_point_comes_once_a_round():
     delayed = ApplySchedule(2, 4)
     assert [k for k in range(1, 13) if delayed.applies_mid_round(k)] == [2, 6, 10]
     assert not any(ApplySchedule(s, 4).applies_mid_round(k) for s in (0, 4) for k in range(1, 13))
-    # after a load: an average launched at the last round end is still to apply before step 2 of the round
-    assert [delayed.unapplied_after(k, k // 4) for k in (0, 3, 4, 5, 6, 7)] == [False, False, True, True, False, False]
-    assert not any(ApplySchedule(s, 4).unapplied_after(5, 1) for s in (0, 4))

@@ -25,8 +25,10 @@ import torch
 from co2_zero import CO2Config
 from co2_zero.config import PUBLISHED
 from co2_zero.train import args as train_args
+from co2_zero.train import checkpoints as train_checkpoints
 from co2_zero.train import data as train_data
 from co2_zero.train.model import GPT
+from tests.compare import same
 from tests.dist_utils import JobOutcome, launch_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,6 +114,26 @@ def test_train_lm_co2_two_ranks(tmp_path):
     assert s["bytes_sent"] > 0 and s["wait_s"] >= 0
 
 
+def test_summary_counts_every_exchange(tmp_path):
+    """n rounds are n exchanges: the last one, launched at the last round end, finishes in finalize() and is
+    counted too (a one-round run sent its average; it is no "0 B sent")."""
+    flags = [*TINY, "--method", "co2", "--tau", "2", "--eval_every", "0"]
+    (one, stderr), (three, _) = (run_job(tmp_path, [*flags, "--max_steps", str(n)]) for n in (2, 6))
+    one, three = one[-1], three[-1]
+    assert (one["rounds"], three["rounds"]) == (1, 3)
+    assert one["bytes_sent"] >= 4 * one["n_params"]  # fp32 all_reduce over R = 2: 8 (R - 1) / R bytes per element
+    assert three["bytes_sent"] == 3 * one["bytes_sent"], (one["bytes_sent"], three["bytes_sent"])
+    assert f"| 1 rounds | rank 0: {one['bytes_sent'] / 1e3:.1f} kB sent" in summary_line(stderr), summary_line(stderr)
+
+
+def test_one_process_warns_that_there_is_nothing_to_average(tmp_path):
+    """Without torchrun the job is R x S = 1 x 1: said, as every other R = 1 grid is."""
+    _, stderr = run_job(tmp_path, [*TINY, "--method", "co2", "--tau", "2", "--max_steps", "2"], ranks=1)
+    assert "co2-train: one process (world size 1" in stderr and "nothing to average" in stderr, stderr[-3000:]
+    _, stderr = run_job(tmp_path, [*TINY, "--method", "co2", "--tau", "2", "--max_steps", "2"])
+    assert "nothing to average" not in stderr, stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """DDP in one process on the token file: 24 steps of 8 windows (saving at step 8), the same as 2
@@ -169,8 +191,9 @@ def outcome(result: JobOutcome, out: Path, ok: bool = True) -> tuple[list[dict],
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Per case: an uninterrupted run of 8 steps saving at 4 and 8, and a run resumed from step 4; then
-    fairscale's step-4 checkpoint (R x S = 2 x 1) resumed on R x S = 1 x 2, without and with --reshard.
+    """Per case: an uninterrupted run of 8 steps saving at 4 and 8, and a run resumed from step 4 (plain-co2
+    also with --reshard); then fairscale's step-4 checkpoint (R x S = 2 x 1) resumed on R x S = 1 x 2,
+    without and with --reshard.
     All in one torchrun launch of 2 ranks (tests.dist_utils.launch_jobs), each run in a process of its
     own -> per job name: (its JobOutcome, its JSON output file, its directory)."""
     root = tmp_path_factory.mktemp("resume")
@@ -186,6 +209,9 @@ def launched(tmp_path_factory):
             [*common, *flags, "--save_dir", "ckpt2", "--resume", "ckpt/step00000004"],
             root / case,
         )
+    # the same checkpoint resharded onto the same 2 ranks: fresh inner state, as onto 4
+    resharded = [*common, *RESUME_CASES["plain-co2"], "--resume", "ckpt/step00000004", "--reshard"]
+    planned["plain-co2/resharded"] = (resharded, root / "plain-co2")
     planned["reshard/refused"] = (other_grid, root / "reshard")
     planned["reshard/taken"] = ([*other_grid, "--reshard"], root / "reshard")
     jobs = []
@@ -236,6 +262,13 @@ def test_resumed_summary_counts_only_its_own_steps(resumed, case):
     assert again[-1]["tokens_per_s"] > 0
 
 
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_the_header_names_the_dtype_it_trains_in(resumed, case):
+    """--dtype left to the engine (deepspeed: its config's precision) is named as trained, not as None."""
+    head = next(line for line in resumed[case][3].splitlines() if "method=co2 engine=" in line)
+    assert " dtype=float32 " in head, head
+
+
 def test_resume_with_another_grid_needs_and_takes_reshard(resumed, launched):
     """fairscale's checkpoint of R x S = 2 x 1 on R x S = 1 x 2: refused without --reshard (saying which
     flag loads it), loaded with it; training goes on from step 4 and learns."""
@@ -246,6 +279,51 @@ def test_resume_with_another_grid_needs_and_takes_reshard(resumed, launched):
     assert "at step 4 (resharded)" in stderr and "R x S = 1 x 2" in stderr, stderr[-3000:]
     assert min(by_step(records)) == 4 and records[-1]["steps_run"] == 4 and records[-1]["shards"] == 2
     assert math.isfinite(records[-1]["val_loss"]) and records[-1]["val_loss"] < straight[0]["val_loss"]
+
+
+@pytest.mark.slow  # a 4-rank launch: about half a minute on 2 loaded cores
+def test_a_resharded_resume_onto_more_ranks_gives_the_new_ranks_their_own_data(resumed, launched, tmp_path):
+    """plain-co2's step-4 checkpoint of 2 ranks resharded onto 4: ranks 2 and 3 read their own streams, not
+    replays of ranks 0 and 1, so the mean loss of the first step logged after it differs from that of the
+    same checkpoint resharded onto 2 (with replays every loss was the same); training goes on and learns."""
+    work, straight, _, _ = resumed["plain-co2"]
+    again = outcome(*launched["plain-co2/resharded"][:2])[0]
+    flags = [*TINY, *TOKENS, "--data", str(work.parent / "tokens"), "--batch_size", "4", "--grad_accum", "2",
+             "--tau", "2", "--max_steps", "8", "--eval_every", "1", *RESUME_CASES["plain-co2"],
+             "--resume", str(work / "ckpt" / "step00000004"), "--reshard"]  # fmt: skip
+    records, stderr = run_job(tmp_path, flags, ranks=4, timeout=400)
+    assert "at step 4 (resharded)" in stderr and "R x S = 4 x 1" in stderr, stderr[-3000:]
+    onto_four, onto_two = by_step(records), by_step(again)
+    assert min(onto_four) == 4 and onto_four[4]["val_loss"] == onto_two[4]["val_loss"]  # the same model at step 4
+    after = min(s for s in onto_two if s > 4)  # the first step logged after the resume
+    assert sorted(onto_four) == sorted(onto_two) and onto_four[after]["loss"] != onto_two[after]["loss"], after
+    assert math.isfinite(records[-1]["val_loss"]) and records[-1]["val_loss"] < straight[0]["val_loss"]
+
+
+def test_a_resharded_resume_puts_each_rank_where_an_uninterrupted_run_reads(tmp_path):
+    """In process: 2 ranks' data samplers saved at step 5 and restored on 4 ranks at step 4 (the last round
+    start, where a resharded run resumes): every rank reads from there what an uninterrupted 4-rank run
+    reads, and ranks 2 and 3 read other batches than ranks 0 and 1. The same world restores the saved
+    position itself."""
+    args = train_args.get_args([*TINY, *TOKENS, "--data", str(write_tokens(tmp_path / "tokens"))])
+
+    def after(rank: int, steps: int) -> train_data.Batches:
+        batches = train_data.Batches(args, rank, torch.device("cpu"))
+        for _ in range(steps):
+            batches.micro_batches()
+        return batches
+
+    saved = [train_checkpoints.rng_state(after(rank, 5).gen) for rank in range(2)]
+    read = []
+    for rank in range(4):
+        resumed = after(rank, 0)
+        train_checkpoints.restore_data_position(resumed, saved[rank % 2], 4, resharded=True)
+        read.append(resumed.micro_batches())
+        assert same(read[-1], after(rank, 4).micro_batches()), rank
+    assert not same(read[2], read[0]) and not same(read[3], read[1])
+    exact = after(1, 0)
+    train_checkpoints.restore_data_position(exact, saved[1], 5, resharded=False)
+    assert same(exact.micro_batches(), after(1, 5).micro_batches())
 
 
 def test_engines_agree_when_every_rank_is_a_replica(resumed):
@@ -305,7 +383,7 @@ def test_help_shows_every_default():
         if action.option_strings and action.dest != "help" and action.help != "==SUPPRESS==":
             text = formatter._get_help_string(action) % {"default": action.default}
             assert action.help and "default" in text and "default: None" not in text, (action.dest, text)
-    assert "(default: 300)" in " ".join(parser.format_help().split())  # --max_steps, as printed
+    assert "(default: 320)" in " ".join(parser.format_help().split())  # --max_steps, as printed
 
 
 def test_co2_settings_precedence(tmp_path):

@@ -57,7 +57,7 @@ from .files import (
 from .format import FORMAT, LATEST, MARKER, clean_temp_files, complete_checkpoints, rank_file_name
 from .loading import load, load_checkpoint
 from .record import FrameworkState, framework_state, load_record, optimizer_record, rank_record
-from .resharding import consolidate, cut_rows, reshard
+from .resharding import consolidate, cut_rows, reshard, stand_in_cost
 from .saving import save, save_checkpoint
 
 __all__ = [
@@ -86,6 +86,7 @@ __all__ = [
     "save",
     "save_atomic",
     "save_checkpoint",
+    "stand_in_cost",
     "write_atomic",
     "write_text_atomic",
 ]

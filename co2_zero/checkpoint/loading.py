@@ -38,7 +38,7 @@ from .record import (
     saved_pieces,
     write_module,
 )
-from .resharding import consolidate, reshard
+from .resharding import consolidate, reshard, stand_in_cost
 
 
 def load(
@@ -49,8 +49,9 @@ def load(
     Without `tag`: the one `latest_co2` names, else the newest complete one; never a partial one. Same
     topology: every rank restores its own file and the run continues bit for bit. `reshard=True`
     assembles the CO2 state per parameter tensor from every rank's file, so R, S and the integration may
-    differ from the saved run's: training resumes at its last round start, the inner optimizer state
-    starts fresh. A refused load (CO2Error on every rank) changes nothing.
+    differ from the saved run's: training resumes at its last round start (with a sync delay, the arrived
+    average applied at once), each replica from its rebuilt stand-in, the inner optimizer state fresh. A
+    refused load (CO2Error on every rank) changes nothing.
 
     Args:
         directory: the checkpoint root given to `save`.
@@ -264,10 +265,11 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
         del payload
     name, payload = source
     try:
-        state, dropped = reshard(shares, engine.identity())
+        state, dropped = reshard(shares, engine.identity(), engine.config.steps_before_apply)
         engine.check_state_dict(state)
     except ValueError as error:
         raise Refused(f"{directory.name}: {error}") from error
+    cost = stand_in_cost(shares, state, keeps_copy=engine.own_momentum is not None)
     module_state = module_for_here(framework, pieces, needed, name)
     same_framework = payload["identity"].get("integration") == framework.integration
     saved_framework = payload["framework"] if same_framework else None
@@ -279,9 +281,11 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
                 f"resumes at its last round start (step {state['inner_steps']})",
                 stacklevel=4,
             )
+        if cost is not None:
+            warnings.warn(cost, stacklevel=4)
         write_module(framework, module_state, strict=False)
         engine.load_state_dict(state)
-        engine.restart_from_start_point()
+        engine.restart_round()
         framework.after_reshard(saved_framework)
 
     return _Plan(apply, payload["extra"])

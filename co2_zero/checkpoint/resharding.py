@@ -15,7 +15,9 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
 
     Pieces are keyed by parameter tensor and element offset instead of partition position, so a run
     with another R or S (or another integration) can load them (`reshard`). Each rank contributes its
-    sub-shard; the shares of all ranks of a run cover every parameter element exactly once.
+    sub-shard of the shared state; the shares of all ranks of a run cover every parameter element
+    exactly once. A stand-in's state (its replica's own round start and momentum) is its replica's own:
+    each rank contributes it over its whole partition, with its replica's index.
     """
     geometry = state["geometry"]
     start, end = geometry["sub_shard"]
@@ -35,11 +37,15 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
             }
         )
     norms = state["previous_update_sq_norms"]
+    grid = state["grid"]
     return {
         "config_hash": state["config_hash"],
         "signature": state["signature"],
         "num_tensors": geometry["num_tensors"],
         "tau": geometry["tau"],
+        "applies_at": state.get("applies_at"),  # None: a state written before states said it
+        "replicas": grid["replicas"],
+        "replica": state["rank"] // grid["shards"],
         "inner_steps": state["inner_steps"],
         "rounds": state["rounds"],
         "skipped_rounds": state.get("skipped_rounds", 0),
@@ -47,17 +53,44 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
         "fixed_sync_delay": state.get("fixed_sync_delay"),
         "stand_in": state.get("stand_in"),
         "pieces": pieces,
+        "own_pieces": _own_pieces(state),
         "update_sq_norms_partial": None if norms is None else norms.cpu().clone(),
     }
 
 
-def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple[dict[str, Any], int]:
+OWN = ("own_start", "own_momentum")  # a stand-in's state: its replica's own, over a rank's whole partition
+
+
+def _own_pieces(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stand-in's tensors (those the state has) cut per parameter tensor, over the whole partition."""
+    held = [key for key in OWN if state.get(key) is not None]
+    if not held:
+        return []
+    return [
+        {
+            "tensor_id": tensor_id,
+            "offset": offset,
+            **{key: state[key][seg_start:seg_end].cpu().clone() for key in held},
+        }
+        for tensor_id, seg_start, seg_end, offset in state["geometry"]["segments"]
+    ]
+
+
+def reshard(
+    shares: Sequence[dict[str, Any]], identity: dict[str, Any], sync_delay: Optional[int] = None
+) -> tuple[dict[str, Any], int]:
     """A `RoundEngine` state for the engine whose `identity()` is given, assembled from the shares of
     every rank of a saved run (any R x S, any integration). Returns (state, dropped steps).
 
     The state resumes at the saved run's last round start: a partial round cannot be carried across
-    partitions, so its steps are dropped (their number is returned). Raises ValueError when the shares
-    do not cover the target's partition or come from another co2 config or model.
+    partitions, so its steps are dropped (their number is returned). With a sync delay d < tau the
+    average that round start waits for has arrived, and is applied at once: the round starts from the
+    newest shared start whatever step of the round was saved (docs/design.md §3, "checkpoints"). With a
+    stand-in, replica m resumes from the stand-in of saved replica m % saved R (`_stand_in`).
+    `sync_delay`: this run's steps before the apply point (its config's), which reads a state written
+    before states said when their start point is applied (`_applies_at`). Raises
+    ValueError when the shares do not cover the target's partition or come from another co2 config or
+    model.
     """
     for share in shares:
         for key in ("config_hash", "signature"):
@@ -66,9 +99,18 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
                     f"co2 checkpoint: the saved state has {key}={share[key]!r} but this run has {identity[key]!r}; "
                     f"resharding needs the same co2 config and model"
                 )
-    saved = shares[0]
-    start_point, next_start, whole_momentum = _assemble(shares, identity["geometry"])
-    lo, hi = identity["geometry"]["momentum_range"]
+    saved, geometry = shares[0], identity["geometry"]
+    by_tensor = _by_tensor(share["pieces"] for share in shares)
+    start_point = _assemble(by_tensor, "start_point", geometry)
+    has_next = all(piece["next_start"] is not None for share in shares for piece in share["pieces"])
+    next_start = _assemble(by_tensor, "next_start", geometry) if has_next and geometry["overlap"] else None
+    applies_at, pending = _applies_at(saved, sync_delay)
+    if next_start is not None and not pending:
+        next_start = None  # scratch: the apply point had passed, and start_point holds the applied start
+    if next_start is not None and 0 < applies_at < saved["tau"]:
+        start_point, next_start = next_start, None  # the arrived average, applied at once
+    whole_momentum = _assemble(by_tensor, "momentum", geometry)
+    lo, hi = geometry["momentum_range"]
     partials = [s["update_sq_norms_partial"] for s in shares if s["update_sq_norms_partial"] is not None]
     norms = None
     if partials:  # only the sum over ranks matters: rank 0 carries it, the others zeros
@@ -77,54 +119,97 @@ def reshard(shares: Sequence[dict[str, Any]], identity: dict[str, Any]) -> tuple
     state = {
         **identity,
         "run_id": saved.get("run_id"),
-        "inner_steps": rounds * identity["geometry"]["tau"],
+        "inner_steps": rounds * geometry["tau"],
         "rounds": rounds,
         "skipped_rounds": saved.get("skipped_rounds", 0),
         "start_point": start_point,
         "next_start": next_start,
         "momentum": whole_momentum[lo:hi].clone(),
-        # the local stand-in reads the outer momentum over the whole partition (a copy where it is sharded)
-        "own_momentum": whole_momentum if saved.get("stand_in") == "local" else None,
+        **_stand_in(shares, identity, whole_momentum, applied_at_once=next_start is None),
         "previous_update_sq_norms": norms,
         "fixed_sync_delay": saved.get("fixed_sync_delay"),
     }
     return state, saved["inner_steps"] - rounds * saved["tau"]
 
 
-def _assemble(
-    shares: Sequence[dict[str, Any]], geometry: dict[str, Any]
-) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """This rank's start point, next start point (None in blocking mode) and outer momentum, each over
-    its whole partition, copied from the saved pieces that overlap it; ValueError if they do not cover it."""
-    padded, overlap = geometry["padded"], geometry["overlap"]
-    start_point = torch.zeros(padded, dtype=torch.float32)
-    next_start = torch.zeros(padded, dtype=torch.float32) if overlap else None
-    momentum = torch.zeros(padded, dtype=torch.float32)
+def _stand_in(
+    shares: Sequence[dict[str, Any]], identity: dict[str, Any], whole_momentum: torch.Tensor, applied_at_once: bool
+) -> dict[str, Optional[torch.Tensor]]:
+    """The stand-in's state of the target rank's replica m, from saved replica m % saved R: its own start
+    (unless the round starts from the newest shared start, the stand-in spent), and its momentum:
+    `local`'s copy of the outer momentum as of the start point (the saved copy; the momentum itself
+    once the average was applied, or when the saved run kept no copy), `eager`'s momentum of its own
+    shares rescaled from the saved R to this one (it sums displacements / R)."""
+    saved = shares[0]
+    stand_in, saved_replicas = saved.get("stand_in"), saved["replicas"]
+    if stand_in not in ("local", "eager"):
+        return {"own_start": None, "own_momentum": None}
+    grid = identity["grid"]
+    source = (identity["rank"] // grid["shards"]) % saved_replicas
+    own = _by_tensor(share["own_pieces"] for share in shares if share["replica"] == source)
+    held = {key for pieces in own.values() for piece in pieces for key in OWN if piece.get(key) is not None}
+    geometry = identity["geometry"]
+    own_start = None if applied_at_once or "own_start" not in held else _assemble(own, "own_start", geometry)
+    if stand_in == "local":
+        copied = not applied_at_once and "own_momentum" in held
+        return {
+            "own_start": own_start,
+            "own_momentum": _assemble(own, "own_momentum", geometry) if copied else whole_momentum,
+        }
+    momentum = None
+    if "own_momentum" in held:
+        momentum = _assemble(own, "own_momentum", geometry) * (saved_replicas / grid["replicas"])
+    return {"own_start": own_start, "own_momentum": momentum}
+
+
+def stand_in_cost(shares: Sequence[dict[str, Any]], state: dict[str, Any], keeps_copy: bool) -> Optional[str]:
+    """What a resharded load of `state` (from `shares`) cannot rebuild of the stand-in, or None: the local
+    stand-in's copy of the outer momentum as of the start point, for a target that keeps one
+    (`keeps_copy`: reduce_scatter, momentum > 0) from a run that kept none (all_reduce), while the next
+    start point is still pending (no sync delay). The momentum the saved run reached stands in for it."""
+    applied = state["next_start"] is None
+    kept = any(piece.get("own_momentum") is not None for share in shares for piece in share["own_pieces"])
+    if shares[0].get("stand_in") != "local" or not keeps_copy or applied or kept:
+        return None
+    return (
+        "co2 resharding: the saved run read the outer momentum itself (collective all_reduce) and kept no copy "
+        "of it as of its start point, which this run's local stand-in (reduce_scatter) follows: the momentum one "
+        "outer step ahead stands in for it, so with Nesterov momentum the stand-ins after the load are made from "
+        "a copy that is off by part of one outer step, an error that shrinks by a factor beta/(1 + beta) every "
+        "round (the shared start point and the averages stay exact). Resume with collective all_reduce to avoid it"
+    )
+
+
+def _by_tensor(groups: Any) -> dict[int, list[dict[str, Any]]]:
+    """Pieces grouped by their parameter tensor."""
     by_tensor: dict[int, list[dict[str, Any]]] = {}
-    for share in shares:
-        for piece in share["pieces"]:
+    for pieces in groups:
+        for piece in pieces:
             by_tensor.setdefault(piece["tensor_id"], []).append(piece)
+    return by_tensor
+
+
+def _assemble(by_tensor: dict[int, list[dict[str, Any]]], field: str, geometry: dict[str, Any]) -> torch.Tensor:
+    """`field` over this rank's whole (padded) partition, copied from the saved pieces that overlap it;
+    ValueError if they do not cover it."""
+    out = torch.zeros(geometry["padded"], dtype=torch.float32)
     for tensor_id, seg_start, seg_end, offset in geometry["segments"]:
         here = seg_start - offset  # partition index of this tensor's element 0
         covered = 0
         for piece in by_tensor.get(tensor_id, ()):
-            there = piece["offset"]  # tensor element of the piece's element 0
-            lo, hi = max(offset, there), min(offset + seg_end - seg_start, there + piece["start_point"].numel())
+            there, values = piece["offset"], piece[field]  # tensor element of the piece's element 0
+            lo, hi = max(offset, there), min(offset + seg_end - seg_start, there + values.numel())
             if lo >= hi:
                 continue
             covered += hi - lo
-            start_point[here + lo : here + hi] = piece["start_point"][lo - there : hi - there]
-            if overlap:
-                if piece["next_start"] is None:
-                    raise ValueError("co2 checkpoint: saved in blocking mode (overlap false); this run overlaps")
-                next_start[here + lo : here + hi] = piece["next_start"][lo - there : hi - there]
-            momentum[here + lo : here + hi] = piece["momentum"][lo - there : hi - there]
+            out[here + lo : here + hi] = values[lo - there : hi - there]
         if covered != seg_end - seg_start:
             raise ValueError(
                 f"co2 checkpoint: the saved shares cover {covered} of the {seg_end - seg_start} elements of "
-                f"parameter tensor {tensor_id} this rank needs; every rank's file of the saved run is needed"
+                f"parameter tensor {tensor_id} this rank needs ({field}); every rank's file of the saved run "
+                f"is needed"
             )
-    return start_point, next_start, momentum
+    return out
 
 
 def cut_rows(pieces: Sequence[tuple[int, torch.Tensor]], first: int, rows: int) -> torch.Tensor:
@@ -143,3 +228,16 @@ def cut_rows(pieces: Sequence[tuple[int, torch.Tensor]], first: int, rows: int) 
         gaps = (~covered).nonzero().flatten() + first
         raise ValueError(f"rows {int(gaps[0])}..{int(gaps[-1])} ({len(gaps)} rows) are in none of the saved files")
     return out
+
+
+def _applies_at(saved: dict[str, Any], sync_delay: Optional[int]) -> tuple[int, bool]:
+    """(the step of a round its average is applied at, whether the saved next start is still pending).
+    A state that says `applies_at` carries a next start only while one is pending. An older one carried
+    the buffer at every step, scratch after the apply point: the delay it ran (fixed by "auto", else this
+    run's, the config hash being the same) and its step counter say which."""
+    tau = saved["tau"]
+    if saved["applies_at"] is not None:
+        return saved["applies_at"], True
+    delay = saved["fixed_sync_delay"] or (tau if sync_delay is None else sync_delay)
+    after_apply = 0 < delay < tau and saved["rounds"] > 0 and saved["inner_steps"] % tau >= delay
+    return delay, not after_apply

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+from .. import configs
 from ..config import CO2Config
 from ..topology import Topology
 
@@ -20,9 +22,25 @@ def _load_ds_config(config: ConfigLike) -> dict[str, Any]:
     """A DeepSpeed config (dict, path or base64 string, as DeepSpeed accepts it) as a fresh dict."""
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
+    _refuse_missing_file(config)
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
     return dict(load_ds_config(os.fspath(config)))
+
+
+def _refuse_missing_file(config: Union[str, os.PathLike]) -> None:
+    """A config path that names no file (DeepSpeed would read it as base64 and fail with "Expected a string
+    path to an existing deepspeed config"): say where it was looked for, and for a shipped config's name the
+    file that works from any directory. A ".json" name or one with a directory is a path, never base64."""
+    path = Path(os.fspath(config))
+    if path.is_file() or not (path.suffix == ".json" or len(path.parts) > 1):
+        return
+    shipped = path.name in configs.names()
+    hint = f"; the shipped {path.name} from any directory: co2_zero.configs.path({path.name!r})" if shipped else ""
+    raise ValueError(
+        f"co2: config={os.fspath(config)!r} is no file (relative paths start at {os.getcwd()}); accepted: the "
+        f"path of a DeepSpeed JSON config, or a dict{hint}"
+    )
 
 
 def _config_source(config: ConfigLike) -> str:

@@ -22,7 +22,12 @@ from .checkpoints import load_checkpoint, save_checkpoint
 from .config import ConfigLike, _per_replica_batch, split_config
 from .mpu import ReplicaMPU
 from .optimizer import CO2ZeroOptimizer
-from .workarounds import _explicit_gradient_clipping, _forget_replica_mpu, _without_shm_comm_build
+from .workarounds import (
+    _explicit_gradient_clipping,
+    _forget_replica_mpu,
+    _quiet_renamed_collectives,
+    _without_shm_comm_build,
+)
 
 
 def init_distributed(**kwargs: Any) -> None:
@@ -38,6 +43,7 @@ def init_distributed(**kwargs: Any) -> None:
     from deepspeed.accelerator import get_accelerator
 
     kwargs.setdefault("dist_backend", get_accelerator().communication_backend_name())
+    _quiet_renamed_collectives()
     with _without_shm_comm_build():
         deepspeed.init_distributed(**kwargs)
 

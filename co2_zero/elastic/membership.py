@@ -22,6 +22,7 @@ from ..errors import CO2Error, missing_extra
 from ..partition import local_values
 from ..topology import Topology, collective_device
 from .exchange import ElasticExchange, Peers, check_supported, drop_group
+from .quiet import quiet_torchft
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import RoundEngine
@@ -156,7 +157,7 @@ class Membership:
         torchft = _torchft()
         timeout = timedelta(seconds=self.timeout_s)
         try:
-            return torchft.Manager(
+            manager = torchft.Manager(
                 pg=torchft.process_group.ProcessGroupGloo(timeout=timeout),
                 load_state_dict=self._load_state_dict,
                 state_dict=self._state_dict,
@@ -181,6 +182,7 @@ class Membership:
                 f"co2 elastic: replica {self.replica_id} could not start its torchft Manager within timeout_s="
                 f"{self.timeout_s:g} (Lighthouse {self.lighthouse}, store {store}): {type(error).__name__}: {error}"
             ) from error
+        return quiet_torchft(manager)  # torchft's noise on CPU (quiet.py)
 
     def open_round(self, round_index: int) -> Peers:
         """The quorum for round `round_index`'s exchange, on the main thread at the round end. A replica

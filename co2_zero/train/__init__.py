@@ -9,10 +9,10 @@ their defaults.
     torchrun --nproc_per_node 4 scripts/train_lm.py --method localsgd    #   localsgd/slowmo/diloco
     torchrun --nproc_per_node 4 scripts/train_lm.py --method ddp         # all-reduce every step
     torchrun --nproc_per_node 4 scripts/train_lm.py --method none        # no communication at all
-    python scripts/train_lm.py --max_steps 50                            # one process works too
+    python scripts/train_lm.py --max_steps 64                            # one process: R = 1, warned
     torchrun --nproc_per_node 4 -m co2_zero.train                        # installed: the same job
     torchrun --nproc_per_node 8 scripts/train_lm.py --device cuda --model gpt2 --data data/owt \\
-        --batch_size 16 --grad_accum 4 --lr 6e-4 --min_lr 6e-5 --warmup_steps 200 --max_steps 5000
+        --batch_size 16 --grad_accum 4 --lr 6e-4 --min_lr 6e-5 --warmup_steps 200 --max_steps 4800
 
 Devices: --device cpu (gloo) or cuda (one GPU per rank from LOCAL_RANK, NCCL, autocast bf16, fused
 AdamW, pinned host batches copied without blocking; --compile). Engines (engines.py): plain
@@ -36,7 +36,8 @@ none) with the inner loss averaged over ranks and over the steps since the last 
 tokens/s, the seconds blocked waiting on the background exchange and the round-end seconds; on CUDA
 also the MFU (against --peak_flops per GPU) and the peak GPU memory. The last line reads
 "final val loss X (initial Y) | N steps [(resumed at step M)] in Ts | tok/s | R x S = r x s", and for
-CO2 methods the rounds, the bytes rank 0 sent and the seconds it was blocked; N counts only the steps
+CO2 methods the rounds, the bytes rank 0 sent (every round's exchange, the last one's, which finalize()
+waits for, included) and the seconds it was blocked; N counts only the steps
 this process ran. --out_json writes the same as JSON lines plus a final {"summary": true, ...} object
 ("steps": the step reached, "steps_run": this process's). "elapsed_s" and "tokens_per_s" exclude the
 time spent in validation and checkpoints. Validation (every --eval_every log lines, at the start and
@@ -53,7 +54,9 @@ deepspeed) and names the newest in DIR/latest; --resume continues from it (or fr
 directory given), on the same flags; with --reshard, from a checkpoint of another R x S, world size or
 engine (CO2 methods).
 
-CO2 methods train whole rounds: --max_steps (optimizer steps) is rounded up to a multiple of tau. The
+CO2 methods train whole rounds: a --max_steps (optimizer steps) shorter than one round of tau is refused,
+another that is not a multiple of tau is rounded up to one, with a warning (finalize() would drop a partial
+round). A world of one process (no torchrun) warns that R = 1 has nothing to average. The
 LR schedule (warmup, then cosine to --min_lr) spans --max_steps even when --max_seconds stops early.
 """
 

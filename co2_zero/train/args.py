@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 
 from .. import configs
 from ..config import PUBLISHED, STAND_INS
+from ..step_budget import step_budget_problem
 from .data import BYTE_VOCAB, TOKEN_VOCAB
 from .model import MODEL_PRESETS
 
@@ -69,7 +70,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     )
     a("--engine", default="plain", choices=ENGINES, help="plain: CO2Optimizer (or DDP); the others shard")
     a("--deepspeed_config", default="configs/ds_zero2_co2.json", help="--engine deepspeed: ZeRO config")
-    a("--max_steps", type=int, default=300, help="optimizer steps per rank (CO2: rounded up to whole rounds)")
+    a("--max_steps", type=int, default=320,
+      help="optimizer steps per rank (CO2: at least tau; rounded up to whole rounds, with a warning)")  # fmt: skip
     a("--max_seconds", type=float, default=0.0, help="stop at the next round end after this (0: off)")
     a("--seed", type=int, default=1337, help="model init and held-out batches; rank r samples with seed + r")
     a("--threads", type=int, default=1, help="torch.set_num_threads per process")
@@ -240,7 +242,16 @@ def _inconsistency(args: argparse.Namespace) -> Optional[str]:
         return "--reshard applies to --resume; accepted: --reshard together with --resume"
     if args.reshard and args.method not in CO2_METHODS:
         return f"--reshard with --method {args.method}: only the CO2 methods ({', '.join(CO2_METHODS)}) reshard"
-    return _elastic_inconsistency(args)
+    return _shorter_than_a_round(args) or _elastic_inconsistency(args)
+
+
+def _shorter_than_a_round(args: argparse.Namespace) -> Optional[str]:
+    """A CO2 run whose --max_steps is shorter than one round, or None: it would train a whole round it
+    was not asked for (a longer run that is not whole rounds is rounded up, with a warning: `build`)."""
+    if args.method not in CO2_METHODS:
+        return None
+    tau = co2_config(args).tau
+    return step_budget_problem(args.max_steps, tau, "--max_steps", "--tau") if args.max_steps < tau else None
 
 
 def _elastic_inconsistency(args: argparse.Namespace) -> Optional[str]:

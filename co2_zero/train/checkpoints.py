@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from co2_zero import CO2Error, checkpoint
 
+from .data import Batches
 from .engines import Trainer
 
 OLD_LAYOUT_LATEST = "latest_co2"  # inside DIR/step<7 digits>/: the nested layout of earlier versions
@@ -130,6 +131,16 @@ def rng_state(gen: torch.Generator) -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def restore_data_position(batches: Batches, state: dict, step: int, resharded: bool) -> None:
+    """This rank's random streams on a resume from `state` (`rng_state` as saved). The same world: its own
+    saved streams. Resharded (another world size: the file is rank `rank % saved world`'s, and the
+    partial round is dropped): torch's random state from the file, and this rank's own data stream where
+    an uninterrupted run of this world size reads at `step`, so new ranks do not replay old ones' data."""
+    set_rng_state(batches.gen, state)
+    if resharded:
+        batches.seek(step)
 
 
 def set_rng_state(gen: torch.Generator, state: dict) -> None:

@@ -27,6 +27,7 @@ from .data import Batches, elastic_stream
 from .engines import Trainer, autocast, build_trainer
 from .events import Events, parameter_digest, stop_step
 from .model import flops_per_token, gpt_from_args
+from .preflight import fit_to_whole_rounds, warn_single_process
 from .state import Clock, Console, RoundEnd, Tally
 
 # Every process group of the job must end before the interpreter shuts down: gloo's threads, ended with
@@ -128,8 +129,8 @@ def build(args) -> Job:
     config = co2_config(args) if args.method in CO2_METHODS else None
     if config is not None:
         pace.refuse(config, "co2-train (it runs the same steps on every replica)")
-    if config is not None and args.max_steps % config.tau:  # finalize() drops a partial last round
-        args.max_steps += config.tau - args.max_steps % config.tau
+    fit_to_whole_rounds(args, config, rank)
+    warn_single_process(args, config, world)
     batches = Batches(args, elastic_stream(args.replica_id, rank, world) if args.lighthouse else rank, device)
     torch.manual_seed(args.seed)  # identical init on every rank
     with device:
@@ -168,10 +169,8 @@ def resume(args, trainer: Trainer, batches: Batches, console: Console) -> int:
     """Load the --resume checkpoint into the trainer and the data sampler; returns the step to go on from."""
     directory = checkpoints.resume_directory(args)
     extra = checkpoints.load(trainer, directory, reshard=args.reshard)
-    checkpoints.set_rng_state(batches.gen, extra["rng"])
-    step = extra["step"]
-    if args.reshard:  # resharding resumes at the saved run's last round start
-        step = trainer.opt.engine.inner_steps
+    step = trainer.opt.engine.inner_steps if args.reshard else extra["step"]  # resharded: the last round start
+    checkpoints.restore_data_position(batches, extra["rng"], step, resharded=args.reshard)
     console.line(f"resumed from {directory} at step {step}" + (" (resharded)" if args.reshard else ""))
     return step
 
@@ -182,9 +181,10 @@ def header(job: Job) -> str:
     replicas, shards = job.trainer.grid(job.world)
     b = job.batches
     data = f"--data {a.data}" if a.data else "stdlib bytes"
+    dtype = a.dtype or str(next(job.trainer.model.parameters()).dtype).replace("torch.", "")  # deepspeed: its config's
     line = (
         f"method={a.method} engine={a.engine} world={job.world} R x S = {replicas} x {shards} device={a.device} "
-        f"dtype={a.dtype} model={a.model} params={job.n_params / 1e6:.2f}M data={data} "
+        f"dtype={dtype} model={a.model} params={job.n_params / 1e6:.2f}M data={data} "
         f"train={len(b.train) / 1e6:.2f}M val={b.val_tokens / 1e6:.2f}M tokens tokens/step={job.tokens_per_step} "
         f"max_steps={a.max_steps}"
     )
@@ -378,6 +378,7 @@ def finish(job: Job, clock: Clock, tally: Tally, step: int, initial: Optional[fl
     if trainer.co2:  # waits for the round in flight: part of the training time
         t_fin = time.perf_counter()
         trainer.opt.finalize()
+        tally.bytes_sent += trainer.opt.engine.finalize_bytes_sent  # the last exchange, which finalize() waited for
         job.console.line(f"finalize {time.perf_counter() - t_fin:.3f}s")
     if job.events.on:  # the digest reads every parameter: only for a run that logs events
         job.events.emit("final", step=step, digest=parameter_digest(trainer.model.parameters()))
