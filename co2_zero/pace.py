@@ -70,6 +70,14 @@ class Pace:
         return inner_steps * max(self.taus) / self.taus[replica]
 
 
+def taus_for_speeds(speeds: Sequence[float], tau: int) -> list[int]:
+    """`replica_tau` for replicas of these relative speeds (steps per second, or 1 / step time): the fastest
+    runs `tau`, each other round(tau x its speed / the fastest's), at least 1."""
+    if not speeds or any(not s > 0 for s in speeds):
+        raise ValueError(f"co2: speeds={list(speeds)!r}; expected a positive number per replica")
+    return [max(1, round(tau * s / max(speeds))) for s in speeds]
+
+
 def refuse(config: CO2Config, what: str) -> None:
     """ValueError naming `replica_tau` when it is set for `what`, which it was not built and tested with."""
     if config.replica_tau is not None:

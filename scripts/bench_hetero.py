@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from co2_zero.pace import taus_for_speeds
+
 CASES = {"half": [1.0, 1.0, 1.0, 0.5], "quarter": [1.0, 1.0, 0.5, 0.25]}
 BASE_S = 0.03  # an inner step at speed 1, compute included
 TAU, ROUNDS, BATCH, WIDTH = 8, 12, 64, 128
@@ -107,7 +109,7 @@ def run_once(speeds: list[float], config: dict, rounds: int) -> dict:
 
 def methods(speeds: list[float]) -> dict[str, tuple[list[float], dict, int]]:
     """name: (speeds, co2 config, rounds), at equal total tokens (up to rounding)."""
-    taus = [max(1, round(TAU * s / max(speeds))) for s in speeds]
+    taus = taus_for_speeds(speeds, TAU)
     paced_rounds = round(ROUNDS * TAU * len(speeds) / sum(taus))
     return {
         "uniform": ([1.0] * len(speeds), {**COMMON}, ROUNDS),

@@ -197,6 +197,15 @@ def test_weights_are_the_token_shares():
     assert [Pace((4, 1)).clock_step(r, s) for r, s in ((0, 8), (1, 2))] == [8.0, 8.0]
 
 
+def test_steps_per_round_from_speeds():
+    from co2_zero.pace import taus_for_speeds
+
+    assert taus_for_speeds([1, 1, 0.5, 0.25], 32) == [32, 32, 16, 8]
+    assert taus_for_speeds([2.0, 1.0, 0.01], 8) == [8, 4, 1]  # never below one step
+    with pytest.raises(ValueError, match="speeds="):
+        taus_for_speeds([1.0, 0.0], 8)
+
+
 def test_the_default_config_keeps_its_identity():
     """replica_tau at its neutral null stays out of the config hash: every existing checkpoint still loads."""
     assert CO2Config().math_hash() == "60dcf12d30d96517"
@@ -239,6 +248,17 @@ def test_fairscale_and_lightning_refuse_it_when_built():
 
     with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with Lightning"):
         CO2Strategy(co2=paced)
+
+
+def test_an_elastic_membership_is_refused_before_anything_is_built():
+    """The engine refuses first (a membership's quorums change who is averaged every round)."""
+    from types import SimpleNamespace
+
+    from co2_zero.engine import RoundEngine
+
+    partition = SimpleNamespace(check_views=lambda: None)
+    with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with an elastic membership"):
+        RoundEngine(partition, CO2Config(tau=TAU, replica_tau=[4, 2]), topology=None, membership=object())
 
 
 def test_finalize_agreement_compares_rounds():
