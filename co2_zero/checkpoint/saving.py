@@ -114,7 +114,8 @@ def _agree_to_save(agreement: Agreement, root: Path, tag: str, engine: Any) -> s
         counts = ", ".join(f"rank {r}: step {row[2]}" for r, row in enumerate(table))
         raise CO2Error(
             f"co2 checkpoint save to {root / tag}: the ranks are at different steps or use different tags "
-            f"({counts}); every rank must save after the same number of optimizer steps, with the same tag. "
+            f"({counts}); every rank must save after the same number of optimizer steps (with replica_tau: the "
+            f"same share of the same round, steps counted on the fastest replica's clock), with the same tag. "
             f"{agreement.consequence}"
         )
     raise_failed(agreement, [(r, row[0], row[5:]) for r, row in enumerate(table)])
