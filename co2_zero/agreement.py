@@ -181,14 +181,20 @@ class StepAnnouncements:
         return [row.tolist() for row in self._rows]
 
 
-def steps_mismatch(rows: Sequence[Sequence[int]], rank: int, steps: int) -> Optional[str]:
+def steps_mismatch(
+    rows: Sequence[Sequence[int]], rank: int, steps: int, taus: Optional[Sequence[int]] = None
+) -> Optional[str]:
     """The finalize error for announcement `rows`, or None when every rank is at the same step and
-    agrees on finalizing. This rank's own count is `steps` (it may have trained on since it posted)."""
-    rows = [row[:2] for row in rows]  # [steps, finalizing]; the exchange steps may differ
-    if all(row == rows[0] for row in rows):
+    agrees on finalizing. This rank's own count is `steps` (it may have trained on since it posted).
+    `taus` (replicas of different speeds, `co2_zero.pace`): every rank's inner steps per round; the ranks
+    then have to agree on the round ends they passed, not on the steps (steps past the last are dropped)."""
+    rows = [[row[0], row[1]] for row in rows]  # [steps, finalizing]; the exchange steps may differ
+    compared = rows if taus is None else [[s // tau, done] for (s, done), tau in zip(rows, taus)]
+    if all(row == compared[0] for row in compared):
         return None
     counts = ", ".join(
         f"rank {r}: {steps if r == rank else s}{'' if done or r == rank else ' or more'}"
+        + ("" if taus is None else f" (round {s // taus[r]} at tau {taus[r]})")
         for r, (s, done) in enumerate(rows)
     )
     training = [r for r, (_, done) in enumerate(rows) if not done]
@@ -197,7 +203,9 @@ def steps_mismatch(rows: Sequence[Sequence[int]], rank: int, steps: int) -> Opti
         if training
         else ""
     )
+    what = "inner steps" if taus is None else "rounds (replica_tau: each replica its own steps per round)"
+    same = "the same number of optimizer steps" if taus is None else "the same number of rounds"
     return (
-        f"co2 finalize: the ranks took different numbers of inner steps ({counts}); every rank must call "
-        f"finalize() after the same number of optimizer steps.{note} (this is rank {rank}, at inner step {steps})"
+        f"co2 finalize: the ranks took different numbers of {what} ({counts}); every rank must call "
+        f"finalize() after {same}.{note} (this is rank {rank}, at inner step {steps})"
     )

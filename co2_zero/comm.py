@@ -19,6 +19,7 @@ from .compress import FORMATS, RecordLayout, dequantize_into, quantize_with_feed
 from .config import CO2Config
 from .errors import NonFiniteError
 from .outer import OuterHyper, Segment, SegmentIndex, outer_step
+from .pace import Pace
 from .topology import Topology, collective_device
 
 # torch 2.13 renamed the tensor collectives `*_single` and warns on the old names.
@@ -185,6 +186,8 @@ class OuterExchange:
         )
         self.bytes_sent = 0  # by this rank's pipelines so far (`wire_bytes`); written by the worker only
         r = topology.replica_index
+        # replica_tau: R·w_r, so that the plain mean over R below is the token-weighted average (`pace`)
+        self.displacement_scale = Pace.of(config, topology.replicas).displacement_scale(r)
         start, end = layout.sub_shard_range(r)
         self.sub_shard = slice(start, end)
         sub_shard_segments = layout.segments_in(start, end)
@@ -245,6 +248,8 @@ class OuterExchange:
         # Read only when the round turns out non-finite. all_reduce overwrites D, so its largest |D|
         # is taken now (on the device, no sync); reduce_scatter leaves D intact until the all-gather.
         local_max = largest_abs(live) if self.strategy == "all_reduce" else None
+        if self.displacement_scale != 1.0:
+            job.work.mul_(self.displacement_scale)
         g = self._average(job.work, job.g_buffer)
         result = outer_step(
             g,

@@ -77,6 +77,13 @@ def _as_floats(instance: Any, *names: str) -> None:
         object.__setattr__(instance, name, float(getattr(instance, name)))
 
 
+def _neutral(name: str, value: Any) -> bool:
+    """Whether top-level field `name` holds its metadata's "neutral" value (behaves as if the field did not
+    exist): it then stays out of the config hash, so adding the field keeps every existing identity."""
+    meta = CO2Config.__dataclass_fields__[name].metadata
+    return "neutral" in meta and value == meta["neutral"]
+
+
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         _fail(name, value, " | ".join(repr(c) for c in choices))
@@ -239,6 +246,20 @@ class CO2Config:
         default=600.0,
         metadata={"doc": "Deadline of every wait on the exchange, and timeout of the CO2 process groups."},
     )
+    replica_tau: Optional[tuple[int, ...]] = field(
+        default=None,
+        metadata={
+            "doc": "Replicas of different speeds: per replica, its own inner steps per round (replica r, the "
+            "ranks [r·S, (r+1)·S), runs `replica_tau[r]`), so that a slow replica ends its rounds when the "
+            "others do instead of making them wait; the exchange weighs each replica's displacement by its "
+            'share of the tokens, τ_r / Στ (docs/design.md §3, "Replicas of different speeds"). `null` (the '
+            "default): every replica runs `tau`. A list of R integers in [1, tau] whose largest is `tau`; it "
+            "needs `sync_delay` null or `auto` (both: the round end), `comm_dtype: fp32`, `nonfinite: raise` "
+            "and a stand-in other than `eager`.",
+            "accepted": "null, or a list of one integer in [1, tau] per replica, the largest equal to tau",
+            "neutral": None,
+        },
+    )
     nonfinite: str = field(
         default="raise",
         metadata={
@@ -271,6 +292,8 @@ class CO2Config:
             self._check_sync_delay()
         if self.stand_in in ("eager", "local"):
             self._check_stand_in_combination()
+        if self.replica_tau is not None:
+            self._check_replica_tau()
         _as_floats(self, "outer_lr", "outer_momentum", "timeout_s")
 
     @property
@@ -284,8 +307,9 @@ class CO2Config:
 
     @property
     def measures_sync_delay(self) -> bool:
-        """Whether the job measures its sync delay (`sync_delay: "auto"` with overlapped rounds)."""
-        return self.overlap and self.sync_delay == "auto"
+        """Whether the job measures its sync delay (`sync_delay: "auto"` with overlapped rounds; with
+        `replica_tau` "auto" is the round end: the replicas' rounds have different lengths)."""
+        return self.overlap and self.sync_delay == "auto" and self.replica_tau is None
 
     @property
     def effective_stand_in(self) -> str:
@@ -334,6 +358,29 @@ class CO2Config:
             if value not in accepted:
                 _fail(name, value, f"{what} when stand_in={self.stand_in!r}")
 
+    def _check_replica_tau(self) -> None:
+        """`replica_tau`: one integer in [1, tau] per replica, the largest tau, and the settings it was built and
+        tested with (docs/design.md §3, "Replicas of different speeds"); stored as a tuple."""
+        accepted = f"null, or a list of one integer in [1, tau={self.tau}] per replica, the largest equal to tau"
+        value = self.replica_tau
+        if not isinstance(value, (list, tuple)) or not value:
+            _fail("replica_tau", value, accepted)
+        for tau in value:
+            if isinstance(tau, bool) or not isinstance(tau, int) or not 1 <= tau <= self.tau:
+                _fail("replica_tau", value, accepted)
+        if max(value) != self.tau:
+            _fail("replica_tau", value, accepted)
+        object.__setattr__(self, "replica_tau", tuple(value))
+        needs = [
+            ("sync_delay", self.sync_delay, (None, "auto"), "null or 'auto' (the round end: rounds differ in length)"),
+            ("comm_dtype", self.comm_dtype, ("fp32",), "'fp32' (the weighted average is tested in fp32 only)"),
+            ("nonfinite", self.nonfinite, ("raise",), "'raise' (a skipped round is not tested with weights)"),
+            ("stand_in", self.stand_in, ("auto", "shared", "local"), "'auto', 'shared' or 'local' (eager's: 1/R)"),
+        ]  # fmt: skip
+        for name, field_value, accepted_values, what in needs:
+            if field_value not in accepted_values:
+                _fail(name, field_value, f"{what} when replica_tau is set")
+
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:
         """Build from a plain dict, e.g. the `"co2"` section of a DeepSpeed JSON config."""
@@ -360,7 +407,7 @@ class CO2Config:
     def math_hash(self) -> str:
         """Hash of the fields that change the trajectory (not timeouts, collectives or sharding)."""
         plumbing = ("timeout_s", "collective", "shards_per_replica")  # the result is independent of them
-        math = {k: v for k, v in self.to_dict().items() if k not in plumbing}
+        math = {k: v for k, v in self.to_dict().items() if k not in plumbing and not _neutral(k, v)}
         math["stand_in"] = self.effective_stand_in  # `auto` is whichever it resolves to
         if not self.measures_sync_delay:
             math["sync_delay"] = self.steps_before_apply  # null and tau are the same schedule

@@ -38,6 +38,7 @@ from .comm import OuterExchange, PipelineJob, largest_abs
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError, collective_error
 from .outer import eager_start, local_start, track_momentum
+from .pace import Pace, refuse
 from .partition import ParameterWatch, Partition
 from .sync_delay import MARGIN, ApplySchedule, DelayMeter, RoundPlan
 from .topology import Topology
@@ -78,10 +79,13 @@ class RoundEngine:
     ) -> None:
         partition.check_views()
         if membership is not None:
+            refuse(config, "an elastic membership (its quorums change who is averaged every round)")
             config = config.for_membership()  # sync_delay "auto": the round end, where quorums form
         startup.check_stand_in(config, topology)
         self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
-        self.schedule = ApplySchedule(config.steps_before_apply, config.tau)
+        self.pace = Pace.of(config, topology.replicas)
+        self.tau = self.pace.tau(topology.replica_index)  # this replica's inner steps per round
+        self.schedule = ApplySchedule(min(config.steps_before_apply, self.tau), self.tau)
         self.delay_meter = DelayMeter(config.tau) if config.measures_sync_delay else None
         module_buffers = list(module.buffers()) if module is not None else []
         self.buffers = ModuleBuffers([*buffers, *module_buffers], topology, config)
@@ -183,9 +187,9 @@ class RoundEngine:
         """Count one applied inner step; end the round on every tau-th. Returns True if it did."""
         self.check_usable()
         self.inner_steps += 1
-        if self.inner_steps % self.config.tau:
+        if self.inner_steps % self.tau:
             if self.delay_meter is not None and self.delay_meter.watching:  # a few steps of rounds 2 and 3 only
-                self.delay_meter.saw(self.inner_steps % self.config.tau, _finished(self._pending))
+                self.delay_meter.saw(self.inner_steps % self.tau, _finished(self._pending))
             if self.average_unapplied and self.schedule.applies_mid_round(self.inner_steps):
                 self._apply_mid_round()
             return False
@@ -215,7 +219,7 @@ class RoundEngine:
         began = time.perf_counter()
         self._check_parameters_unchanged()
         wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
-        if self.schedule.steps == self.config.tau:  # the average in flight is applied at this round end
+        if self.schedule.steps == self.tau:  # the average in flight is applied at this round end
             self._track_applied_step(self.start_point, self.next_start)
         self._check_steps()  # the last round end's (arrived with its pipeline)
         measured = self.delay_meter.to_post() if self.delay_meter is not None else 0
@@ -226,7 +230,7 @@ class RoundEngine:
         reset_inner = self._launch(plan)  # step 2
         if self.delay_meter is not None:
             self._follow_delay_meter()
-        self.average_unapplied = 0 < self.schedule.steps < self.config.tau  # applied d steps into the next round
+        self.average_unapplied = 0 < self.schedule.steps < self.tau  # applied d steps into the next round
         if plan.wait_at_once:
             wait_s += self._wait_pending()
             sent += self._exchange_bytes_since_last_report()
@@ -276,7 +280,7 @@ class RoundEngine:
         """D = (this replica's round start) - x into `plan.work`; a stand-in: the next own start from D,
         before the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's
         own D is non-finite under "skip_round" (its inner state must then be reset)."""
-        self.exchange.set_staleness(self.schedule.steps / self.config.tau)
+        self.exchange.set_staleness(self.schedule.steps / self.tau)
         self.partition.subtract_from(self.round_start, out=plan.work)
         reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(plan.work[: self.layout.length])
         hyper = self.exchange.hyper
@@ -346,6 +350,11 @@ class RoundEngine:
         return self.momentum if self.own_momentum is None else self.own_momentum
 
     @property
+    def agreed_step(self) -> int:
+        """The step the ranks agree on to save (`Pace.agreed_step`): the inner steps, unless replica_tau."""
+        return self.pace.agreed_step(self.topology.replica_index, self.inner_steps)
+
+    @property
     def round_start(self) -> torch.Tensor:
         """Where this replica's current round started: the shared start point B, or its stand-in until the
         average in flight is applied (docs/design.md §3)."""
@@ -367,9 +376,9 @@ class RoundEngine:
         self._check_steps()
         self.announcements.post(self.inner_steps, finalizing=True)
         self._check_steps(finalizing=True)
-        dropped = self.inner_steps % self.config.tau
+        dropped = self.inner_steps % self.tau
         if dropped:
-            where = "start point" if self.rounds else f"model it started from: no round ended (tau={self.config.tau})"
+            where = "start point" if self.rounds else f"model it started from: no round ended (tau={self.tau})"
             warnings.warn(
                 f"co2 finalize: the {dropped} inner step(s) since the last round end (step "
                 f"{self.inner_steps - dropped}) are dropped; every rank returns to the {where}. Train whole rounds: "
@@ -412,7 +421,8 @@ class RoundEngine:
             self._fail(failure, error)
         if rows is not None and self.delay_meter is not None:
             self.delay_meter.collected([row[2] for row in rows])
-        problem = None if rows is None else steps_mismatch(rows, self.topology.rank, self.inner_steps)
+        taus = self.pace.taus_by_rank(self.topology.shards)
+        problem = None if rows is None else steps_mismatch(rows, self.topology.rank, self.inner_steps, taus)
         if problem is not None:
             self._fail(CO2Error(problem))
 

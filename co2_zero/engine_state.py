@@ -91,10 +91,10 @@ def check_state_dict(engine: RoundEngine, state: Any) -> None:
     for key in ("inner_steps", "rounds", "skipped_rounds"):
         if not isinstance(state.get(key), int) or state[key] < 0:
             raise ValueError(f"co2 checkpoint: {key}={state.get(key)!r}; expected an integer >= 0")
-    if state["rounds"] != state["inner_steps"] // engine.config.tau:
+    if state["rounds"] != state["inner_steps"] // engine.tau:
         raise ValueError(
             f"co2 checkpoint: rounds={state['rounds']} does not fit inner_steps={state['inner_steps']} "
-            f"at tau={engine.config.tau}"
+            f"at tau={engine.tau} (this replica's)"
         )
     _check_fixed_sync_delay(engine, state.get("fixed_sync_delay"))
 
@@ -180,7 +180,7 @@ def _pending_apply(engine: RoundEngine, state: dict[str, Any]) -> bool:
     """Whether the state's next start is still to be applied d steps into the round (a sync delay d < tau).
     A state without `applies_at` carries the buffer whatever the phase (scratch after the apply point):
     for it the step counter says whether its apply point has passed."""
-    steps, tau = engine.schedule.steps, engine.config.tau
+    steps, tau = engine.schedule.steps, engine.tau
     pending = state["next_start"] is not None and 0 < steps < tau
     if "applies_at" not in state:
         pending = pending and state["rounds"] > 0 and state["inner_steps"] % tau < steps

@@ -35,6 +35,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise missing_extra("FairScale", "fairscale", error) from error
 
 from . import integration as contract  # the checks every adapter shares
+from . import pace
 from .agreement import identify
 from .checkpoint.record import load_record, optimizer_record, refused
 from .config import CO2Config
@@ -102,6 +103,7 @@ class CO2OSS(CO2Steps, OSS):
     ) -> None:
         contract.refuse_membership("co2_zero.fairscale.CO2OSS", defaults)
         config = CO2Config.coerce(co2)
+        pace.refuse(config, "FairScale OSS (not tested there)")
         # OSS talks on its group inside __init__, so the replica's group must exist first.
         topology = Topology.build(config, inner_group=group)
         super().__init__(

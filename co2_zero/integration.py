@@ -125,6 +125,19 @@ class CO2Steps:
         buffers held NaN/Inf, so every rank kept the last agreed buffers instead of averaging)."""
         return self.engine.last_round
 
+    @property
+    def steps_per_round(self) -> int:
+        """This replica's inner steps per round: `tau`, or its own with `replica_tau` (docs/configuration.md,
+        "Replicas of different speeds"); a training loop runs rounds x this many steps."""
+        return self.engine.tau
+
+    @property
+    def clock_step(self) -> float:
+        """This replica's inner steps on the fastest replica's clock (inner steps x tau / its own tau): what a
+        learning-rate schedule written in the fastest replica's steps should read, so that every replica
+        is at the same point of it at every round end. The inner steps themselves without `replica_tau`."""
+        return self.engine.pace.clock_step(self.engine.topology.replica_index, self.engine.inner_steps)
+
     def finalize(self) -> None:
         """Wait for the round in flight and give every rank the same model (docs/design.md §3)."""
         self.engine.finalize()

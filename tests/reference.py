@@ -572,3 +572,85 @@ def _simulate_sync_delay(
         _average_float_buffers(bufs)
 
     return _results(models, bufs)
+
+
+def simulate_paced(
+    make_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    batch: Callable[[int, int], Batch],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    config: dict,
+    replica_tau: Sequence[int],
+    rounds: int,
+    extra_steps: Sequence[int] | None = None,
+    finalize: bool = True,
+    shards: int = 1,
+    shard_batch: Callable[[int, int, int], Batch] | None = None,
+    *,
+    step_record: list[list[Params]] | None = None,
+) -> list[Params]:
+    """CO2 with replicas of different speeds (docs/design.md §3, "Replicas of different speeds").
+
+    In every round replica r runs ``replica_tau[r]`` inner steps on its own batches ``batch(r, k)``, k
+    counting its own steps. At the round end the displacements, each from where its replica started the
+    round, are averaged with weights w_r = τ_r / Στ (the tokens each trained) and go through the outer step
+    exactly as the uniform rounds do (overlap: applied a round late, with the gap; the shared or local
+    stand-in, local from the replica's own unweighted displacement). Then replica r runs
+    ``extra_steps[r]`` more steps (a partial round; ``finalize`` drops them). ``step_record`` (if given)
+    receives, per replica, its fp32 parameters after each of its own inner steps (after the round end when
+    the step ends a round). The sync delay is the round end; eager, joins and compressed exchanges are
+    not simulated here.
+    """
+    cfg = resolve_config({**config, "tau": max(replica_tau)})
+    if cfg["sync_delay"] not in (None, cfg["tau"]) or cfg["stand_in"] == "eager":
+        raise ValueError("replicas of different speeds are simulated with the round end and no eager stand-in")
+    if shards > 1 and shard_batch is None:
+        raise ValueError("shards > 1 needs shard_batch")
+    replicas, alpha, overlap = len(replica_tau), cfg["outer_lr"], cfg["overlap"]
+    weights = [tau / sum(replica_tau) for tau in replica_tau]
+    models, opts, bufs = _start_replicas(make_model, make_optimizer, replicas, shards)
+    start = _params(models[0])
+    pending = {n: v.clone() for n, v in start.items()}
+    m = {n: torch.zeros_like(v) for n, v in start.items()}
+    u_prev: Params | None = None
+    owns = [start] * replicas
+    steps_taken = [0] * replicas
+    records: list[list[Params]] = [[] for _ in range(replicas)]
+
+    def train(r: int, count: int) -> None:
+        for _ in range(count):
+            k = steps_taken[r]
+            micro = [batch(r, k)] if shards == 1 else [shard_batch(r, s, k) for s in range(shards)]  # type: ignore[misc]
+            _inner_step(models[r], opts[r], loss_fn, micro, bufs[r])
+            steps_taken[r] += 1
+            records[r].append(_params(models[r]))
+
+    for _ in range(rounds):
+        for r in range(replicas):
+            train(r, replica_tau[r])
+        xs = [_params(model) for model in models]
+        g = {n: sum(weights[r] * (owns[r][n] - xs[r][n]) for r in range(replicas)) for n in start}
+        if overlap and u_prev is not None:
+            gap = {n: alpha * torch.linalg.vector_norm(u_prev[n]) for n in start}
+        else:
+            gap = {n: torch.tensor(0.0) for n in start}
+        base = pending if overlap else start
+        if cfg["stand_in"] == "local":
+            local_starts(base, owns, xs, m, cfg)
+        result, u_prev, _ = outer_step(base, g, gap, m, cfg)
+        if overlap:
+            start, pending = pending, result
+        else:
+            start = result
+        owns = _next_round(models, bufs, start, owns, xs, [], cfg, None)
+        for r in range(replicas):
+            records[r][-1] = _params(models[r])  # the step that ended the round: after the round end
+    for r in range(replicas):
+        train(r, (extra_steps or [0] * replicas)[r])
+    if step_record is not None:
+        step_record.extend(records)
+    if finalize:
+        for model in models:
+            _set_params(model, pending if overlap else start)
+        _average_float_buffers(bufs)
+    return _results(models, bufs)

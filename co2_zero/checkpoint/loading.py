@@ -234,6 +234,12 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
     buffers and frozen parameters from the saved replica of rank `rank % saved world`."""
     engine = framework.engine
     topology = engine.topology
+    if engine.config.replica_tau is not None:
+        raise Refused(
+            f"{directory.name}: resharding is not supported with replica_tau={list(engine.config.replica_tau)!r} "
+            f"(each replica's steps and data position belong to its place in the old grid); resume on the same "
+            f"R x S with reshard=False"
+        )
     saved_world, saved_grid = marker.get("world_size"), marker.get("grid")
     saved_shards = saved_grid.get("shards") if isinstance(saved_grid, dict) else None
     if not isinstance(saved_world, int) or not isinstance(saved_shards, int) or not 0 < saved_shards <= saved_world:

@@ -73,10 +73,12 @@ def save_checkpoint(
 ) -> Path:
     """Save one complete checkpoint of every rank under `directory/tag` (collective); returns that
     directory. `tag` defaults to `step<inner steps>`. Raises CO2Error on every rank if any rank failed;
-    the previous complete checkpoints are then untouched. Protocol: co2_zero.checkpoint, docs/design.md §7."""
+    the previous complete checkpoints are then untouched. With replica_tau the step is each rank's on the
+    fastest replica's clock (`pace.Pace.agreed_step`): save at a round end, or at the same share of a round.
+    Protocol: co2_zero.checkpoint, docs/design.md §7."""
     engine = framework.engine
     root = Path(directory)
-    tag = check_tag(tag if tag is not None else f"step{engine.inner_steps:08d}")
+    tag = check_tag(tag if tag is not None else f"step{engine.agreed_step:08d}")
     where = root / tag
     refuse_unusable_engine(engine, "save to", where)
     agreement = Agreement(engine, "save to", where)
@@ -106,13 +108,14 @@ def _agree_to_save(agreement: Agreement, root: Path, tag: str, engine: Any) -> s
     except (OSError, ValueError) as error:
         problem = f"{root}: {describe(error)}"
     tidy(root, agreement.rank)  # before the exchange: no rank writes into the directory before it ends
-    mine = [int(problem is not None), fingerprint(tag), engine.inner_steps, id_word(), id_word()]
+    mine = [int(problem is not None), fingerprint(tag), engine.agreed_step, id_word(), id_word()]
     table = agreement.exchange([*mine, *problem_words(problem)], "save: agree on tag and step")
     if any(row[1:3] != table[0][1:3] for row in table):
         counts = ", ".join(f"rank {r}: step {row[2]}" for r, row in enumerate(table))
         raise CO2Error(
             f"co2 checkpoint save to {root / tag}: the ranks are at different steps or use different tags "
-            f"({counts}); every rank must save after the same number of optimizer steps, with the same tag. "
+            f"({counts}); every rank must save after the same number of optimizer steps (with replica_tau: the "
+            f"same share of the same round, steps counted on the fastest replica's clock), with the same tag. "
             f"{agreement.consequence}"
         )
     raise_failed(agreement, [(r, row[0], row[5:]) for r, row in enumerate(table)])

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+from .. import pace
 from ..agreement import identify
 from ..config import CO2Config
 from ..engine import RoundEngine
@@ -111,6 +112,7 @@ class CO2ZeroOptimizer(CO2Steps, DeepSpeedZeroOptimizer):
 
     def _co2_attach(self, config: CO2Config, topology: Topology, module: torch.nn.Module) -> None:
         self.config, self.topology, self._co2_module = config, topology, module
+        pace.refuse(config, "DeepSpeed ZeRO (its engine, HF Trainer and Lightning count steps for every replica alike)")
         self.engine = RoundEngine(self.find_partition(), config, topology, refresh=self.refresh_replica, module=module)
 
     def find_partition(self) -> Partition:

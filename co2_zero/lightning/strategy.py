@@ -18,7 +18,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 
-from .. import checkpoint
+from .. import checkpoint, pace
 from ..config import CO2Config
 from ..errors import CO2Error
 from ..integration import CO2Steps
@@ -104,6 +104,7 @@ class CO2Strategy(CO2Hooks, DDPStrategy):
                 f"checkpoint_io, precision_plugin, process_group_backend, timeout, start_method)"
             )
         self.co2 = CO2Config.coerce(co2)
+        pace.refuse(self.co2, "Lightning (its Trainer runs the same steps on every replica)")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
