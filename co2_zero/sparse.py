@@ -134,6 +134,7 @@ def encode_with_feedback_(
     top-k encoding; residual <- vector - what the payload decodes to (fp32 vectors of `layout.length`)."""
     vector.add_(residual)
     residual.copy_(vector)
+    payload.zero_()  # the records' padding too: the same bytes for the same input
     indices = []
     for group, records in _sections(payload, layout):
         rows, idx = _rows(vector, group), select(_rows(vector, group), group.k)
@@ -141,9 +142,7 @@ def encode_with_feedback_(
         arrived = _encode_values(picked, layout.value_format, records)
         _rows(residual, group).scatter_(-1, idx, picked - arrived)
         indices.append(idx.flatten())
-    packed = payload[layout.index_offset :]
-    packed.zero_()
-    bit_pack(torch.cat(indices), INDEX_BITS, packed)
+    bit_pack(torch.cat(indices), INDEX_BITS, payload[layout.index_offset :])
 
 
 def add_decoded_(payload: torch.Tensor, layout: SparseLayout, out: torch.Tensor) -> torch.Tensor:
