@@ -313,7 +313,7 @@ class OuterExchange:
         average quantized (with its own residual) and every rank dequantizes the whole partition, the
         same bytes everywhere, then runs the outer step on all of it as the fp32 `all_reduce` does."""
         replicas, length = self.topology.replicas, self.layout.sub_shard
-        record = RecordLayout.for_length(length)
+        record = RecordLayout.for_length(length, bits=self.wire_format.bits)
         rows = work.view(replicas, length)  # row j: sub-shard j, for its owner j
         sent = torch.empty(replicas, record.nbytes, dtype=torch.uint8, device=work.device)
         quantize_with_feedback_(rows, self.residuals.displacement.view(replicas, length), self.wire_format, sent)
@@ -380,7 +380,7 @@ class OuterExchange:
         """out (R, sub-shard) <- every owner's `value` (its sub-shard; consumed) quantized with the
         `gathered` residual's feedback and dequantized, in the outer group's order."""
         replicas, length = out.shape
-        record = RecordLayout.for_length(length)
+        record = RecordLayout.for_length(length, bits=self.wire_format.bits)
         mine = torch.empty(1, record.nbytes, dtype=torch.uint8, device=value.device)
         quantize_with_feedback_(value.view(1, length), self.residuals.gathered.view(1, length), self.wire_format, mine)
         everyone = torch.empty(replicas, record.nbytes, dtype=torch.uint8, device=value.device)
