@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -76,6 +77,13 @@ SCENARIOS_R2 = {
         config={"stand_in": "local", "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce",
                 "comm_dtype": "fp8"},
         steps=8, model="uneven", optimizer="adam",
+    ),
+    "int4-defaults-reducescatter": dict(
+        config={"tau": 3, "collective": "reduce_scatter", "comm_dtype": "int4"}, steps=13, model="uneven",
+    ),
+    "int2-defaults-allreduce": dict(
+        config={"tau": 3, "collective": "all_reduce", "comm_dtype": "int2"}, steps=13, model="uneven",
+        optimizer="adam",
     ),
     "int8-eager-allreduce": dict(
         config={**HEAVY_BALL, "stand_in": "eager", "tau": 3, "collective": "all_reduce", "comm_dtype": "int8"},
@@ -501,12 +509,12 @@ SHARDED = {
 }  # fmt: skip
 
 
-def train_sharded(rank: int, world: int, shards: int) -> dict:
+def train_sharded(rank: int, world: int, shards: int, scenarios: Optional[dict] = None) -> dict:
     from co2_zero.fairscale import CO2OSS, ShardedDataParallel
 
     replica, shard = divmod(rank, shards)
     results = {}
-    for name, sc in SHARDED.items():
+    for name, sc in (scenarios or SHARDED).items():
         model = models.make_model(sc["model"])
         probe = models.make_optimizer(sc.get("optimizer", "sgd"), [torch.zeros(1, requires_grad=True)])
         opt = CO2OSS(model.parameters(), optim=type(probe), co2={**sc["config"], "shards_per_replica": shards},
@@ -534,7 +542,13 @@ def results_sharded():
 @pytest.mark.parametrize("name", list(SHARDED))
 def test_fairscale_two_shards_match_reference(results_sharded, name):
     """The partitions are OSS's buckets: the reference quantizes each shard's partition as laid out there."""
-    sc, shards = SHARDED[name], 2
+    check_sharded(results_sharded, name, SHARDED[name], _reference)
+
+
+def check_sharded(results_sharded: list, name: str, sc: dict, reference) -> None:
+    """Every rank's round starts against `reference(sc, replicas, partitions, shards)`'s, the partitions
+    those of replica 0's ranks; the shards of a replica (every rank, at the shared start) agree."""
+    shards = 2
     names = [n for n, _ in models.make_model(sc["model"]).named_parameters()]
     partitions = [  # rank `shard` is (replica 0, shard); every replica lays its partition out alike
         [
@@ -544,7 +558,7 @@ def test_fairscale_two_shards_match_reference(results_sharded, name):
         for per_rank in results_sharded[:shards]
     ]
     assert all(partitions) and sum(len(p) for p in partitions) == len(names)
-    starts, _ = _reference(sc, len(results_sharded) // shards, partitions, shards)
+    starts, _ = reference(sc, len(results_sharded) // shards, partitions, shards)
     for rank, per_rank in enumerate(results_sharded):
         got, replica = per_rank[name]["starts"], rank // shards
         assert len(got) == len(starts) == 1 + sc["steps"] // sc["config"]["tau"]

@@ -33,8 +33,10 @@ from tests.test_compress import (
     _shared_start,
     _snapshot,
     _wide_model,
+    check_sharded,
     resume_run,
     run_scenario,
+    train_sharded,
 )
 
 # "uneven" has 527 parameters: one short chunk per partition, k = 16 of 528 at 3%, 8 at 1.5%
@@ -69,6 +71,14 @@ NAN_ROUND = dict(
 RESUME = dict(
     config={"tau": 3, "topk": 0.03, "comm_dtype": "int2"}, steps=14, save_at=7, model="uneven", optimizer="adam"
 )
+SHARDED = {  # CO2OSS, S x R = 2 x 2
+    "oss-topk-int2-defaults": dict(config={"tau": 2, "topk": 0.03, "comm_dtype": "int2"}, steps=8, model="uneven"),
+    "oss-topk-int4-defaults": dict(
+        config={"tau": 2, "topk": 0.015, "comm_dtype": "int4"}, steps=8, model="uneven", optimizer="adam"
+    ),
+    "oss-topk-int2-shared": dict(config={**NESTEROV, "tau": 2, "topk": 0.05, "comm_dtype": "int2"}, steps=8,
+                                 model="uneven"),
+}  # fmt: skip
 WIDE = {**HEAVY_BALL, "tau": 1, "overlap": False, "gap_penalty": ADAPTIVE}
 WIRE = {"fp32": {"comm_dtype": "fp32", "collective": "all_reduce"}, "int2-1.5%": {"comm_dtype": "int2", "topk": 0.015}}
 
@@ -130,6 +140,17 @@ def test_every_round_start_matches_the_reference(results, name):
         for t, (a, e) in enumerate(zip(got["starts"], starts)):
             assert_close(a, e[rank], f"{name} rank {rank} round-{t} start")
         assert_close(got["final"], finals[rank], f"{name} rank {rank} final")
+
+
+@pytest.fixture(scope="module")
+def results_sharded():
+    pytest.importorskip("co2_zero.fairscale")
+    return run_ranks(train_sharded, 4, 2, SHARDED, timeout=300.0)
+
+
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_fairscale_two_shards_match_reference(results_sharded, name):
+    check_sharded(results_sharded, name, SHARDED[name], _reference)
 
 
 def test_a_dense_reference_would_not_match(results):
