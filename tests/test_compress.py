@@ -169,7 +169,8 @@ def test_quantizer_on_cuda_matches_cpu_bit_for_bit(fmt):
     records = {}
     for device in ("cpu", "cuda"):
         x, residual = rows.to(device), torch.full_like(rows, 0.01, device=device)
-        out = torch.empty(3, RecordLayout.for_length(rows.shape[-1], bits=FORMATS[fmt].bits).nbytes, dtype=torch.uint8, device=device)
+        nbytes = RecordLayout.for_length(rows.shape[-1], bits=FORMATS[fmt].bits).nbytes
+        out = torch.empty(3, nbytes, dtype=torch.uint8, device=device)
         quantize_with_feedback_(x, residual, FORMATS[fmt], out)
         records[device] = (out.cpu(), residual.cpu())
     assert torch.equal(records["cpu"][0], records["cuda"][0]) and torch.equal(records["cpu"][1], records["cuda"][1])

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from co2_zero import CO2Error, CO2Optimizer
+from co2_zero import CO2Error
 from co2_zero.config import CO2Config
 from co2_zero.sparse import SparseLayout
 from tests import models
@@ -31,7 +31,6 @@ from tests.test_compress import (
     _model,
     _norm_bytes,
     _shared_start,
-    _snapshot,
     _wide_model,
     check_sharded,
     resume_run,
@@ -157,8 +156,9 @@ def test_a_dense_reference_would_not_match(results):
     """The comparison can tell: the reference with the dense int2 exchange ends far from the sparse run."""
     sc = SCENARIOS["topk-int2-defaults"]
     starts: list = []
+    dense = CompressedExchange("int2", "all_reduce", 2)
     simulate(lambda: _model("uneven"), lambda p: models.make_optimizer("sgd", p), models.batch, models.loss_fn,
-             sc["config"], 2, sc["steps"], record=starts, exchange=CompressedExchange("int2", "all_reduce", 2))  # fmt: skip
+             sc["config"], 2, sc["steps"], record=starts, exchange=dense)  # fmt: skip
     last = results[0]["topk-int2-defaults"]["starts"][-1]
     assert max(float((last[k] - v).abs().max()) for k, v in starts[-1].items()) > 1e-3
 
@@ -250,4 +250,3 @@ def test_existing_config_identities_survive_the_new_field():
     """`topk` at 1.0 leaves every existing config's hash (and so its checkpoints) as it was."""
     assert CO2Config().math_hash() == CO2Config(topk=1.0).math_hash() == "60dcf12d30d96517"
     assert CO2Config(topk=0.5).math_hash() != CO2Config().math_hash()
-
