@@ -250,3 +250,61 @@ def test_existing_config_identities_survive_the_new_field():
     """`topk` at 1.0 leaves every existing config's hash (and so its checkpoints) as it was."""
     assert CO2Config().math_hash() == CO2Config(topk=1.0).math_hash() == "60dcf12d30d96517"
     assert CO2Config(topk=0.5).math_hash() != CO2Config().math_hash()
+
+
+# ---- FSDP2, S x R = 2 x 2: every inner step ------------------------------------------------------------
+
+FSDP = {
+    "fsdp-topk-int2-defaults": dict(config={"tau": 2, "topk": 0.1, "comm_dtype": "int2"}, steps=7),
+    "fsdp-topk-int4-shared-adaptive": dict(
+        config={**NESTEROV, "tau": 3, "gap_penalty": ADAPTIVE, "topk": 0.2, "comm_dtype": "int4"}, steps=7,
+        optimizer="adam",
+    ),
+}  # fmt: skip
+
+
+def fsdp_run(rank: int, world: int, shards: int) -> dict:
+    from co2_zero.fsdp import replica_mesh
+    from tests.test_fsdp import _run_scenario
+
+    mesh = replica_mesh({"shards_per_replica": shards})
+    return {name: _run_scenario(rank, shards, mesh, sc) for name, sc in FSDP.items()}
+
+
+@pytest.fixture(scope="module")
+def results_fsdp():
+    return run_ranks(fsdp_run, 4, 2, timeout=300.0)
+
+
+def _fsdp_partitions(results_fsdp: list, name: str, shards: int) -> list:
+    """Replica 0's ranks' partitions as (parameter name, first, last + 1) pieces, in partition order."""
+    names = [n for n, _ in models.make_model("mlp").named_parameters()]
+    return [
+        [(names[tensor_id], offset, offset + values.numel()) for tensor_id, offset, values in per_rank[name]["pieces"]]
+        for per_rank in results_fsdp[:shards]
+    ]
+
+
+@pytest.mark.parametrize("name", list(FSDP))
+def test_fsdp_every_inner_step_matches_the_reference(results_fsdp, name):
+    sc, shards = FSDP[name], 2
+    partitions = _fsdp_partitions(results_fsdp, name, shards)
+
+    def reference(steps: int, finalize: bool) -> list:
+        exchange = CompressedExchange(sc["config"]["comm_dtype"], "all_gather", 2, partitions, sc["config"]["topk"])
+        return simulate(
+            lambda: models.make_model("mlp"), lambda p: models.make_optimizer(sc.get("optimizer", "sgd"), p),
+            models.batch, models.loss_fn, sc["config"], replicas=2, steps=steps, finalize=finalize,
+            exchange=exchange, shards=shards, shard_batch=lambda r, j, k: models.shard_batch(r, j, k, shards),
+        )  # fmt: skip
+
+    per_step = [reference(k, False) for k in range(sc["steps"] + 1)]
+    finals = reference(sc["steps"], True)
+    for rank, per_rank in enumerate(results_fsdp):
+        got = per_rank[name]
+        assert got["strategy"] == "all_gather" and len(got["steps"]) == sc["steps"] + 1
+        for k, (actual, expected) in enumerate(zip(got["steps"], per_step)):
+            assert_close(actual, expected[rank // shards], f"{name} rank {rank} after step {k}")
+        assert_close(got["final"], finals[rank // shards], f"{name} rank {rank} final")
+    for a, b in zip(results_fsdp[0][name]["shared"], results_fsdp[2][name]["shared"]):
+        assert torch.equal(a, b)  # shard 0 of both replicas: the same shared start, bit for bit
