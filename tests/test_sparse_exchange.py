@@ -10,6 +10,7 @@ for bit; a NaN round skipped; and the combinations refused when the optimizer is
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -308,3 +309,52 @@ def test_fsdp_every_inner_step_matches_the_reference(results_fsdp, name):
         assert_close(got["final"], finals[rank // shards], f"{name} rank {rank} final")
     for a, b in zip(results_fsdp[0][name]["shared"], results_fsdp[2][name]["shared"]):
         assert torch.equal(a, b)  # shard 0 of both replicas: the same shared start, bit for bit
+
+
+# ---- DeepSpeed ZeRO-1, S x R = 2 x 2, a "co2" section in the JSON config: every inner step ------------------
+
+
+def _deepspeed_scenario() -> dict:
+    from tests.test_deepspeed import ds_config
+
+    co2 = {"shards_per_replica": 2, "tau": 2, "topk": 0.1, "comm_dtype": "int2"}  # the defaults otherwise
+    return dict(config=ds_config("ds_zero1_co2", co2, co2_only=True, drop=("gradient_clipping", "scheduler")), steps=5)
+
+
+def deepspeed_run(rank: int, world: int) -> dict:
+    from tests.test_deepspeed import _run_scenario
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    return _run_scenario(rank, 2, _deepspeed_scenario())
+
+
+@pytest.fixture(scope="module")
+def results_deepspeed(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
+    try:
+        return run_ranks(deepspeed_run, 4, timeout=300.0)
+    finally:
+        if previous is None:
+            del os.environ["TORCH_EXTENSIONS_DIR"]
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = previous
+
+
+def test_deepspeed_every_inner_step_matches_the_reference(results_deepspeed):
+    from tests.test_deepspeed import reference
+
+    sc, shards = _deepspeed_scenario(), 2
+    names = [n for n, _ in models.make_model("mlp").named_parameters()]
+    partitions = [
+        [(names[tensor_id], offset, offset + values.numel()) for tensor_id, offset, values in per_rank["pieces"]]
+        for per_rank in results_deepspeed[:shards]
+    ]
+    exchange = CompressedExchange("int2", "all_gather", 2, partitions, topk=0.1)
+    _, steps, finals = reference(sc, shards, exchange=exchange)
+    for rank, got in enumerate(results_deepspeed):
+        assert len(got["trajectory"]) == sc["steps"]
+        for k, (a, e) in enumerate(zip(got["trajectory"], steps)):
+            assert_close(a, e[rank // shards], f"deepspeed rank {rank} after inner step {k}")
+        assert_close(got["final"], finals[rank // shards], f"deepspeed rank {rank} final")
