@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from co2_zero import CO2Error
+from co2_zero import CO2Error, CO2Optimizer, checkpoint
 from co2_zero.config import CO2Config
 from co2_zero.sparse import SparseLayout
 from tests import models
@@ -32,6 +33,7 @@ from tests.test_compress import (
     _model,
     _norm_bytes,
     _shared_start,
+    _snapshot,
     _wide_model,
     check_sharded,
     resume_run,
@@ -358,3 +360,49 @@ def test_deepspeed_every_inner_step_matches_the_reference(results_deepspeed):
         for k, (a, e) in enumerate(zip(got["trajectory"], steps)):
             assert_close(a, e[rank // shards], f"deepspeed rank {rank} after inner step {k}")
         assert_close(got["final"], finals[rank // shards], f"deepspeed rank {rank} final")
+
+
+# ---- checkpoints: resumed from files bit for bit, resharded to R = 4 ----------------------------------------
+
+CKPT = {"tau": 2, "topk": 0.05, "comm_dtype": "int2"}
+
+
+def _ckpt_build():
+    model = models.make_model("uneven")
+    return model, CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), CKPT, model=model)
+
+
+def save_sparse(rank: int, world: int, directory: str) -> dict:
+    model, opt = _ckpt_build()
+    models.train_steps(rank, model, opt, 0, 5)  # mid-round, an exchange in flight
+    checkpoint.save(directory, model, opt, extra={"step": 5})
+    models.train_steps(rank, model, opt, 5, 9)
+    opt.finalize()
+    straight = _snapshot(model)
+    model, opt = _ckpt_build()
+    step = checkpoint.load(directory, model, opt)["step"]
+    models.train_steps(rank, model, opt, step, 9)
+    opt.finalize()
+    return {"straight": straight, "resumed": _snapshot(model)}
+
+
+def reshard_sparse(rank: int, world: int, directory: str) -> dict:
+    model, opt = _ckpt_build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the steps after the last round end are dropped, and say so
+        checkpoint.load(directory, model, opt, reshard=True)
+    residual_zero = not opt.engine.exchange.residuals.displacement.any()
+    models.train_steps(rank, model, opt, 4, 9)
+    opt.finalize()
+    return {"residual_zero": residual_zero, "final": _snapshot(model)}
+
+
+def test_checkpoint_resumes_bit_for_bit_and_reshards(tmp_path):
+    directory = str(tmp_path / "sparse")
+    saved = run_ranks(save_sparse, 2, directory, timeout=240.0)
+    for per_rank in saved:
+        assert all(torch.equal(per_rank["straight"][k], v) for k, v in per_rank["resumed"].items())
+    resharded = run_ranks(reshard_sparse, 4, directory, timeout=240.0)
+    assert all(r["residual_zero"] for r in resharded)  # a resharded state restarts the residuals at zero
+    for other in resharded[1:]:  # finalize() ends with one model on every rank
+        assert all(torch.equal(resharded[0]["final"][k], v) for k, v in other["final"].items())
