@@ -127,7 +127,7 @@ ABLATION_TAUS = {
     "co2_local": (32,),
     "diloco_eager": (32,),
     "diloco_local": (32,),
-    **{m: (32,) if m == "diloco_local_sync_int8" else (32, 128) for m in WIRE},
+    **{m: (32,) if m == "diloco_local_sync_int8" else (8, 32, 128) for m in WIRE},
 }
 # method -> bench_throughput run labels whose tokens/s it has on a link, first found wins: blocking
 # DiLoCo exchanges exactly what blocking Local SGD does (the outer step differs only in its math)
