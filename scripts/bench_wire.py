@@ -9,7 +9,14 @@
 
 Writes <out_dir>/wire.json and wire.md.
 
-    OMP_NUM_THREADS=1 python -m scripts.bench_wire --replicas 2 4 --params 1000000 --codec_elements 25000000
+    OMP_NUM_THREADS=1 python -m scripts.bench_wire --replicas 2 4 --params 1000000 --codec_elements 100000000
+
+3. With --quality DIR (a bench_quality.py --out_dir): the compressed defaults against the fp32 defaults
+   there, seed for seed: final validation loss, its gap to fp32 (mean [min, max] over the seeds both ran)
+   and the bytes per round as a ratio of fp32's, from the bytes rank 0 sent over each run. Writes
+   DIR/wire_quality.json and .md; nothing else runs.
+
+    python -m scripts.bench_wire --quality benchmarks/quality_wire
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--codec_elements", type=int, default=25_000_000, help="elements of the codec's vector")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "wire"))
+    p.add_argument("--quality", default=None, help="only summarise a bench_quality.py study of the wire formats")
     return p.parse_args(argv)
 
 
@@ -172,8 +180,49 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def quality_rows(cells: Sequence[dict]) -> list[dict]:
+    """Per (method, τ, outer lr, momentum): the seeds, losses, gaps to fp32 at the same τ and seed, bytes ratio."""
+    fp32 = {(c["tau"], c["seed"]): c for c in cells if c["method"] == "diloco_local_sync"}
+    groups: dict = {}
+    for c in cells:
+        groups.setdefault((c["method"], c["tau"], c["outer_lr"], c["momentum"]), []).append(c)
+    rows = []
+    for (method, tau, lr, momentum), runs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        pairs = [(c, fp32[(tau, c["seed"])]) for c in runs if (tau, c["seed"]) in fp32]
+        gaps = [c["final_val_loss"] / f["final_val_loss"] - 1 for c, f in pairs]
+        ratios = [f["bytes_per_round"] / c["bytes_per_round"] for c, f in pairs]
+        rows.append({"method": method, "tau": tau, "outer_lr": lr, "momentum": momentum,
+                     "seeds": sorted(c["seed"] for c in runs), "val_loss": [c["final_val_loss"] for c in runs],
+                     "gap_to_fp32": gaps, "bytes_ratio_to_fp32": ratios})  # fmt: skip
+    return rows
+
+
+def quality_markdown(rows: Sequence[dict]) -> str:
+    lines = ["| method | τ | outer lr, β | seeds | final val loss (mean) | gap to fp32 (per seed) | × fewer bytes |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        gap = (f"{statistics.mean(r['gap_to_fp32']):+.1%} [{min(r['gap_to_fp32']):+.1%}, {max(r['gap_to_fp32']):+.1%}]"
+               if r["gap_to_fp32"] else "–")  # fmt: skip
+        ratio = f"{statistics.mean(r['bytes_ratio_to_fp32']):.1f}" if r["bytes_ratio_to_fp32"] else "–"
+        lines.append(f"| {r['method']} | {r['tau']} | {r['outer_lr']:g}, {r['momentum']:g} | {len(r['seeds'])} | "
+                     f"{statistics.mean(r['val_loss']):.4f} | {gap} | {ratio} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def summarise_quality(directory: Path) -> int:
+    cells = [json.loads(p.read_text()) for p in sorted((directory / "cells").glob("*.json"))]
+    rows = quality_rows(cells)
+    (directory / "wire_quality.json").write_text(json.dumps({"rows": rows}, indent=1))
+    text = quality_markdown(rows)
+    (directory / "wire_quality.md").write_text(f"`python -m scripts.bench_wire --quality {directory}`\n\n{text}\n")
+    print(text)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = get_args(argv)
+    if a.quality:
+        return summarise_quality(Path(a.quality))
     result = {"command": " ".join(["python -m scripts.bench_wire", *(argv or sys.argv[1:])]), "params": a.params,
               "repeats": a.repeats, "host": {"cores": os.cpu_count(), "load": os.getloadavg()},
               "wire": measure_wire(a), "codec": codec_cost(a.codec_elements, a.repeats)}  # fmt: skip
