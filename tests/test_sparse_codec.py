@@ -123,3 +123,20 @@ def test_bit_pack_roundtrips():
     bit_pack(values, INDEX_BITS, packed)
     assert torch.equal(bit_unpack(packed, INDEX_BITS, 1001), values)
     assert packed[0] == values[0] & 0xFF  # little-endian: the first value's low byte first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", VALUE_FORMATS)
+def test_codec_on_cuda_matches_cpu_bit_for_bit(fmt):
+    """The same payload and residual on both devices: replicas on different devices would still agree."""
+    vector = torch.randn(2 * CHUNK + 333, generator=torch.Generator().manual_seed(0))
+    vector[:CHUNK] = vector[:CHUNK].round()  # ties at the k-th value
+    got = {}
+    for device in ("cpu", "cuda"):
+        layout = SparseLayout.for_length(vector.numel(), 0.015, fmt)
+        residual = torch.full_like(vector, 0.01, device=device)
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        encode_with_feedback_(vector.to(device), residual, layout, payload)
+        got[device] = (payload.cpu(), residual.cpu())
+    assert torch.equal(got["cpu"][0], got["cuda"][0]) and torch.equal(got["cpu"][1], got["cuda"][1])
