@@ -219,6 +219,8 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--max_cells", type=int, default=0, help="stop after this many runs (0: all)")
     p.add_argument("--plan", action="store_true", help="print the cells left and an estimate of their hours")
     p.add_argument("--summary", action="store_true", help="only build the summary from the cells there are")
+    p.add_argument("--cells_only", action="store_true",
+                   help="run the cells only (the summary needs matplotlib)")  # fmt: skip
     p.add_argument("--minutes_per_cell", type=float, default=5.0, help="--plan's estimate before any cell ran")
     return p.parse_args(argv)
 
@@ -775,8 +777,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(plan_text(todo, pending, minutes_per_cell(results, a.minutes_per_cell, os.cpu_count() or 1), skipped))
         return 0
     if not a.summary:
-        bc.require_matplotlib()
+        if not a.cells_only:
+            bc.require_matplotlib()
         run_cells(a, runnable, grid, steps, results, cells_dir)
+    if a.cells_only:
+        return 0
     print(markdown(summary(whole_study(a), results, steps, out_dir)))
     return 0
 
