@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from . import sparse
 from .compress import FORMATS, RecordLayout, dequantize_into, quantize_with_feedback_
 from .config import CO2Config
 from .errors import NonFiniteError
@@ -42,11 +43,13 @@ def wire_bytes(collective: str, nbytes: int, ranks: int) -> int:
 
 
 class Residuals(NamedTuple):
-    """Error-feedback state of a quantized exchange (`comm_dtype` int8/fp8), this rank's own.
+    """Error-feedback state of a compressed exchange (`comm_dtype` int8/fp8/int4/int2, or `topk` < 1),
+    this rank's own.
 
     displacement: what this rank's displacements could not send yet (partition-sized: every
     sub-shard it sends). gathered: what it could not all-gather yet as the owner of its sub-shard:
-    the update of the start point (`reduce_scatter`) or the averaged displacement (`all_reduce`).
+    the update of the start point (`reduce_scatter`) or the averaged displacement (`all_reduce`);
+    empty with `all_gather` (the sparse exchange), where every rank decodes the same average.
     """
 
     displacement: torch.Tensor
@@ -61,7 +64,10 @@ def choose_collective(config: CO2Config, backend: str) -> str:
     bandwidth-optimal, so one all-reduce plus a redundant update of the partition wins.
     nccl (and others): `reduce_scatter`: ring reduce-scatter + all-gather move the same bytes as a
     ring all-reduce, and the outer momentum then needs only Ψ/N elements per rank instead of Ψ/S.
+    A sparse exchange (`topk` < 1): `all_gather` on every backend (docs/design.md §5).
     """
+    if config.sparse:
+        return "all_gather"
     if config.collective != "auto":
         return config.collective
     return "all_reduce" if backend == "gloo" else "reduce_scatter"
@@ -175,14 +181,19 @@ class OuterExchange:
         self.layout = layout
         self.strategy = choose_collective(config, dist.get_backend(topology.outer_group))
         self.comm_dtype = _COMM_DTYPES.get(config.comm_dtype)
-        self.wire_format = FORMATS.get(config.comm_dtype)  # None: fp32/bf16 travel as plain tensors
+        # None: fp32/bf16 travel as plain tensors; with topk < 1 the values' format of `sparse_layout`
+        self.wire_format = None if config.sparse else FORMATS.get(config.comm_dtype)
+        self.sparse_layout = (
+            sparse.SparseLayout.for_length(layout.padded, config.topk, config.comm_dtype) if config.sparse else None
+        )
+        compressed = self.wire_format is not None or config.sparse
         self.residuals = (
-            None
-            if self.wire_format is None
-            else Residuals(
+            Residuals(
                 torch.zeros(layout.padded, dtype=torch.float32, device=device),
-                torch.zeros(layout.sub_shard, dtype=torch.float32, device=device),
+                torch.zeros(0 if config.sparse else layout.sub_shard, dtype=torch.float32, device=device),
             )
+            if compressed
+            else None
         )
         self.bytes_sent = 0  # by this rank's pipelines so far (`wire_bytes`); written by the worker only
         r = topology.replica_index
@@ -247,7 +258,7 @@ class OuterExchange:
         live = job.work[: self.layout.length]  # D, what this rank measured; may be empty
         # Read only when the round turns out non-finite. all_reduce overwrites D, so its largest |D|
         # is taken now (on the device, no sync); reduce_scatter leaves D intact until the all-gather.
-        local_max = largest_abs(live) if self.strategy == "all_reduce" else None
+        local_max = largest_abs(live) if self.strategy != "reduce_scatter" else None
         if self.displacement_scale != 1.0:
             job.work.mul_(self.displacement_scale)
         g = self._average(job.work, job.g_buffer)
@@ -270,6 +281,8 @@ class OuterExchange:
 
     def _average(self, work: torch.Tensor, g_buffer: Optional[torch.Tensor]) -> torch.Tensor:
         """g = mean of D over the outer group, on this rank's slice."""
+        if self.sparse_layout is not None:
+            return self._average_sparse(work)
         if self.wire_format is not None:
             return self._average_quantized(work, g_buffer)
         group, replicas = self.outer_peers()
@@ -305,7 +318,7 @@ class OuterExchange:
         average quantized (with its own residual) and every rank dequantizes the whole partition, the
         same bytes everywhere, then runs the outer step on all of it as the fp32 `all_reduce` does."""
         replicas, length = self.topology.replicas, self.layout.sub_shard
-        record = RecordLayout.for_length(length)
+        record = RecordLayout.for_length(length, bits=self.wire_format.bits)
         rows = work.view(replicas, length)  # row j: sub-shard j, for its owner j
         sent = torch.empty(replicas, record.nbytes, dtype=torch.uint8, device=work.device)
         quantize_with_feedback_(rows, self.residuals.displacement.view(replicas, length), self.wire_format, sent)
@@ -324,6 +337,22 @@ class OuterExchange:
         self._all_gather_quantized(g, out=rows)
         return work
 
+    def _average_sparse(self, work: torch.Tensor) -> torch.Tensor:
+        """The sparse exchange (docs/design.md §5): D + residual, top-k per chunk, travels as one payload
+        per replica in an all-gather; every rank adds the R decoded payloads in replica order and divides
+        by R, so every replica holds the same bits of g, on the whole partition (the outer step then runs
+        on all of it everywhere, as with `all_reduce`, and no new start point travels)."""
+        layout, replicas = self.sparse_layout, self.topology.replicas
+        mine = torch.empty(layout.nbytes, dtype=torch.uint8, device=work.device)
+        sparse.encode_with_feedback_(work, self.residuals.displacement, layout, mine)
+        everyone = torch.empty(replicas, layout.nbytes, dtype=torch.uint8, device=work.device)
+        self._count("all_gather", everyone, replicas)
+        _all_gather(everyone.view(-1), mine, group=self.topology.outer_group)
+        work.zero_()
+        for payload in everyone:
+            sparse.add_decoded_(payload, layout, work)
+        return work.div_(replicas)
+
     def _share_new_start(self, work: torch.Tensor, base: torch.Tensor, g: torch.Tensor, finite: bool) -> None:
         """Step g: give every rank of the outer group the new start point in `work`.
 
@@ -332,9 +361,10 @@ class OuterExchange:
         and every rank, the owner included, sets `work = base + dequantized update`: the start points
         stay bit-identical across replicas. A skipped non-finite round (every rank knows: the norms are
         global) sends nothing: the start point stays `base`, and the displacement residuals, which may
-        hold the NaN, restart from zero (with `all_reduce` the averages' residuals too).
+        hold the NaN, restart from zero (with `all_reduce` the averages' residuals too). `all_gather`
+        (sparse): every rank computed the same new start point already.
         """
-        if self.wire_format is None:
+        if self.residuals is None:
             if self.strategy == "reduce_scatter":
                 self._count("all_gather", work, self.topology.replicas)
                 _all_gather(work, g, group=self.topology.outer_group)
@@ -345,7 +375,7 @@ class OuterExchange:
             if self.strategy == "all_reduce":
                 self.residuals.gathered.zero_()
             return
-        if self.strategy == "all_reduce":
+        if self.strategy != "reduce_scatter":
             return
         g.sub_(base[self.sub_shard])
         self._all_gather_quantized(g, out=work.view(self.topology.replicas, self.layout.sub_shard))
@@ -355,7 +385,7 @@ class OuterExchange:
         """out (R, sub-shard) <- every owner's `value` (its sub-shard; consumed) quantized with the
         `gathered` residual's feedback and dequantized, in the outer group's order."""
         replicas, length = out.shape
-        record = RecordLayout.for_length(length)
+        record = RecordLayout.for_length(length, bits=self.wire_format.bits)
         mine = torch.empty(1, record.nbytes, dtype=torch.uint8, device=value.device)
         quantize_with_feedback_(value.view(1, length), self.residuals.gathered.view(1, length), self.wire_format, mine)
         everyone = torch.empty(replicas, record.nbytes, dtype=torch.uint8, device=value.device)

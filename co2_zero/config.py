@@ -17,8 +17,9 @@ from typing import Any, Mapping, Optional, Union
 
 PENALTY_MODES = ("none", "constant", "adaptive")
 CLIP_MODES = ("none", "value", "norm")
-COLLECTIVES = ("auto", "reduce_scatter", "all_reduce")
-COMM_DTYPES = ("fp32", "bf16", "int8", "fp8")  # int8/fp8: block-quantized with error feedback (compress.py)
+COLLECTIVES = ("auto", "reduce_scatter", "all_reduce", "all_gather")
+# int8/fp8/int4/int2: block-quantized with error feedback (compress.py)
+COMM_DTYPES = ("fp32", "bf16", "int8", "fp8", "int4", "int2")
 NONFINITE_POLICIES = ("raise", "skip_round")
 STAND_INS = ("auto", "shared", "eager", "local")  # where a replica starts a round while the last average is in flight
 # The accepted values of every choice field, by dotted name (for messages that name another rank's value).
@@ -77,13 +78,6 @@ def _as_floats(instance: Any, *names: str) -> None:
         object.__setattr__(instance, name, float(getattr(instance, name)))
 
 
-def _neutral(name: str, value: Any) -> bool:
-    """Whether top-level field `name` holds its metadata's "neutral" value (behaves as if the field did not
-    exist): it then stays out of the config hash, so adding the field keeps every existing identity."""
-    meta = CO2Config.__dataclass_fields__[name].metadata
-    return "neutral" in meta and value == meta["neutral"]
-
-
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         _fail(name, value, " | ".join(repr(c) for c in choices))
@@ -100,6 +94,17 @@ def _build(cls, name: str, value: Any):
         if key not in known:
             _fail(f"{name}.{key}", value[key], f"no such key; known keys of {name}: {sorted(known)}")
     return cls(**value)
+
+
+def _identity_fields(section: Any) -> dict[str, Any]:
+    """`dataclasses.asdict(section)` without the fields at their metadata's `"neutral"` value."""
+    out = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if "neutral" in f.metadata and value == f.metadata["neutral"]:
+            continue
+        out[f.name] = _identity_fields(value) if dataclasses.is_dataclass(value) else value
+    return out
 
 
 @dataclass(frozen=True)
@@ -236,10 +241,26 @@ class CO2Config:
     comm_dtype: str = field(
         default="fp32",
         metadata={
-            "doc": "Wire type of the exchange. `bf16` halves the displacement's bytes (the new start point "
-            "travels in fp32). `int8` and `fp8` (e4m3) quantize the displacement and the new start point in "
-            "blocks of 256 elements with error feedback: 0.254× the fp32 bytes per round, for Ψ/S + Ψ/N "
-            "fp32 words of residuals per rank."
+            "doc": "Wire type of the exchange's values. `bf16` halves the displacement's bytes (the new start "
+            "point travels in fp32). `int8`, `fp8` (e4m3), `int4` and `int2` quantize the displacement and the "
+            "new start point in blocks of 256 elements with error feedback, bit-packed: 0.254×, 0.129× and "
+            "0.066× the fp32 bytes per round (int8/fp8, int4, int2), for Ψ/S + Ψ/N fp32 words of residuals "
+            "per rank. With `topk` < 1 it is the type of the values sent (docs/configuration.md, "
+            '"Choosing a wire format").'
+        },
+    )
+    topk: float = field(
+        default=1.0,
+        metadata={
+            "doc": "The fraction of the displacement each replica sends per round: in every chunk of 4096 "
+            "elements of its partition, the largest in magnitude (at least one per chunk), as chunk-local "
+            "12-bit indices and `comm_dtype` values; what is not sent stays in an error-feedback residual "
+            "(Ψ/S fp32 words per rank). The payloads are all-gathered (`collective: all_gather`, what `auto` "
+            "resolves to) and every replica applies the same outer step to their average. `1.0` (the "
+            "default): dense. 0.015 with `int2`: 1/147 of the fp32 bytes per rank at R = 2, 1/73 at R = 4 (the "
+            'all-gather grows with R: docs/configuration.md, "Choosing a wire format").',
+            "accepted": "a number in (0, 1]",
+            "neutral": 1.0,
         },
     )
     timeout_s: float = field(
@@ -284,6 +305,8 @@ class CO2Config:
             _fail("shards_per_replica", self.shards_per_replica, "an integer >= 1, or 'node'")
         _check_choice("collective", self.collective, COLLECTIVES)
         _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        _check_number("topk", self.topk, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        self._check_exchange_combination()
         seconds = f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
         _check_number("timeout_s", self.timeout_s, seconds, lambda v: 0 < v <= MAX_TIMEOUT_S)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
@@ -294,7 +317,7 @@ class CO2Config:
             self._check_stand_in_combination()
         if self.replica_tau is not None:
             self._check_replica_tau()
-        _as_floats(self, "outer_lr", "outer_momentum", "timeout_s")
+        _as_floats(self, "outer_lr", "outer_momentum", "timeout_s", "topk")
 
     @property
     def steps_before_apply(self) -> int:
@@ -341,6 +364,23 @@ class CO2Config:
                 "null or 'auto' when overlap=False (a blocking round applies its average at once)",
             )
 
+    @property
+    def sparse(self) -> bool:
+        """Whether the exchange sends a top-k selection (`topk` < 1), all-gathered (docs/design.md §5)."""
+        return self.topk < 1.0
+
+    def _check_exchange_combination(self) -> None:
+        """A sparse exchange cannot be summed along a ring: it travels by `all_gather`, which only it uses."""
+        if self.sparse and self.collective not in ("auto", "all_gather"):
+            _fail(
+                "collective",
+                self.collective,
+                f"'auto' or 'all_gather' when topk={self.topk!r} (a sparse exchange cannot be summed along a "
+                f"ring; its payloads are all-gathered), or topk: 1.0",
+            )
+        if not self.sparse and self.collective == "all_gather":
+            _fail("collective", self.collective, "'auto', 'reduce_scatter' or 'all_reduce' when topk=1.0 (dense)")
+
     def _check_stand_in_combination(self) -> None:
         """An explicit `eager` or `local` (`auto` is `local` with overlap, `shared` without, and accepts all
         the rest): each refusal names the field, its value and what the stand-in accepts (docs/design.md §3,
@@ -374,6 +414,7 @@ class CO2Config:
         needs = [
             ("sync_delay", self.sync_delay, (None, "auto"), "null or 'auto' (the round end: rounds differ in length)"),
             ("comm_dtype", self.comm_dtype, ("fp32",), "'fp32' (the weighted average is tested in fp32 only)"),
+            ("topk", self.topk, (1.0,), "1.0 (the weighted average is tested dense only)"),
             ("nonfinite", self.nonfinite, ("raise",), "'raise' (a skipped round is not tested with weights)"),
             ("stand_in", self.stand_in, ("auto", "shared", "local"), "'auto', 'shared' or 'local' (eager's: 1/R)"),
         ]  # fmt: skip
@@ -405,9 +446,13 @@ class CO2Config:
         return flat
 
     def math_hash(self) -> str:
-        """Hash of the fields that change the trajectory (not timeouts, collectives or sharding)."""
+        """Hash of the fields that change the trajectory (not timeouts, collectives or sharding).
+
+        A field whose metadata names a `"neutral"` value (the one that behaves as if the field did not
+        exist) enters the hash only when it differs from it, so adding such a field keeps the identity
+        of every existing config, and of the checkpoints saved with it."""
         plumbing = ("timeout_s", "collective", "shards_per_replica")  # the result is independent of them
-        math = {k: v for k, v in self.to_dict().items() if k not in plumbing and not _neutral(k, v)}
+        math = {k: v for k, v in _identity_fields(self).items() if k not in plumbing}
         math["stand_in"] = self.effective_stand_in  # `auto` is whichever it resolves to
         if not self.measures_sync_delay:
             math["sync_delay"] = self.steps_before_apply  # null and tau are the same schedule

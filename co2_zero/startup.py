@@ -34,12 +34,13 @@ def check_stand_in(config: CO2Config, topology: Topology) -> None:
     if config.clip.mode == "none" or config.effective_stand_in != "local":
         return
     strategy = choose_collective(config, dist.get_backend(topology.outer_group))
-    if strategy != "all_reduce":
+    if strategy == "reduce_scatter":
         raise ValueError(
             f"co2 config: collective={config.collective!r} (here {strategy!r}) is invalid with clip.mode="
             f"{config.clip.mode!r} and the local stand-in (stand_in={config.stand_in!r}): the stand-in would "
             f"follow a copy of the outer momentum that a clipped step leaves unknown; accepted: collective: "
-            f"'all_reduce', or stand_in: 'shared' with an outer step for it (co2_zero.config.PUBLISHED's)"
+            f"'all_reduce' (or topk < 1, which all-gathers), or stand_in: 'shared' with an outer step for it "
+            f"(co2_zero.config.PUBLISHED's)"
         )
 
 

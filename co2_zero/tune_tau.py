@@ -7,7 +7,8 @@ and per-rank batch of the training job, co2_zero.train (same flags):
   t_step  one inner step (forward, backward, AdamW step) with no communication at all, median over
           a few steps, slowest rank (the slowest replica gates every round);
   t_comm  one round's exchange: the collective CO2 runs on the outer group (what `collective: auto`
-          resolves to for this backend, in `comm_dtype`) on a buffer of the partition's size, median
+          resolves to for this backend, in `comm_dtype` and `topk`: the format's own bytes, codec
+          and error feedback included) on a buffer of the partition's size, median
           of a few, slowest rank; every outer group exchanges at once, as in training;
 
 and recommends
@@ -127,6 +128,7 @@ def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, reps: 
         "samples": [round(x, 4) for x in times],
         "collective": opt.engine.exchange.strategy,
         "comm_dtype": config.comm_dtype,
+        "topk": config.topk,
         "partition_elems": numel,
         "bytes_sent": statistics.median(sent),
         "outer_group_size": replicas,
@@ -375,7 +377,8 @@ def _report(r: dict) -> None:
     print(f"  t_step = {c['t_step'] * 1e3:.1f} ms  (one inner step, no communication; slowest rank median)")
     if r["world_size"] > 1:
         bw = m["sent_bits_per_s"]
-        print(f"  t_comm = {m['t_comm'] * 1e3:.1f} ms  ({m['collective']} pipeline in {m['comm_dtype']} over "
+        wire = m["comm_dtype"] + (f", top {m['topk']:.2%} of each chunk" if m.get("topk", 1.0) < 1.0 else "")
+        print(f"  t_comm = {m['t_comm'] * 1e3:.1f} ms  ({m['collective']} pipeline in {wire} over "
               f"{m['outer_group_size']} replicas, {m['bytes_sent'] / 1e6:.1f} MB sent per rank"
               + (f", {bw / 1e6:.0f} Mbit/s)" if bw else ")"))  # fmt: skip
     alone = " (the exchange alone: a first guess, verified below while training)" if r.get("verify") else ""

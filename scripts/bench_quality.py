@@ -20,6 +20,9 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
                       steps into the next round, not at its end, the replicas' progress rebased on it: the
                       defaults since 0.2 with the sync delay fixed (`"auto"` measures it on the job)
   diloco_local_sync_int8  the same with `comm_dtype: int8` (0.254× the bytes a round; τ 32, its outer lr only)
+  diloco_local_sync_int4, _int2, _topk3_int2, _topk1.5_int2, _topk1_int2  the same with `comm_dtype` int4 or
+                      int2, and with `topk` 3%, 1.5% or 1% of each chunk in int2 (the sparse exchange); τ 32
+                      (and --taus), the fp32 defaults' outer lr; each cell records the bytes its rank 0 sent
   torchft_diloco      torchft's DiLoCo and Streaming DiLoCo (2 fragments), driven by scripts/torchft_peer.py
   torchft_streaming   --replicas P: a Lighthouse and P replicas of one rank, the diloco preset's outer
                       optimizer (Nesterov) at the cell's outer lr / momentum, fp32 (unavailable without torchft)
@@ -65,17 +68,20 @@ from scripts import bench_convergence as bc
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "scripts" / "torchft_peer.py"
+# the defaults on a compressed wire: method -> (comm_dtype, topk)
+WIRE = {"diloco_local_sync_int8": ("int8", 1.0), "diloco_local_sync_int4": ("int4", 1.0),
+        "diloco_local_sync_int2": ("int2", 1.0), "diloco_local_sync_topk3_int2": ("int2", 0.03),
+        "diloco_local_sync_topk1.5_int2": ("int2", 0.015), "diloco_local_sync_topk1_int2": ("int2", 0.01)}  # fmt: skip
 CO2_FAMILY = ("diloco", "co2", "co2_eager", "co2_local", "diloco_eager", "diloco_local", "diloco_local_sync",
-              "diloco_local_sync_int8")  # fmt: skip
+              *WIRE)  # fmt: skip
 STAND_IN = {"co2_eager": "eager", "co2_local": "local", "diloco_eager": "eager", "diloco_local": "local",
-            "diloco_local_sync": "local", "diloco_local_sync_int8": "local"}  # fmt: skip
-COMM_DTYPE = {"diloco_local_sync_int8": "int8"}  # the wire format where not fp32
+            "diloco_local_sync": "local", **{m: "local" for m in WIRE}}  # fmt: skip
 # with the config field `sync_delay`: min(SYNC_DELAY, τ) steps, what the study model's exchange needs at 100 Mbit/s
 # (its blocking DiLoCo runs 18% slower than CO2 at τ 32 there: the exchange takes about 6 of its steps)
-SYNCED = ("diloco_local_sync", "diloco_local_sync_int8")
+SYNCED = ("diloco_local_sync", *WIRE)
 SYNC_DELAY = 8
 # the diloco preset's outer step
-DILOCO_STEP = ("diloco", "diloco_eager", "diloco_local", "diloco_local_sync", "diloco_local_sync_int8")
+DILOCO_STEP = ("diloco", "diloco_eager", "diloco_local", "diloco_local_sync", *WIRE)
 PEERS = {"torchft_diloco": "diloco", "torchft_streaming": "streaming"}  # method -> the peer's algorithm
 METHODS = ("ddp", *CO2_FAMILY, *PEERS)
 # (outer lrs, outer momenta) tried per method at every τ. The DiLoCo family keeps Nesterov 0.9 and
@@ -96,7 +102,7 @@ GRIDS = {
     "diloco_local": ((0.5, 0.7, 1.0), (0.5, 0.9)),  # as diloco_eager: a round late, 0.9 may overshoot
     "co2_local": ((0.5, 0.7, 1.0), (0.8,)),  # eager's best momentum; 0.5 lost on the device (1.56 vs 1.47)
     "diloco_local_sync": NESTEROV_GRID,
-    "diloco_local_sync_int8": ((0.5,), (0.9,)),  # the fp32 defaults' best at τ 32: the wire format alone
+    **{m: ((0.5,), (0.9,)) for m in WIRE},  # the fp32 defaults' best at τ 32: the wire format alone
     "torchft_diloco": NESTEROV_GRID,
     "torchft_streaming": NESTEROV_GRID,
 }
@@ -117,7 +123,12 @@ GRIDS.update(
 GRIDS["diloco_local@32"] = ((0.2, *GRIDS["diloco_local@32"][0]), GRIDS["diloco_local@32"][1])
 # the stand-in ablation's own methods run at these τ only (every other method at every --taus): which
 # stand-in a one-round-late average needs is asked once, where the study's comparison is closest
-ABLATION_TAUS = {"co2_local": (32,), "diloco_eager": (32,), "diloco_local": (32,), "diloco_local_sync_int8": (32,)}
+ABLATION_TAUS = {
+    "co2_local": (32,),
+    "diloco_eager": (32,),
+    "diloco_local": (32,),
+    **{m: (32,) if m == "diloco_local_sync_int8" else (8, 32, 128) for m in WIRE},
+}
 # method -> bench_throughput run labels whose tokens/s it has on a link, first found wins: blocking
 # DiLoCo exchanges exactly what blocking Local SGD does (the outer step differs only in its math)
 THROUGHPUT_LABELS = {
@@ -129,7 +140,7 @@ THROUGHPUT_LABELS = {
     "diloco_local": ("co2",),
     "co2_local": ("co2",),
     "diloco_local_sync": (),  # applied after SYNC_DELAY steps: only its own run says whether that hides the exchange
-    "diloco_local_sync_int8": (),
+    **{m: () for m in WIRE},
     "torchft_diloco": (),  # torchft's own runs (bench_throughput's torchft labels): OWN_RUN_LABELS
     "torchft_streaming": (),
 }
@@ -145,7 +156,10 @@ PUBLISHED = {
     "diloco_local": "–",
     "co2_local": "–",
     "diloco_local_sync": "a sync overlapped by a few steps costs about nothing: Douillard et al. 2501.18512",
-    "diloco_local_sync_int8": "4-bit exchange at similar quality: Douillard et al. 2501.18512",
+    **{m: "4-bit exchange at similar quality: Douillard et al. 2501.18512" for m in WIRE},
+    "diloco_local_sync_topk3_int2": "top-k 1–3% + 2 bits, better than DiLoCo: SparseLoCo 2508.15706",
+    "diloco_local_sync_topk1.5_int2": "1.56%, 2 bits: Covenant-72B 2603.08163, SparseLoCo 2508.15706",
+    "diloco_local_sync_topk1_int2": "top-k 1–3% + 2 bits, better than DiLoCo: SparseLoCo 2508.15706",
     "torchft_diloco": "as diloco",
     "torchft_streaming": "similar to DiLoCo at ~100× less bandwidth: Douillard et al. 2501.18512",
 }
@@ -205,6 +219,8 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--max_cells", type=int, default=0, help="stop after this many runs (0: all)")
     p.add_argument("--plan", action="store_true", help="print the cells left and an estimate of their hours")
     p.add_argument("--summary", action="store_true", help="only build the summary from the cells there are")
+    p.add_argument("--cells_only", action="store_true",
+                   help="run the cells only (the summary needs matplotlib)")  # fmt: skip
     p.add_argument("--minutes_per_cell", type=float, default=5.0, help="--plan's estimate before any cell ran")
     return p.parse_args(argv)
 
@@ -271,7 +287,8 @@ def train_flags(cell: Cell, steps: int, eval_points: int, common: Sequence[str])
         return [*flags, "--method", "ddp"]
     method = ["--method", "diloco"] if cell.method in (*DILOCO_STEP, *PEERS) else ["--method", "co2_published"]
     eager = ["--stand_in", STAND_IN[cell.method]] if cell.method in STAND_IN else []
-    eager += ["--comm_dtype", COMM_DTYPE[cell.method]] if cell.method in COMM_DTYPE else []
+    if cell.method in WIRE:
+        eager += ["--comm_dtype", WIRE[cell.method][0], "--topk", str(WIRE[cell.method][1])]
     # the diloco preset blocks; its overlapped variants overlap, a whole round late unless SYNCED (never
     # "auto": a cell's trajectory must not depend on the host's timing)
     if cell.method in DILOCO_STEP and cell.method != "diloco":
@@ -406,11 +423,23 @@ def run_cell(cell: Cell, a, steps: int, cells_dir: Path, log_root: Path) -> dict
               "wall_s": round(time.time() - began, 1), "cpu_s": round(_children_cpu_s() - cpu_before, 1),
               "host": {"cores": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),
                        "python": platform.python_version(), "torch": metadata.version("torch")},
-              "finished": time.strftime("%Y-%m-%d %H:%M:%S"), **bc.curve(records)}  # fmt: skip
+              "finished": time.strftime("%Y-%m-%d %H:%M:%S"), **bc.curve(records), **wire_record(records)}  # fmt: skip
     tmp = cells_dir / f".{cell.name}.tmp"
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(cells_dir / f"{cell.name}.json")
     return result
+
+
+def wire_record(records: Sequence[dict]) -> dict:
+    """The bytes rank 0 sent over the run and its rounds (train_lm's summary record; ddp: none)."""
+    end = next((r for r in records if r.get("summary")), {})
+    if not end.get("rounds"):
+        return {}
+    return {
+        "bytes_sent": end["bytes_sent"],
+        "rounds": end["rounds"],
+        "bytes_per_round": end["bytes_sent"] / end["rounds"],
+    }
 
 
 def _children_cpu_s() -> float:
@@ -748,8 +777,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(plan_text(todo, pending, minutes_per_cell(results, a.minutes_per_cell, os.cpu_count() or 1), skipped))
         return 0
     if not a.summary:
-        bc.require_matplotlib()
+        if not a.cells_only:
+            bc.require_matplotlib()
         run_cells(a, runnable, grid, steps, results, cells_dir)
+    if a.cells_only:
+        return 0
     print(markdown(summary(whole_study(a), results, steps, out_dir)))
     return 0
 

@@ -1,12 +1,13 @@
-"""Independent reference of the compressed exchange (comm_dtype int8/fp8), for `reference.simulate`.
+"""Independent reference of the compressed exchange (comm_dtype int8/fp8/int4/int2, topk < 1), for
+`reference.simulate`.
 
 Plain per-replica, per-block code, written from the specification in docs/design.md §5 and the README,
 not from the library (nothing here imports co2_zero):
 
 - every rank's partition (a list of parameter pieces, in order) is flattened, padded with zeros to a
   multiple of R and cut into R sub-shards; a sub-shard is quantized in blocks of 256 elements, each
-  with scale absmax / qmax (int8: qmax 127, round half to even; fp8 e4m3: qmax 448), dequantized as
-  value * scale;
+  with scale absmax / qmax (int8: qmax 127, int4: 7, int2: 1, round half to even; fp8 e4m3: qmax 448),
+  dequantized as value * scale;
 - averaging: replica r's displacement D_r is measured from its own round start (the shared start
   point, or its stand-in); it sends D_r + e_r quantized and keeps e_r <- (D_r + e_r) - dequantized; the
   owner of a sub-shard adds the replicas' dequantized pieces in replica order and divides by R;
@@ -14,6 +15,11 @@ not from the library (nothing here imports co2_zero):
   and the new start is base + dequantized update, for every replica;
 - `all_reduce`: the owner's average + e_g travels quantized (e_g keeps the rest); the outer step then
   runs on the dequantized average.
+- `all_gather` (topk < 1): replica r sends D_r + e_r sparsified over its whole partition: in every chunk
+  of 4096 elements (the last may be shorter) the k = max(1, round half up(topk * n)) elements largest in
+  magnitude (NaN largest, ties to the lower index), their values quantized as one block of k (or kept
+  fp32 / rounded to bf16); e_r keeps the rest; every replica averages the R arrivals in replica order
+  and runs the outer step on the whole partition; the new start is its result, for every replica.
 """
 
 from __future__ import annotations
@@ -27,24 +33,40 @@ Params = dict[str, Tensor]
 Piece = tuple[str, int, int]  # parameter name, first and last+1 element of its flattened tensor
 
 BLOCK = 256
-QMAX = {"int8": 127.0, "fp8": 448.0}
+CHUNK = 4096
+QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0, "int2": 1.0}
+RAW = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def roundtrip(x: Tensor, fmt: str) -> Tensor:
+def roundtrip(x: Tensor, fmt: str, block: int = BLOCK) -> Tensor:
     """What arrives when the 1-D fp32 vector `x` (one sub-shard) is sent: quantized, dequantized."""
     out = torch.empty_like(x)
-    for lo in range(0, x.numel(), BLOCK):
-        block = x[lo : lo + BLOCK]
-        scale = block.abs().max() / QMAX[fmt]
+    for lo in range(0, x.numel(), block):
+        part = x[lo : lo + block]
+        scale = part.abs().max() / QMAX[fmt]
         if scale == 0:
-            out[lo : lo + BLOCK] = 0.0
+            out[lo : lo + block] = 0.0
             continue
-        scaled = block / scale
-        if fmt == "int8":
-            values = scaled.round().clamp(-127.0, 127.0)
-        else:
+        scaled = part / scale
+        if fmt == "fp8":
             values = scaled.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
-        out[lo : lo + BLOCK] = values * scale
+        else:
+            values = scaled.round().clamp(-QMAX[fmt], QMAX[fmt])
+        out[lo : lo + block] = values * scale
+    return out
+
+
+def sparse_roundtrip(x: Tensor, fmt: str, topk: float) -> Tensor:
+    """What arrives when the 1-D fp32 vector `x` is sent top-k per chunk with `fmt` values."""
+    out = torch.zeros_like(x)
+    for lo in range(0, x.numel(), CHUNK):
+        chunk = x[lo : lo + CHUNK]
+        k = max(1, math.floor(topk * chunk.numel() + 0.5))
+        key = torch.where(chunk.isnan(), torch.tensor(math.inf), chunk.abs())
+        chosen = torch.sort(-key, stable=True).indices[:k].sort().values
+        values = chunk[chosen]
+        sent = values.to(RAW[fmt]).float() if fmt in RAW else roundtrip(values, fmt, block=k)
+        out[lo + chosen] = sent
     return out
 
 
@@ -56,9 +78,12 @@ class CompressedExchange:
     None: one partition holding every parameter whole, in order (S = 1).
     """
 
-    def __init__(self, fmt: str, strategy: str, replicas: int, partitions: list[list[Piece]] | None = None):
-        assert fmt in QMAX and strategy in ("reduce_scatter", "all_reduce")
-        self.fmt, self.strategy, self.replicas = fmt, strategy, replicas
+    def __init__(
+        self, fmt: str, strategy: str, replicas: int, partitions: list[list[Piece]] | None = None, topk: float = 1.0
+    ):
+        assert strategy in ("reduce_scatter", "all_reduce", "all_gather") and (strategy == "all_gather") == (topk < 1)
+        assert fmt in QMAX or (topk < 1 and fmt in RAW)
+        self.fmt, self.strategy, self.replicas, self.topk = fmt, strategy, replicas, topk
         self.partitions = partitions
         self.sent: dict[tuple[int, int], Tensor] = {}  # (replica, shard) -> displacement residual
         self.owned: dict[int, Tensor] = {}  # shard -> residual of what the owners gather (all R of them)
@@ -88,7 +113,10 @@ class CompressedExchange:
     def _send(self, vector: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(what arrives, the new residual) for sending `vector` + `residual`, sub-shard by sub-shard."""
         total = vector + residual
-        arrived = torch.cat([roundtrip(part, self.fmt) for part in total.chunk(self.replicas)])
+        if self.strategy == "all_gather":  # the whole partition, top-k per chunk
+            arrived = sparse_roundtrip(total, self.fmt, self.topk)
+        else:
+            arrived = torch.cat([roundtrip(part, self.fmt) for part in total.chunk(self.replicas)])
         return arrived, total - arrived
 
     # ---- the two hooks of reference.simulate -------------------------------------------------------
@@ -115,7 +143,7 @@ class CompressedExchange:
 
     def publish(self, base: Params, result: Params) -> Params:
         """The next start point every replica ends up with, given the owners' exact `result`."""
-        if self.strategy == "all_reduce":
+        if self.strategy != "reduce_scatter":
             return result
         starts = []
         for s, pieces in enumerate(self._pieces(base)):

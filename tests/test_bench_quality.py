@@ -122,7 +122,13 @@ def test_flags_of_each_method():
     assert late[late.index("--method") + 1] == "diloco"
     int8 = bq.train_flags(bq.Cell("diloco_local_sync_int8", 32, 0.7, 0.9, 5), 640, 2, common)
     at = int8.index("--comm_dtype")
-    assert int8[at + 1] == "int8" and int8[:at] + int8[at + 2 :] == synced  # the defaults' cell, int8 on the wire
+    assert int8[at + 1 : at + 4] == ["int8", "--topk", "1.0"]
+    assert int8[:at] + int8[at + 4 :] == synced  # the defaults' cell, int8 on the wire
+    sparse = bq.train_flags(bq.Cell("diloco_local_sync_topk1.5_int2", 32, 0.7, 0.9, 5), 640, 2, common)
+    at = sparse.index("--comm_dtype")
+    assert (
+        sparse[at : at + 4] == ["--comm_dtype", "int2", "--topk", "0.015"] and sparse[:at] + sparse[at + 4 :] == synced
+    )
     short = bq.train_flags(bq.Cell("diloco_local_sync", 4, 0.7, 0.9, 5), 640, 2, common)
     assert short[short.index("--sync_delay") + 1] == "4"  # at most τ
     ddp = bq.train_flags(bq.Cell("ddp", None, None, None, 5), 640, 2, common)

@@ -259,7 +259,8 @@ def _tuner(rank: int) -> dict:
     tune_tau.measure_exchange_time(
         1000, CO2Config(collective="reduce_scatter", comm_dtype="int8", stand_in="shared"), reps=1
     )
-    return {"slowest": tune_tau._slowest(float(rank))}
+    sparse = tune_tau.measure_exchange_time(1000, CO2Config(topk=0.05, comm_dtype="int2"), reps=1)
+    return {"slowest": tune_tau._slowest(float(rank)), "sparse": (sparse["collective"], sparse["topk"])}
 
 
 def run_all(rank: int, world: int, directory: str) -> dict:
@@ -314,6 +315,7 @@ def test_the_run_went_through_every_collective_of_the_library_and_the_tuner(resu
         "gather_fingerprints",  # start-up agreement
         "common_start",  # every replica from replica 0 (co2_zero.startup)
         "_average",  # the displacement: reduce-scatter and all-reduce
+        "_average_sparse",  # the sparse exchange's all-gather (the tuner's topk run)
         "_pipeline",  # all-gather of the new start point
         "_sum_across_ranks",  # per-tensor norms of the outer step
         "_non_finite",  # the non-finite flags
@@ -327,6 +329,7 @@ def test_the_run_went_through_every_collective_of_the_library_and_the_tuner(resu
         assert expected <= seen, sorted(expected - seen)
         assert "replica(s) [1]" in got["plain"]["nonfinite"], got["plain"]["nonfinite"]
         assert got["deepspeed"]["nothing"] == (None, {})
+        assert got["tuner"]["sparse"] == ("all_gather", 0.05)  # the tuner times the format's own exchange
 
 
 # ---- where the CO2 state lives (no processes: the NCCL case is simulated) --------------------------------

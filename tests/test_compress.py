@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -77,6 +78,13 @@ SCENARIOS_R2 = {
                 "comm_dtype": "fp8"},
         steps=8, model="uneven", optimizer="adam",
     ),
+    "int4-defaults-reducescatter": dict(
+        config={"tau": 3, "collective": "reduce_scatter", "comm_dtype": "int4"}, steps=13, model="uneven",
+    ),
+    "int2-defaults-allreduce": dict(
+        config={"tau": 3, "collective": "all_reduce", "comm_dtype": "int2"}, steps=13, model="uneven",
+        optimizer="adam",
+    ),
     "int8-eager-allreduce": dict(
         config={**HEAVY_BALL, "stand_in": "eager", "tau": 3, "collective": "all_reduce", "comm_dtype": "int8"},
         steps=9, model="uneven",
@@ -112,7 +120,7 @@ SCENARIOS_R4 = {
 }  # fmt: skip
 # the bytes a round sends, on a model large enough that the per-tensor norms do not matter
 WIDE_CONFIG = {**HEAVY_BALL, "tau": 1, "overlap": False, "gap_penalty": ADAPTIVE}
-COMM_DTYPES = ("fp32", "bf16", "int8", "fp8")
+COMM_DTYPES = ("fp32", "bf16", "int8", "fp8", "int4", "int2")
 STRATEGIES = ("reduce_scatter", "all_reduce")
 RESUME = dict(
     config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter", "comm_dtype": "int8"},
@@ -129,7 +137,7 @@ NAN_ROUND = dict(
 
 
 def _quantized_roundtrip(rows: torch.Tensor, fmt: str) -> torch.Tensor:
-    layout = RecordLayout.for_length(rows.shape[-1])
+    layout = RecordLayout.for_length(rows.shape[-1], bits=FORMATS[fmt].bits)
     records = torch.empty(rows.shape[0], layout.nbytes, dtype=torch.uint8)
     quantize_into(rows, FORMATS[fmt], records, scratch=torch.empty_like(rows))
     return dequantize_into(records, FORMATS[fmt], out=torch.empty_like(rows))
@@ -148,7 +156,7 @@ def test_quantizer_matches_reference_bit_for_bit(fmt, length):
     for lo in range(0, length, BLOCK):  # half a step: int8 of the block's scale, fp8 of the value
         block, back = rows[:, lo : lo + BLOCK], got[:, lo : lo + BLOCK]
         scale = block.abs().amax(-1, keepdim=True) / FORMATS[fmt].qmax
-        bound = 0.5 * scale if fmt == "int8" else 2**-4 * block.abs() + 2**-10 * scale  # e4m3: subnormals
+        bound = 0.5 * scale if fmt != "fp8" else 2**-4 * block.abs() + 2**-10 * scale  # e4m3: subnormals
         assert bool(((back - block).abs() <= bound * (1 + 1e-5)).all())
 
 
@@ -161,7 +169,8 @@ def test_quantizer_on_cuda_matches_cpu_bit_for_bit(fmt):
     records = {}
     for device in ("cpu", "cuda"):
         x, residual = rows.to(device), torch.full_like(rows, 0.01, device=device)
-        out = torch.empty(3, RecordLayout.for_length(rows.shape[-1]).nbytes, dtype=torch.uint8, device=device)
+        nbytes = RecordLayout.for_length(rows.shape[-1], bits=FORMATS[fmt].bits).nbytes
+        out = torch.empty(3, nbytes, dtype=torch.uint8, device=device)
         quantize_with_feedback_(x, residual, FORMATS[fmt], out)
         records[device] = (out.cpu(), residual.cpu())
     assert torch.equal(records["cpu"][0], records["cuda"][0]) and torch.equal(records["cpu"][1], records["cuda"][1])
@@ -181,16 +190,21 @@ def test_record_bytes():
         layout = RecordLayout.for_length(length)
         assert layout.blocks == math.ceil(length / BLOCK)
         assert layout.nbytes % 4 == 0 and 0 <= layout.nbytes - (4 * layout.blocks + length) < 4
-    assert RecordLayout.for_length(10_000).nbytes / (4 * 10_000) < 0.26
+        for bits in (4, 2):  # packed: bits/8 bytes per value
+            packed = RecordLayout.for_length(length, bits=bits)
+            assert 0 <= packed.nbytes - (4 * packed.blocks + math.ceil(length * bits / 8)) < 4
+    for bits, ratio in ((8, 0.2540), (4, 0.1290), (2, 0.0665)):  # (256·bits/8 + 4) / 1024
+        assert RecordLayout.for_length(10_000 * BLOCK, bits=bits).nbytes / (4 * 10_000 * BLOCK) < ratio
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_error_feedback_loses_nothing_over_time(fmt):
     """Sending the same vector K times: with feedback the sum of what arrived stays within one
     quantization step of K times the vector; without, the rounding error of every round adds up."""
-    vector = torch.full((1, BLOCK), 1e-3)
-    vector[0, 0] = 1.0  # small elements next to a large one: int8 rounds them to 0, fp8 loses bits
-    layout, fmt_ = RecordLayout.for_length(BLOCK), FORMATS[fmt]
+    small = 1e-3 if fmt in ("int8", "fp8") else 0.14 / FORMATS[fmt].qmax  # below half a step
+    vector = torch.full((1, BLOCK), small)
+    vector[0, 0] = 1.0  # small elements next to a large one: int formats round them to 0, fp8 loses bits
+    layout, fmt_ = RecordLayout.for_length(BLOCK, bits=FORMATS[fmt].bits), FORMATS[fmt]
     residual, records = torch.zeros_like(vector), torch.empty(1, layout.nbytes, dtype=torch.uint8)
     arrived_with = torch.zeros_like(vector)
     rounds = 200
@@ -198,7 +212,7 @@ def test_error_feedback_loses_nothing_over_time(fmt):
         quantize_with_feedback_(vector.clone(), residual, fmt_, records)
         arrived_with += dequantize_into(records, fmt_, out=torch.empty_like(vector))
     arrived_without = rounds * _quantized_roundtrip(vector, fmt)
-    step = 1.0 / 127 if fmt == "int8" else 2**-4 * 1e-3
+    step = 1.0 / FORMATS[fmt].qmax if fmt != "fp8" else 2**-4 * small
     error_with = float((arrived_with - rounds * vector).abs().max())
     error_without = float((arrived_without - rounds * vector).abs().max())
     assert error_with <= 2 * step
@@ -442,7 +456,7 @@ def test_bytes_sent_per_round_match_the_wire_formulas(results_r2, results_r4):
         replicas = len(results)
         model = _wide_model()
         padded = math.ceil(sum(p.numel() for p in model.parameters()) / replicas) * replicas
-        record = RecordLayout.for_length(padded // replicas).nbytes
+        record = {f: RecordLayout.for_length(padded // replicas, bits=FORMATS[f].bits).nbytes for f in FORMATS}
         share = (replicas - 1) / replicas
         expected = {
             ("fp32", "reduce_scatter"): share * 4 * padded + share * 4 * padded,  # reduce-scatter + all-gather
@@ -450,9 +464,9 @@ def test_bytes_sent_per_round_match_the_wire_formulas(results_r2, results_r4):
             ("bf16", "reduce_scatter"): share * 2 * padded + share * 4 * padded,  # the start point: fp32
             ("bf16", "all_reduce"): 2 * share * 2 * padded,
         }
-        for quantized in ("int8", "fp8"):
+        for quantized in ("int8", "fp8", "int4", "int2"):
             for strategy in STRATEGIES:  # all-to-all of R records, all-gather of R records
-                expected[(quantized, strategy)] = 2 * share * replicas * record
+                expected[(quantized, strategy)] = 2 * share * replicas * record[quantized]
         for per_rank in results:
             for key, wire in expected.items():
                 sent = per_rank["bytes"][key]["sent"]
@@ -473,7 +487,7 @@ def test_state_bytes_match_memory_formula(results_r2, results_r4):
         for per_rank in results:
             for (comm_dtype, strategy), got in per_rank["bytes"].items():
                 words = 2 * padded + 2 * padded // replicas if strategy == "reduce_scatter" else 3 * padded
-                if comm_dtype in ("int8", "fp8"):
+                if comm_dtype in FORMATS:
                     words += padded + padded // replicas
                 assert got["state"] == 4 * words + 8 * tensors + got["index_bytes"], (comm_dtype, strategy)
 
@@ -496,12 +510,12 @@ SHARDED = {
 }  # fmt: skip
 
 
-def train_sharded(rank: int, world: int, shards: int) -> dict:
+def train_sharded(rank: int, world: int, shards: int, scenarios: Optional[dict] = None) -> dict:
     from co2_zero.fairscale import CO2OSS, ShardedDataParallel
 
     replica, shard = divmod(rank, shards)
     results = {}
-    for name, sc in SHARDED.items():
+    for name, sc in (scenarios or SHARDED).items():
         model = models.make_model(sc["model"])
         probe = models.make_optimizer(sc.get("optimizer", "sgd"), [torch.zeros(1, requires_grad=True)])
         opt = CO2OSS(model.parameters(), optim=type(probe), co2={**sc["config"], "shards_per_replica": shards},
@@ -529,7 +543,13 @@ def results_sharded():
 @pytest.mark.parametrize("name", list(SHARDED))
 def test_fairscale_two_shards_match_reference(results_sharded, name):
     """The partitions are OSS's buckets: the reference quantizes each shard's partition as laid out there."""
-    sc, shards = SHARDED[name], 2
+    check_sharded(results_sharded, name, SHARDED[name], _reference)
+
+
+def check_sharded(results_sharded: list, name: str, sc: dict, reference) -> None:
+    """Every rank's round starts against `reference(sc, replicas, partitions, shards)`'s, the partitions
+    those of replica 0's ranks; the shards of a replica (every rank, at the shared start) agree."""
+    shards = 2
     names = [n for n, _ in models.make_model(sc["model"]).named_parameters()]
     partitions = [  # rank `shard` is (replica 0, shard); every replica lays its partition out alike
         [
@@ -539,7 +559,7 @@ def test_fairscale_two_shards_match_reference(results_sharded, name):
         for per_rank in results_sharded[:shards]
     ]
     assert all(partitions) and sum(len(p) for p in partitions) == len(names)
-    starts, _ = _reference(sc, len(results_sharded) // shards, partitions, shards)
+    starts, _ = reference(sc, len(results_sharded) // shards, partitions, shards)
     for rank, per_rank in enumerate(results_sharded):
         got, replica = per_rank[name]["starts"], rank // shards
         assert len(got) == len(starts) == 1 + sc["steps"] // sc["config"]["tau"]

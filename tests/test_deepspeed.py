@@ -444,9 +444,10 @@ def _reference_co2(sc: dict) -> dict:
     return sc.get("reference_co2", sc["config"]["co2"])
 
 
-def reference(sc: dict, shards: int, replicas: int = 2):
+def reference(sc: dict, shards: int, replicas: int = 2, exchange=None):
     """Of R replicas of `shards` ranks: the start point of every round, the parameters of every
-    replica after every inner step, and the final parameters."""
+    replica after every inner step, and the final parameters (`exchange`: the compressed one's
+    reference, tests/reference_compress.py)."""
     config = sc["config"]
     micro = shards * config.get("gradient_accumulation_steps", 1)
     starts: list = []
@@ -463,6 +464,7 @@ def reference(sc: dict, shards: int, replicas: int = 2):
         shard_batch=lambda r, j, k: models.shard_batch(r, j, k, micro),
         record=starts,
         step_record=steps,
+        exchange=exchange,
     )
     return starts, steps, finals
 

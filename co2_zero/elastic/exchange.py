@@ -166,9 +166,10 @@ def check_supported(config: CO2Config, topology: Topology) -> None:
     if strategy != "all_reduce" or config.comm_dtype not in ("fp32", "bf16"):
         raise CO2Error(
             f"co2 elastic: collective={config.collective!r} (resolved to {strategy!r}) with comm_dtype="
-            f"{config.comm_dtype!r} is not supported; elastic mode needs collective='all_reduce' (every replica "
-            f"keeps the whole partition's outer state, so a lost replica takes nothing with it) and comm_dtype "
-            f"'fp32' or 'bf16'"
+            f"{config.comm_dtype!r} and topk={config.topk!r} is not supported; elastic mode needs "
+            f"collective='all_reduce' (every replica keeps the whole partition's outer state, so a lost replica "
+            f"takes nothing with it), comm_dtype 'fp32' or 'bf16' and topk 1.0 (a compressed exchange's "
+            f"error-feedback residuals are a replica's own, and a joiner or a healed replica has none to adopt)"
         )
     if not config.overlap:
         raise CO2Error("co2 elastic: overlap=False is not supported; elastic mode runs CO2's overlapped rounds")

@@ -1,0 +1,239 @@
+"""Bytes on the wire and the codec's cost, per wire format (docs/design.md §5, docs/configuration.md).
+
+1. Bytes per round, measured from the wire: R gloo ranks (plain CO2Optimizer, one replica each) train
+   a model of --params parameters with every format (dense fp32, bf16, int8, fp8, int4, int2, and top-k
+   in int2/int4/fp32) for two blocking rounds; `last_round["bytes_sent"]` of rank 0's last round, its
+   ratio to fp32's, and `co2_state_bytes()`, next to the closed forms of design §5.
+2. The codec's cost on one CPU core (torch.set_num_threads(1)): encode (with error feedback) and
+   decode of an fp32 vector of --codec_elements elements, --repeats times; MB/s of fp32 input.
+
+Writes <out_dir>/wire.json and wire.md.
+
+    OMP_NUM_THREADS=1 python -m scripts.bench_wire --replicas 2 4 --params 1000000 --codec_elements 100000000
+
+3. With --quality DIR (a bench_quality.py --out_dir): the compressed defaults against the fp32 defaults
+   there, seed for seed: final validation loss, its gap to fp32 (mean [min, max] over the seeds both ran)
+   and the bytes per round as a ratio of fp32's, from the bytes rank 0 sent over each run. Writes
+   DIR/wire_quality.json and .md; nothing else runs.
+
+    python -m scripts.bench_wire --quality benchmarks/quality_wire
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from co2_zero import CO2Optimizer  # noqa: E402
+from co2_zero.compress import FORMATS, RecordLayout, dequantize_into, quantize_with_feedback_  # noqa: E402
+from co2_zero.sparse import SparseLayout, add_decoded_, encode_with_feedback_  # noqa: E402
+from tests.dist_utils import run_ranks  # noqa: E402
+
+# label -> the co2 config's wire fields
+WIRES = {
+    "fp32": {"comm_dtype": "fp32"},
+    "bf16": {"comm_dtype": "bf16"},
+    "int8": {"comm_dtype": "int8"},
+    "int4": {"comm_dtype": "int4"},
+    "int2": {"comm_dtype": "int2"},
+    "top3%-int2": {"comm_dtype": "int2", "topk": 0.03},
+    "top1.5%-int2": {"comm_dtype": "int2", "topk": 0.015},
+    "top1%-int2": {"comm_dtype": "int2", "topk": 0.01},
+    "top1.5%-int4": {"comm_dtype": "int4", "topk": 0.015},
+    "top1.5%-fp32": {"comm_dtype": "fp32", "topk": 0.015},
+}
+BLOCKING = {"tau": 1, "overlap": False, "outer_lr": 0.7, "outer_momentum": 0.9, "collective": "auto"}
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--params", type=int, default=1_000_000, help="parameters of the model (one square Linear)")
+    p.add_argument("--codec_elements", type=int, default=25_000_000, help="elements of the codec's vector")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "wire"))
+    p.add_argument("--quality", default=None, help="only summarise a bench_quality.py study of the wire formats")
+    return p.parse_args(argv)
+
+
+def _model(params: int) -> nn.Module:
+    torch.manual_seed(0)
+    side = int(math.sqrt(params))
+    return nn.Linear(side, side, bias=False)
+
+
+def wire_rank(rank: int, world: int, params: int) -> dict:
+    """Rank `rank`'s bytes sent in its second round and its CO2 state, per wire format."""
+    out = {}
+    for label, wire in WIRES.items():
+        model = _model(params)
+        opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.01), {**BLOCKING, **wire}, model=model)
+        x = torch.randn(4, model.in_features, generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        out[label] = {
+            "bytes_sent": opt.last_round["bytes_sent"],
+            "state_bytes": opt.co2_state_bytes(),
+            "strategy": opt.engine.exchange.strategy,
+            "padded": opt.engine.layout.padded,
+        }
+        opt.finalize()
+    return out
+
+
+def closed_form(label: str, padded: int, replicas: int) -> int:
+    """design §5's bytes per round per rank, without the norms' all-reduce (2 float64 per tensor)."""
+    wire = WIRES[label]
+    share = (replicas - 1) / replicas
+    if wire.get("topk", 1.0) < 1.0:
+        return (replicas - 1) * SparseLayout.for_length(padded, wire["topk"], wire["comm_dtype"]).nbytes
+    dtype = wire["comm_dtype"]
+    if dtype in FORMATS:  # all-to-all + all-gather of R records of a sub-shard
+        record = RecordLayout.for_length(padded // replicas, bits=FORMATS[dtype].bits).nbytes
+        return int(2 * share * replicas * record)
+    return int(2 * share * padded * (4 if dtype == "fp32" else 2))  # gloo: ring all-reduce
+
+
+def measure_wire(a: argparse.Namespace) -> list[dict]:
+    rows = []
+    for replicas in a.replicas:
+        per_rank = run_ranks(wire_rank, replicas, a.params, timeout=1200.0)
+        got = per_rank[0]
+        fp32 = got["fp32"]["bytes_sent"]
+        norms = 2 * (replicas - 1) * (2 * 1 * 8) // replicas  # one tensor
+        for label, r in got.items():
+            rows.append({"replicas": replicas, "wire": label, **r, "ratio_to_fp32": fp32 / r["bytes_sent"],
+                         "closed_form": closed_form(label, r["padded"], replicas) + norms,
+                         "bits_per_parameter": 8 * r["bytes_sent"] / r["padded"]})  # fmt: skip
+    return rows
+
+
+def _timed(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return times
+
+
+def _codec(label: str, vector: torch.Tensor, residual: torch.Tensor, out: torch.Tensor):
+    """(encode, decode) of `label` on the whole vector, as the exchange runs them on a partition."""
+    wire = WIRES[label]
+    if "topk" in wire:
+        layout = SparseLayout.for_length(vector.numel(), wire["topk"], wire["comm_dtype"])
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        return (lambda: encode_with_feedback_(vector.clone(), residual, layout, payload),
+                lambda: add_decoded_(payload, layout, out.zero_()))  # fmt: skip
+    fmt = FORMATS[wire["comm_dtype"]]
+    records = torch.empty(1, RecordLayout.for_length(vector.numel(), bits=fmt.bits).nbytes, dtype=torch.uint8)
+    rows, residual_rows, out_rows = vector.view(1, -1), residual.view(1, -1), out.view(1, -1)
+    return (lambda: quantize_with_feedback_(rows.clone(), residual_rows, fmt, records),
+            lambda: dequantize_into(records, fmt, out=out_rows))  # fmt: skip
+
+
+def codec_cost(elements: int, repeats: int) -> list[dict]:
+    """encode+feedback and decode MB/s (of fp32 input) on one core, per format."""
+    torch.set_num_threads(1)
+    vector = torch.randn(elements, generator=torch.Generator().manual_seed(0))
+    residual, out = torch.zeros(elements), torch.zeros(elements)
+    copy = statistics.median(_timed(vector.clone, repeats))  # the input's clone is not the codec's
+    rows, mb = [], 4 * elements / 1e6
+    for label in ("int8", "int4", "int2", "top1.5%-int2", "top3%-int2"):
+        encode, decode = _codec(label, vector, residual, out)
+        enc = [max(t - copy, 1e-9) for t in _timed(encode, repeats)]
+        dec = _timed(decode, repeats)
+        rows.append({"wire": label, "elements": elements,
+                     "encode_MBps": [mb / t for t in enc], "decode_MBps": [mb / t for t in dec]})  # fmt: skip
+    return rows
+
+
+def _span(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.0f} [{min(values):.0f}–{max(values):.0f}]"
+
+
+def markdown(result: dict) -> str:
+    lines = ["| R | wire | bytes/round (rank 0) | closed form | × fewer than fp32 | bits/param | state bytes |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in result["wire"]:
+        lines.append(f"| {r['replicas']} | {r['wire']} | {r['bytes_sent']:,} | {r['closed_form']:,} | "
+                     f"{r['ratio_to_fp32']:.1f} | {r['bits_per_parameter']:.3f} | {r['state_bytes']:,} |")  # fmt: skip
+    lines += ["", f"Codec on one core, {result['codec'][0]['elements']:,} fp32 elements, MB/s of fp32 input, "
+              f"median [min–max] of {result['repeats']}:", "", "| wire | encode + feedback | decode |",
+              "|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['wire']} | {_span(r['encode_MBps'])} | {_span(r['decode_MBps'])} |" for r in result["codec"]]
+    return "\n".join(lines)
+
+
+def quality_rows(cells: Sequence[dict]) -> list[dict]:
+    """Per (method, τ, outer lr, momentum): the seeds, losses, gaps to fp32 at the same τ and seed, bytes ratio."""
+    fp32 = {(c["tau"], c["seed"]): c for c in cells if c["method"] == "diloco_local_sync"}
+    groups: dict = {}
+    for c in cells:
+        groups.setdefault((c["method"], c["tau"], c["outer_lr"], c["momentum"]), []).append(c)
+    rows = []
+    for (method, tau, lr, momentum), runs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        pairs = [(c, fp32[(tau, c["seed"])]) for c in runs if (tau, c["seed"]) in fp32]
+        gaps = [c["final_val_loss"] / f["final_val_loss"] - 1 for c, f in pairs]
+        ratios = [f["bytes_per_round"] / c["bytes_per_round"] for c, f in pairs]
+        rows.append({"method": method, "tau": tau, "outer_lr": lr, "momentum": momentum,
+                     "seeds": sorted(c["seed"] for c in runs), "val_loss": [c["final_val_loss"] for c in runs],
+                     "gap_to_fp32": gaps, "bytes_ratio_to_fp32": ratios})  # fmt: skip
+    return rows
+
+
+def quality_markdown(rows: Sequence[dict]) -> str:
+    lines = ["| method | τ | outer lr, β | seeds | final val loss (mean) | gap to fp32 (per seed) | × fewer bytes |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        gap = (f"{statistics.mean(r['gap_to_fp32']):+.1%} [{min(r['gap_to_fp32']):+.1%}, {max(r['gap_to_fp32']):+.1%}]"
+               if r["gap_to_fp32"] else "–")  # fmt: skip
+        ratio = f"{statistics.mean(r['bytes_ratio_to_fp32']):.1f}" if r["bytes_ratio_to_fp32"] else "–"
+        lines.append(f"| {r['method']} | {r['tau']} | {r['outer_lr']:g}, {r['momentum']:g} | {len(r['seeds'])} | "
+                     f"{statistics.mean(r['val_loss']):.4f} | {gap} | {ratio} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def summarise_quality(directory: Path) -> int:
+    cells = [json.loads(p.read_text()) for p in sorted((directory / "cells").glob("*.json"))]
+    rows = quality_rows(cells)
+    (directory / "wire_quality.json").write_text(json.dumps({"rows": rows}, indent=1))
+    text = quality_markdown(rows)
+    (directory / "wire_quality.md").write_text(f"`python -m scripts.bench_wire --quality {directory}`\n\n{text}\n")
+    print(text)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = get_args(argv)
+    if a.quality:
+        return summarise_quality(Path(a.quality))
+    result = {"command": " ".join(["python -m scripts.bench_wire", *(argv or sys.argv[1:])]), "params": a.params,
+              "repeats": a.repeats, "host": {"cores": os.cpu_count(), "load": os.getloadavg()},
+              "wire": measure_wire(a), "codec": codec_cost(a.codec_elements, a.repeats)}  # fmt: skip
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "wire.json").write_text(json.dumps(result, indent=1))
+    text = markdown(result)
+    (out / "wire.md").write_text(f"`{result['command']}`\n\n{text}\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
