@@ -278,8 +278,13 @@ class OuterExchange:
             _reduce_scatter(out, wire, group=group)
             return g_buffer.copy_(out) if narrow else g_buffer.div_(replicas)
         self._count("all_reduce", wire, replicas)
-        dist.all_reduce(wire, group=group)
+        self._all_reduce(wire, group)
         return work.copy_(wire) if narrow else work.div_(replicas)
+
+    def _all_reduce(self, wire: torch.Tensor, group: Any) -> None:
+        """Sum `wire` over `group` in place: the average's collective (the elastic exchange watches
+        its quorum's members while it waits)."""
+        dist.all_reduce(wire, group=group)
 
     def agree_final(self, round_index: int) -> None:
         """finalize()'s last word with the peers, after the last exchange arrived: nothing with a fixed

@@ -17,6 +17,7 @@ from ..comm import Layout, OuterExchange, PipelineJob, RoundResult, choose_colle
 from ..config import CO2Config
 from ..errors import CO2Error
 from ..topology import Topology
+from .lighthouse import AbandonedCollective, wait_watched
 
 if TYPE_CHECKING:  # pragma: no cover
     from .membership import Membership
@@ -29,6 +30,7 @@ class Peers(NamedTuple):
     replicas: tuple[int, ...]  # the replica ids of the quorum, in the group's rank order
     rank: int  # this replica's rank in the quorum
     contributes: bool  # False: joined at this round end; its displacement is not in the average
+    members: tuple[str, ...] = ()  # torchft's replica group ids of the quorum ("<replica_id>:<uuid>")
 
 
 class _CutExchange(Exception):
@@ -55,6 +57,7 @@ class ElasticExchange(OuterExchange):
         self.round_index = -1
         self.contributors: tuple[int, ...] = ()
         self.cut = False  # the last exchange was cut on this replica (set by the worker)
+        self._abandoned: list[tuple[Any, Any]] = []  # (group, collective) given up on, until it ends
 
     def launch(self, job: PipelineJob):
         membership = self.membership
@@ -104,8 +107,25 @@ class ElasticExchange(OuterExchange):
         """One small all-reduce over the quorum: which replicas' displacements are in the average."""
         flags = torch.zeros(len(peers.replicas), dtype=torch.float32)
         flags[peers.rank] = 1.0 if peers.contributes else 0.0
-        dist.all_reduce(flags, group=peers.group)
+        self._all_reduce(flags, peers.group)
         return tuple(r for r, flag in zip(peers.replicas, flags.tolist()) if flag > 0)
+
+    def _all_reduce(self, wire: torch.Tensor, group: Any) -> None:
+        """The quorum's all-reduce, waited for while the Lighthouse still holds every member's heartbeat
+        (a frozen or lost peer ends the wait after the heartbeat timeout, not timeout_s). It sums a copy:
+        a collective given up on may still complete later, and must not write into the round's buffers."""
+        self._abandoned = [(pg, work) for pg, work in self._abandoned if not work.is_completed()]
+        scratch = wire.clone()
+        work = dist.all_reduce(scratch, group=group, async_op=True)
+        try:
+            wait_watched(work, self.peers.members, self.membership.lighthouse, self.config.timeout_s)
+        except AbandonedCollective:
+            # gloo cannot cancel it, and the group's destructor (or abort) waits for it: keep the group
+            # until it ends (gloo's own timeout), out of torchft's wrapper, whose next quorum builds anew
+            self._abandoned.append((group._pg, work))
+            group._pg = None
+            raise
+        wire.copy_(scratch)
 
     def agree_final(self, round_index: int) -> None:
         """finalize(): the last quorum, met as a round end at which this replica contributes nothing. A

@@ -22,6 +22,7 @@ from ..errors import CO2Error, missing_extra
 from ..partition import local_values
 from ..topology import Topology, collective_device
 from .exchange import ElasticExchange, Peers, check_supported, drop_group
+from .lighthouse import QuorumIds, check_unique
 from .quiet import quiet_torchft
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -105,6 +106,7 @@ class Membership:
         self._received: Optional[int] = None  # inner_steps of the state a peer sent this replica
         self._served: Optional[ServedState] = None  # what a healing peer gets from this replica now
         self._background_round: Optional[int] = None  # the round whose quorum runs on the exchange's worker
+        self._round_in_place: Optional[int] = None  # the round whose quorum runs on the main thread, mid-job
 
     # ---- the engine's seam ---------------------------------------------------------------------------
 
@@ -131,6 +133,14 @@ class Membership:
                 f"buffers, or train without a membership"
             )
         self.engine = engine
+        try:
+            return self._join(engine)
+        except CO2Error:
+            self.close()  # the others go on without this replica after the heartbeat timeout
+            raise
+
+    def _join(self, engine: RoundEngine) -> bool:
+        """attach's quorums, until this replica joined a running job or `start_replicas` started one."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             peers = self._quorum(round_index=0, joining=True)
@@ -182,13 +192,21 @@ class Membership:
                 f"co2 elastic: replica {self.replica_id} could not start its torchft Manager within timeout_s="
                 f"{self.timeout_s:g} (Lighthouse {self.lighthouse}, store {store}): {type(error).__name__}: {error}"
             ) from error
+        manager._client = QuorumIds(manager._client)  # the quorum's replica group ids, kept for each round
         return quiet_torchft(manager)  # torchft's noise on CPU (quiet.py)
 
     def open_round(self, round_index: int) -> Peers:
         """The quorum for round `round_index`'s exchange, on the main thread at the round end. A replica
         that is behind (its last exchange was cut while its peers committed theirs) heals here."""
         self._check_replica_whole(round_index)
-        return self._quorum(round_index, joining=False)
+        self._round_in_place = round_index
+        try:
+            return self._quorum(round_index, joining=False)
+        except CO2Error:  # the peers of this quorum must not wait for this replica in its average
+            drop_group(self.manager._pg)
+            raise
+        finally:
+            self._round_in_place = None
 
     def prepare_background_round(self, round_index: int) -> None:
         """At the round end, on the main thread: the checks and the state to serve for a quorum that
@@ -271,10 +289,16 @@ class Membership:
         if joining and self.manager.errored():
             raise CO2Error(f"co2 elastic: replica {self.replica_id} could not join the job: {self.manager.errored()}")
         group = self.manager._pg
+        members = self.manager._client.last
+        try:
+            check_unique(members, round_index, self.replica_id)
+        except CO2Error:
+            drop_group(group)
+            raise
         shards = self.engine.topology.world_size
         replicas = tuple(rank // shards for rank in (group._global_ranks or [self.replica_id * shards]))
         self.quorum = replicas
-        return Peers(group, replicas, replicas.index(self.replica_id), contributes=True)
+        return Peers(group, replicas, replicas.index(self.replica_id), contributes=True, members=members)
 
     def _vote(self, error: Optional[BaseException]) -> bool:
         """torchft's commit vote over this replica's ranks: True iff none of them failed."""
@@ -344,6 +368,7 @@ class Membership:
                 f"already computing from its own start point; it leaves the job: restart it to rejoin from a "
                 f"live peer"
             )
+        self._check_in_step(state)
         mine = _portable(engine.identity())
         for key, value in mine.items():
             if state["identity"].get(key) != value:
@@ -364,6 +389,24 @@ class Membership:
         engine.rounds, engine.inner_steps = state["rounds"], state["inner_steps"]
         engine.skipped_rounds = state["skipped_rounds"]
         self._received = state["inner_steps"]
+
+    def _check_in_step(self, state: dict[str, Any]) -> None:
+        """A heal at a round end on the main thread (its last exchange was cut) takes the peer's start
+        point and outer state only when the peer is at the same round end: a peer whose counters are
+        ahead committed rounds this replica never trained (it was frozen or stalled longer than
+        timeout_s), and taking them would move the job's step, LR schedule and data position under its
+        training loop."""
+        engine, round_index = self.engine, self._round_in_place
+        if round_index is None or (state["rounds"], state["inner_steps"]) == (engine.rounds, engine.inner_steps):
+            return
+        raise CO2Error(
+            f"co2 elastic: round {round_index}: replica {self.replica_id} is behind its peers: they are at inner "
+            f"step {state['inner_steps']} (round {state['rounds']}), it is at inner step {engine.inner_steps} "
+            f"(round {engine.rounds}); they committed rounds it did not take part in (its exchange was cut, e.g. "
+            f"it was frozen or stalled longer than timeout_s={self.timeout_s:g}). Taking their state would move "
+            f"its step, learning-rate schedule and data position under its training loop, so it leaves the job: "
+            f"restart it to rejoin from a live peer at the job's step"
+        )
 
     def close(self) -> None:
         """Leave the job: stop the Manager (its heartbeats end; the others go on without us)."""

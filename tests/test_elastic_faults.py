@@ -1,0 +1,85 @@
+"""Elastic faults that would end with replicas holding different models (issue 37): two live launches of
+one replica_id, a replica frozen (SIGSTOP) in its exchange longer than timeout_s.
+
+Real processes, as tests/test_elastic.py runs them (its Job: a torchft Lighthouse and one process per
+replica group); the faults are hooks each replica installs once imported (plan["hooks"]).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.test_elastic import HEARTBEAT_TIMEOUT_MS, TAU, job_factory  # noqa: F401  (the fixture)
+
+pytest.importorskip("torchft", reason="the elastic extra (torchft) is not installed")
+
+HERE = "tests.test_elastic_faults"
+
+
+def freeze_in_exchange(round_index: int, seconds: float, resumed: str) -> None:
+    """Hook: SIGSTOP this whole process (its heartbeats too) inside its exchange of round `round_index`,
+    after the small all-reduce of who contributes (its peers are then inside the average, waiting for
+    its data); a helper process sends SIGCONT `seconds` later; `resumed` is created once it runs again."""
+    from co2_zero import elastic
+
+    original = elastic.ElasticExchange._who_contributes
+
+    def frozen(self, peers):
+        contributors = original(self, peers)
+        if self.round_index == round_index:
+            subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+            Path(resumed).touch()
+        return contributors
+
+    elastic.ElasticExchange._who_contributes = frozen
+
+
+def test_two_launches_of_one_replica_id_are_refused_on_both(job_factory):  # noqa: F811
+    """Replica 0, then two launches with replica_id 1. The first quorum that holds both (at the start, or
+    when the second joins) is refused on both, naming the id: never a quorum [0, 1, 1] whose average
+    sums three displacements and divides by two. Replica 0 goes on alone to the end."""
+    job = job_factory(8 * TAU)
+    lone = job.start(0, start_replicas=1, replicas=3, step_sleep_s=0.25)
+    twins = [*job.start(1, start_replicas=2, replicas=3), *job.start(1, tag="b", start_replicas=2, replicas=3)]
+    job.wait([*lone, *twins], timeout=300)
+    for tag in ("", "b"):
+        error = job.result(1, tag=tag).get("error", "")
+        assert "replica_id 1 is used by 2 live launches" in error, (tag, error)
+    survivor = job.result(0)
+    assert "error" not in survivor, survivor["error"]
+    quorums = [replicas for _, replicas, _, _ in survivor["history"]]
+    assert all(len(set(q)) == len(q) for q in quorums), quorums  # no quorum ever averaged a duplicate
+    assert quorums[-1] == (0,), quorums
+
+
+def test_a_replica_frozen_in_its_exchange_longer_than_timeout_s_leaves_and_the_others_go_on(job_factory, tmp_path):  # noqa: F811
+    """Replica 1 is frozen (SIGSTOP) inside its exchange of round 2 for longer than timeout_s. Replica 0
+    stops waiting for its data once the Lighthouse drops it (the heartbeat timeout, 3 s here), not after
+    timeout_s, cuts that round and trains on alone. When replica 1 runs again its peer is rounds ahead:
+    it must not take the peer's counters under its training loop (step, LR, data), so it leaves with a
+    CO2Error that says it is behind its peers, instead of training on and ending with another model."""
+    timeout_s, frozen_round, resumed = 15.0, 2, tmp_path / "resumed"
+    job = job_factory(12 * TAU)  # past round 5, replica 0 steps slowly until a quorum holds both: it still
+    plan = {"start_replicas": 2, "replicas": 2, "timeout_s": timeout_s}  # trains when replica 1 runs again
+    survivor = job.start(0, gate=(5, str(resumed)), **plan)
+    hook = (HERE, "freeze_in_exchange", (frozen_round, timeout_s + 4, str(resumed)))
+    frozen = job.start(1, hooks=[hook], **plan)
+    job.wait([*survivor, *frozen], timeout=300)
+    frozen_result = job.result(1)
+    error = frozen_result.get("error", "")
+    assert "replica 1 is behind its peers" in error and "restart it to rejoin" in error, frozen_result.get("history")
+    result = job.result(0)
+    assert "error" not in result, result["error"]
+    history = result["history"]
+    assert [committed for t, _, _, committed in history if t == frozen_round] == [False], history
+    after = [(contributors, committed) for t, _, contributors, committed in history if t > frozen_round]
+    assert all(contributors == (0,) for contributors, committed in after if committed), history
+    stall = max(result["stalls"])
+    limit = HEARTBEAT_TIMEOUT_MS / 1000 + 5.0  # the heartbeat timeout, a poll, a quorum on a loaded host
+    assert stall < min(limit, timeout_s - 4), f"replica 0 stalled {stall:.1f} s waiting for the frozen replica"
