@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.test_elastic import HEARTBEAT_TIMEOUT_MS, TAU, job_factory  # noqa: F401  (the fixture)
 
@@ -83,3 +84,37 @@ def test_a_replica_frozen_in_its_exchange_longer_than_timeout_s_leaves_and_the_o
     stall = max(result["stalls"])
     limit = HEARTBEAT_TIMEOUT_MS / 1000 + 5.0  # the heartbeat timeout, a poll, a quorum on a loaded host
     assert stall < min(limit, timeout_s - 4), f"replica 0 stalled {stall:.1f} s waiting for the frozen replica"
+
+
+def late_final_quorum(seconds: float) -> None:
+    """Hook: this replica asks for finalize()'s last quorum `seconds` late (heartbeating all along)."""
+    import time
+
+    from co2_zero import elastic
+
+    original = elastic.Membership.final_quorum
+
+    def late(self, round_index):
+        time.sleep(seconds)
+        return original(self, round_index)
+
+    elastic.Membership.final_quorum = late
+
+
+def test_a_replica_that_cannot_heal_its_last_round_at_the_end_fails_naming_the_others(job_factory):  # noqa: F811
+    """Three replicas; replica 1's copy of the last round's average is lost (an error only it sees) while
+    the others commit that round, and it asks for finalize()'s last quorum 8 s late: the others' final
+    quorum leaves it out (join timeout 1 s), they end and leave. Nobody is left to heal it from, so it
+    cannot end with their model: it fails naming them, while the two that agree end without an error
+    and with one model (never an exit 0 with a model of its own)."""
+    rounds, replicas = 5, 3
+    job = job_factory(rounds * TAU, join_timeout_ms=1000)
+    plan = {"start_replicas": replicas, "replicas": replicas}
+    processes = [p for r in (0, 2) for p in job.start(r, **plan)]
+    processes += job.start(1, fail_exchange=rounds - 1, hooks=[(HERE, "late_final_quorum", (8.0,))], **plan)
+    job.wait(processes, timeout=300)
+    error = job.result(1).get("error", "")
+    assert "finalize: replica 1 cut its last exchange (round 4)" in error and "replicas [0, 2]" in error, error
+    results = [job.result(r) for r in (0, 2)]
+    assert all("error" not in result for result in results), [result.get("error") for result in results]
+    assert results[0]["history"][-1][3] and torch.equal(results[0]["final"], results[1]["final"])

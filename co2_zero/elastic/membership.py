@@ -232,14 +232,31 @@ class Membership:
         step behind them: it heals from a live peer here, as it would at the next round end if there
         were one, so that every replica ends with one model."""
         peers = self._quorum(round_index, joining=False)  # finalize() checked every rank of the replica is here
-        self._received = None
+        healed, self._received = self._received is not None, None
         if self.manager.errored():
             raise CO2Error(
                 f"co2 elastic: finalize: replica {self.replica_id} could not take the final model from its peers "
                 f"{list(peers.replicas)} ({self.manager.errored()}); its parameters may differ from theirs: load "
                 f"the newest checkpoint, or take the parameters of a replica that finalized"
             )
+        if not healed:
+            self._check_not_left_behind(peers)
         return peers
+
+    def _check_not_left_behind(self, peers: Peers) -> None:
+        """A replica that cut its last exchange and meets no peer at the end cannot know the model the
+        others of that round's quorum ended with (they may have committed it): refuse to end as if it
+        held theirs. With a peer in the final quorum, torchft heals it when the peer committed more."""
+        last = self.history[-1] if self.history else None
+        others = [r for r in (last.replicas if last else ()) if r != self.replica_id]
+        if last is None or last.committed or len(peers.replicas) > 1 or not others:
+            return
+        raise CO2Error(
+            f"co2 elastic: finalize: replica {self.replica_id} cut its last exchange (round {last.round}) while "
+            f"replicas {others} of that round's quorum may have committed it, and none of them was left in its "
+            f"final quorum to heal it from: its model may differ from theirs. Take the final model of a replica "
+            f"that finalized without an error, or load the newest checkpoint"
+        )
 
     def end(self, peers: Peers, error: Optional[Exception]) -> None:
         """The vote on finalize()'s last meeting. This replica's model is final either way (it was not
