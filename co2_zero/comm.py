@@ -372,17 +372,21 @@ class OuterExchange:
         return small
 
     def _non_finite(self, locally_finite: bool, round_index: int) -> list[int]:
-        """The replicas whose displacement held NaN/Inf (every rank learns them: one small all-reduce);
-        raises NonFiniteError under `nonfinite: "raise"`, returns them under "skip_round"."""
-        flags = torch.zeros(self.topology.replicas, device=self.flag_device)
-        flags[self.topology.replica_index] = 0.0 if locally_finite else 1.0
-        bad = [r for r, flag in enumerate(self._sum_across_ranks(flags).tolist()) if flag > 0]
+        """The replicas whose displacement held NaN/Inf (every rank learns them); raises NonFiniteError
+        under `nonfinite: "raise"`, returns them under "skip_round"."""
+        bad = self._nonfinite_replicas(locally_finite)
         if self.config.nonfinite == "skip_round":
             return bad
         raise NonFiniteError(
             f"co2: round {round_index}: the displacement of replica(s) {bad} holds NaN or Inf; the outer "
             f"state was not touched. Set nonfinite='skip_round' in the co2 config to skip such rounds."
         )
+
+    def _nonfinite_replicas(self, locally_finite: bool) -> list[int]:
+        """The replicas (of the outer group) whose displacement held NaN/Inf: one small all-reduce."""
+        flags = torch.zeros(self.topology.replicas, device=self.flag_device)
+        flags[self.topology.replica_index] = 0.0 if locally_finite else 1.0
+        return [r for r, flag in enumerate(self._sum_across_ranks(flags).tolist()) if flag > 0]
 
     @property
     def index_bytes(self) -> int:

@@ -59,6 +59,7 @@ def test_two_launches_of_one_replica_id_are_refused_on_both(job_factory):  # noq
     assert quorums[-1] == (0,), quorums
 
 
+@pytest.mark.slow
 def test_a_replica_frozen_in_its_exchange_longer_than_timeout_s_leaves_and_the_others_go_on(job_factory, tmp_path):  # noqa: F811
     """Replica 1 is frozen (SIGSTOP) inside its exchange of round 2 for longer than timeout_s. Replica 0
     stops waiting for its data once the Lighthouse drops it (the heartbeat timeout, 3 s here), not after
@@ -118,3 +119,31 @@ def test_a_replica_that_cannot_heal_its_last_round_at_the_end_fails_naming_the_o
     results = [job.result(r) for r in (0, 2)]
     assert all("error" not in result for result in results), [result.get("error") for result in results]
     assert results[0]["history"][-1][3] and torch.equal(results[0]["final"], results[1]["final"])
+
+
+def nan_displacement_at(round_index: int) -> None:
+    """Hook: this replica's displacement of round `round_index` holds a NaN when its exchange starts."""
+    from co2_zero import elastic
+
+    original = elastic.ElasticExchange._pipeline
+
+    def poisoned(self, job):
+        if job.round_index == round_index:
+            job.work[0] = float("nan")
+        return original(self, job)
+
+    elastic.ElasticExchange._pipeline = poisoned
+
+
+@pytest.mark.slow
+def test_a_nonfinite_displacement_is_named_by_replica_id_on_every_replica(job_factory):  # noqa: F811
+    """Replicas 0 and 1 (each its own launch, so each is replica 0 of its launch); replica 1's round 2
+    displacement holds a NaN. Under nonfinite "raise" both stop naming replica 1 by its id: not by its
+    index in its launch (0), and not [] on the healthy one."""
+    job = job_factory(5 * TAU)
+    plan = {"start_replicas": 2, "replicas": 2}
+    processes = [*job.start(0, **plan), *job.start(1, hooks=[(HERE, "nan_displacement_at", (2,))], **plan)]
+    job.wait(processes, timeout=300)
+    for r in (0, 1):
+        error = job.result(r).get("error", "")
+        assert "round 2: the displacement of replica(s) [1] holds NaN or Inf" in error, (r, error)

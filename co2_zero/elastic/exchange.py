@@ -127,6 +127,16 @@ class ElasticExchange(OuterExchange):
             raise
         wire.copy_(scratch)
 
+    def _nonfinite_replicas(self, locally_finite: bool) -> list[int]:
+        """The replica ids of this round's quorum whose displacement held NaN/Inf: whether any rank of
+        this replica's did (over its own ranks), then one small all-reduce over the quorum."""
+        mine = super()._nonfinite_replicas(locally_finite)  # [0] or []: this launch is one replica
+        peers = self.peers
+        flags = torch.zeros(len(peers.replicas), dtype=torch.float32)
+        flags[peers.rank] = 1.0 if mine else 0.0
+        self._all_reduce(flags, peers.group)
+        return [r for r, flag in zip(peers.replicas, flags.tolist()) if flag > 0]
+
     def agree_final(self, round_index: int) -> None:
         """finalize(): the last quorum, met as a round end at which this replica contributes nothing. A
         peer that trains on (it stops later) runs its round's exchange in this quorum: this replica takes
