@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_elastic import HEARTBEAT_TIMEOUT_MS, TAU, job_factory  # noqa: F401  (the fixture)
+from tests.test_elastic import CONFIG, HEARTBEAT_TIMEOUT_MS, TAU, job_factory  # noqa: F401  (the fixture)
 
 pytest.importorskip("torchft", reason="the elastic extra (torchft) is not installed")
 
@@ -54,9 +54,10 @@ def test_two_launches_of_one_replica_id_are_refused_on_both(job_factory):  # noq
         assert "replica_id 1 is used by 2 live launches" in error, (tag, error)
     survivor = job.result(0)
     assert "error" not in survivor, survivor["error"]
-    quorums = [replicas for _, replicas, _, _ in survivor["history"]]
-    assert all(len(set(q)) == len(q) for q in quorums), quorums  # no quorum ever averaged a duplicate
-    assert quorums[-1] == (0,), quorums
+    history = survivor["history"]
+    duplicated = [record for record in history if len(set(record[1])) < len(record[1])]
+    assert all(not committed for *_, committed in duplicated), history  # never an average over a duplicate
+    assert history[-1][1] == (0,), history
 
 
 @pytest.mark.slow
@@ -147,3 +148,16 @@ def test_a_nonfinite_displacement_is_named_by_replica_id_on_every_replica(job_fa
     for r in (0, 1):
         error = job.result(r).get("error", "")
         assert "round 2: the displacement of replica(s) [1] holds NaN or Inf" in error, (r, error)
+
+
+def test_replicas_with_different_configs_are_refused_on_both_naming_the_field(job_factory):  # noqa: F811
+    """Two replicas started with different outer lrs: neither has trained, neither is a majority, so
+    both are refused at the start-up meeting, each naming the field and both values (never a bare config
+    hash on one replica and a timeout on the other)."""
+    job = job_factory(3 * TAU)
+    lrs = {0: 0.7, 1: 0.5}
+    processes = [p for r, lr in lrs.items() for p in job.start(r, start_replicas=2, config={**CONFIG, "outer_lr": lr})]
+    job.wait(processes, timeout=300)
+    for r, lr in lrs.items():
+        error = job.result(r).get("error", "")
+        assert f"outer_lr={lr!r} here, {lrs[1 - r]!r} there" in error and "it leaves the job" in error, (r, error)

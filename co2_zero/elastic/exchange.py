@@ -17,6 +17,7 @@ from ..comm import Layout, OuterExchange, PipelineJob, RoundResult, choose_colle
 from ..config import CO2Config
 from ..errors import CO2Error
 from ..topology import Topology
+from .agreement import FIELDS, HEAD, WORDS, ReplicaRefused, identity_fields, row, verdict
 from .lighthouse import AbandonedCollective, wait_watched
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,6 +59,7 @@ class ElasticExchange(OuterExchange):
         self.contributors: tuple[int, ...] = ()
         self.cut = False  # the last exchange was cut on this replica (set by the worker)
         self._abandoned: list[tuple[Any, Any]] = []  # (group, collective) given up on, until it ends
+        self._fields: Optional[dict[str, Any]] = None  # what the quorum agrees on (agreement.py), made once
 
     def launch(self, job: PipelineJob):
         membership = self.membership
@@ -100,15 +102,38 @@ class ElasticExchange(OuterExchange):
             error = _collective_error(failure)
             drop_group(peers.group)
         if not self.membership.settle(peers, self.round_index, self.contributors or None, error):
+            if isinstance(error, ReplicaRefused):
+                raise error
             raise _CutExchange()
         return g
 
     def _who_contributes(self, peers: Peers) -> tuple[int, ...]:
-        """One small all-reduce over the quorum: which replicas' displacements are in the average."""
-        flags = torch.zeros(len(peers.replicas), dtype=torch.float32)
-        flags[peers.rank] = 1.0 if peers.contributes else 0.0
-        self._all_reduce(flags, peers.group)
-        return tuple(r for r, flag in zip(peers.replicas, flags.tolist()) if flag > 0)
+        """One small all-reduce over the quorum: which replicas' displacements are in the average, and
+        whether every replica runs the same config, model and job settings (`agreement.py`)."""
+        engine = self.membership.engine
+        if self._fields is None:
+            self._fields = identity_fields(engine, self.membership.agree)
+        rows = torch.zeros((len(peers.replicas), HEAD + WORDS * FIELDS), dtype=torch.int64)
+        rows[peers.rank] = torch.tensor(row(peers.contributes, engine.rounds > 0, self._fields))
+        self._all_reduce(rows, peers.group)
+        table = rows.tolist()
+        refused = verdict(table, peers.replicas, peers.rank, self._fields, self.round_index)
+        if refused is not None:
+            raise refused
+        return tuple(r for r, line in zip(peers.replicas, table) if line[0] > 0)
+
+    def meet(self, peers: Peers) -> Optional[Exception]:
+        """A start-up meeting of the quorum (`Membership.attach`): the agreement, nobody contributing.
+        Returns the error of a failed meeting; raises ReplicaRefused if this replica must leave."""
+        self.peers, self.round_index = peers, 0
+        try:
+            self._who_contributes(peers._replace(contributes=False))
+        except ReplicaRefused:
+            drop_group(peers.group)
+            raise
+        except Exception as error:
+            return _collective_error(error)
+        return None
 
     def _all_reduce(self, wire: torch.Tensor, group: Any) -> None:
         """The quorum's all-reduce, waited for while the Lighthouse still holds every member's heartbeat
@@ -152,6 +177,8 @@ class ElasticExchange(OuterExchange):
             error = _collective_error(failure)
             drop_group(peers.group)
         self.membership.end(peers, error)
+        if isinstance(error, ReplicaRefused):
+            raise error
 
     def close(self, join_s: float = 1.0) -> bool:
         closed = super().close(join_s)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
+import warnings
 from collections import Counter
 from typing import Any, Callable, Optional
 
@@ -49,18 +50,26 @@ def replica_number(member: str) -> str:
 
 
 def check_unique(members: tuple[str, ...], round_index: int, replica_id: int) -> None:
-    """Refuse a quorum in which two live launches carry one replica_id (every one of them sees it)."""
+    """Refuse a quorum in which two live launches carry this replica's id (each of them sees it and
+    leaves); a replica whose own id is unique warns and goes on (its round is cut when they leave)."""
     counts = Counter(replica_number(m) for m in members)
     duplicated = sorted((n for n, c in counts.items() if c > 1), key=int)
-    if duplicated:
-        launches = [m for m in members if replica_number(m) in duplicated]
-        raise CO2Error(
-            f"co2 elastic: round {round_index}: replica_id {', '.join(duplicated)} is used by "
-            f"{counts[duplicated[0]]} live launches of this job ({launches}); replica {replica_id} leaves the "
-            f"job. Every replica group needs its own replica_id: stop every launch of replica_id "
-            f"{duplicated[0]} (a launcher killed without its workers leaves them training: docs/elastic.md), "
-            f"then start one"
+    if not duplicated:
+        return
+    launches = [m for m in members if replica_number(m) in duplicated]
+    if str(replica_id) not in duplicated:
+        warnings.warn(
+            f"co2 elastic: round {round_index}: replica_id {', '.join(duplicated)} is used by more than one live "
+            f"launch ({launches}); they leave the job, replica {replica_id} goes on",
+            stacklevel=3,
         )
+        return
+    raise CO2Error(
+        f"co2 elastic: round {round_index}: replica_id {replica_id} is used by {counts[str(replica_id)]} live "
+        f"launches of this job ({launches}); this launch leaves the job. Every replica group needs its own "
+        f"replica_id: stop every launch of replica_id {replica_id} (a launcher killed without its workers "
+        f"leaves them training: docs/elastic.md), then start one"
+    )
 
 
 def live_members(lighthouse: str, timeout_s: float = 2.0) -> Optional[set[str]]:

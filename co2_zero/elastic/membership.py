@@ -72,6 +72,8 @@ class Membership:
     its number). min_replicas: rounds with fewer replicas in the quorum are not committed.
     start_replicas: a job that starts (no replica has trained yet) waits, up to timeout_s, until this
     many replicas are in the quorum, so that they all start from round 0 together.
+    agree: the job's own settings every replica must share ({"dtype": "bf16", "seed": 0}): with the co2
+    config and the model, checked at every meeting of the quorum; a difference is named on every replica.
     store_addr/store_port: this launch's TCPStore (default: MASTER_ADDR/MASTER_PORT, as torchrun sets).
     """
 
@@ -82,6 +84,7 @@ class Membership:
         *,
         min_replicas: int = 1,
         start_replicas: int = 1,
+        agree: Optional[dict[str, Any]] = None,
         store_addr: Optional[str] = None,
         store_port: Optional[int] = None,
     ) -> None:
@@ -94,6 +97,7 @@ class Membership:
         self.replica_id = replica_id
         self.min_replicas = min_replicas
         self.start_replicas = start_replicas
+        self.agree = dict(agree or {})
         self.store_addr = store_addr
         self.store_port = store_port
         self.history: list[RoundRecord] = []
@@ -152,7 +156,7 @@ class Membership:
                 self.exchange.joined = peers._replace(contributes=False)
                 return True
             # The vote ends the serving of this quorum's heals: meet the others first (after their heal).
-            if self._vote(error=_meet(peers)) and len(peers.replicas) >= self.start_replicas:
+            if self._vote(error=self.exchange.meet(peers)) and len(peers.replicas) >= self.start_replicas:
                 return False
             if time.monotonic() > deadline:
                 raise CO2Error(
@@ -385,15 +389,9 @@ class Membership:
                 f"already computing from its own start point; it leaves the job: restart it to rejoin from a "
                 f"live peer"
             )
+        if state["identity"] != _portable(engine.identity()):
+            return  # another config or model: the quorum's meeting names the fields on every replica
         self._check_in_step(state)
-        mine = _portable(engine.identity())
-        for key, value in mine.items():
-            if state["identity"].get(key) != value:
-                raise CO2Error(
-                    f"co2 elastic: replica {self.replica_id} cannot heal from its peer: {key}="
-                    f"{state['identity'].get(key)!r} there, {value!r} here; every replica must run the same "
-                    f"co2 config, model and number of ranks"
-                )
         with torch.no_grad():
             engine.next_start.copy_(state["next_start"])
             engine.momentum.copy_(state["momentum"])
@@ -430,15 +428,6 @@ class Membership:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
-
-
-def _meet(peers: Peers) -> Optional[Exception]:
-    """One tiny all-reduce over the quorum (every member arrives after its heal); the error, if any."""
-    try:
-        dist.all_reduce(torch.zeros(1), group=peers.group)
-    except Exception as error:
-        return error
-    return None
 
 
 def _portable(identity: dict[str, Any]) -> dict[str, Any]:
