@@ -8,14 +8,23 @@ replica group); the faults are hooks each replica installs once imported (plan["
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.test_elastic import CONFIG, HEARTBEAT_TIMEOUT_MS, TAU, job_factory  # noqa: F401  (the fixture)
+from tests.test_elastic import (  # noqa: F401  (job_factory: the fixture)
+    CONFIG,
+    HEARTBEAT_TIMEOUT_MS,
+    TAU,
+    _reference_final,
+    _schedule,
+    job_factory,
+)
 
 pytest.importorskip("torchft", reason="the elastic extra (torchft) is not installed")
 
@@ -161,3 +170,55 @@ def test_replicas_with_different_configs_are_refused_on_both_naming_the_field(jo
     for r, lr in lrs.items():
         error = job.result(r).get("error", "")
         assert f"outer_lr={lr!r} here, {lrs[1 - r]!r} there" in error and "it leaves the job" in error, (r, error)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag,values", [("--seed", ("1", "2")), ("--dtype", ("float32", "bfloat16"))])
+def test_the_training_job_refuses_replicas_with_another_seed_or_dtype(tmp_path, flag, values):
+    """Two replicas of `co2-train` started with another --seed (their validation would differ for one
+    model) or --dtype (one trains in bf16): both exit non-zero, each naming the setting and both values."""
+    from tests.test_elastic_train import Replicas
+
+    job = Replicas(tmp_path)
+    try:
+        names = [job.start(r, ["--max_steps", "8", "--start_replicas", "2", flag, v]) for r, v in enumerate(values)]
+        for name, mine, theirs in ((names[0], *values), (names[1], *values[::-1])):
+            job.running[name].wait(timeout=400)
+            stderr = (tmp_path / f"{name}.err").read_text()
+            assert job.running[name].returncode != 0, stderr[-2000:]
+            named = f"job {flag[2:]}={mine!r} here, {theirs!r} there"
+            if flag == "--seed":
+                named = f"job seed={int(mine)!r} here, {int(theirs)!r} there"
+            assert named in stderr, stderr[-2000:]
+    finally:
+        job.close()
+
+
+def documented_join_timeout_ms() -> int:
+    """The --join_timeout_ms of the Lighthouse command docs/elastic.md tells users to run."""
+    text = (Path(__file__).parents[1] / "docs" / "elastic.md").read_text()
+    return int(re.search(r"torchft_lighthouse [^\n]*--join_timeout_ms (\d+)", text).group(1))
+
+
+def test_a_replica_late_for_one_quorum_on_a_loaded_host_is_waited_for(job_factory):  # noqa: F811
+    """The documented Lighthouse settings, a busy loop beside the replicas, and replica 2 reaching its
+    round end 2 six seconds late (heartbeating: a slow step, a swap-in): the others' quorum waits for
+    it instead of leaving it out (which would throw it out of the job, behind its peers), so every
+    round is averaged over all three and the model is the reference's."""
+    rounds, late_round = 6, 2
+    job = job_factory(rounds * TAU, join_timeout_ms=documented_join_timeout_ms())
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        plan = {"start_replicas": 3, "replicas": 3}
+        processes = [p for r in range(2) for p in job.start(r, **plan)]
+        processes += job.start(2, straggle=(late_round, 6.0), **plan)
+        job.wait(processes, timeout=300)
+    finally:
+        busy.kill()
+        busy.wait()
+    results = [job.result(r) for r in range(3)]
+    assert all("error" not in result for result in results), [result.get("error") for result in results]
+    schedule = _schedule(results[0]["history"], rounds)
+    assert schedule == [{0, 1, 2}] * rounds, schedule
+    assert all(torch.equal(result["final"], results[0]["final"]) for result in results)
+    torch.testing.assert_close(results[0]["final"], _reference_final(schedule, [], rounds * TAU), rtol=1e-5, atol=1e-6)
