@@ -382,6 +382,11 @@ class OuterExchange:
             f"state was not touched. Set nonfinite='skip_round' in the co2 config to skip such rounds."
         )
 
+    @property
+    def replica_name(self) -> int:
+        """This rank's replica as messages name it: its index in the outer group."""
+        return self.topology.replica_index
+
     def _nonfinite_replicas(self, locally_finite: bool) -> list[int]:
         """The replicas (of the outer group) whose displacement held NaN/Inf: one small all-reduce."""
         flags = torch.zeros(self.topology.replicas, device=self.flag_device)

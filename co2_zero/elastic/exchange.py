@@ -152,6 +152,11 @@ class ElasticExchange(OuterExchange):
             raise
         wire.copy_(scratch)
 
+    @property
+    def replica_name(self) -> int:
+        """This replica as messages name it: its replica_id (each launch is replica 0 of its own world)."""
+        return self.membership.replica_id
+
     def _nonfinite_replicas(self, locally_finite: bool) -> list[int]:
         """The replica ids of this round's quorum whose displacement held NaN/Inf: whether any rank of
         this replica's did (over its own ranks), then one small all-reduce over the quorum."""
