@@ -112,6 +112,7 @@ def late_final_quorum(seconds: float) -> None:
     elastic.Membership.final_quorum = late
 
 
+@pytest.mark.slow
 def test_a_replica_that_cannot_heal_its_last_round_at_the_end_fails_naming_the_others(job_factory):  # noqa: F811
     """Three replicas; replica 1's copy of the last round's average is lost (an error only it sees) while
     the others commit that round, and it asks for finalize()'s last quorum 8 s late: the others' final
@@ -200,6 +201,7 @@ def documented_join_timeout_ms() -> int:
     return int(re.search(r"torchft_lighthouse [^\n]*--join_timeout_ms (\d+)", text).group(1))
 
 
+@pytest.mark.slow
 def test_a_replica_late_for_one_quorum_on_a_loaded_host_is_waited_for(job_factory):  # noqa: F811
     """The documented Lighthouse settings, a busy loop beside the replicas, and replica 2 reaching its
     round end 2 six seconds late (heartbeating: a slow step, a swap-in): the others' quorum waits for
