@@ -224,3 +224,29 @@ def test_a_replica_late_for_one_quorum_on_a_loaded_host_is_waited_for(job_factor
     assert schedule == [{0, 1, 2}] * rounds, schedule
     assert all(torch.equal(result["final"], results[0]["final"]) for result in results)
     torch.testing.assert_close(results[0]["final"], _reference_final(schedule, [], rounds * TAU), rtol=1e-5, atol=1e-6)
+
+
+def drift_before_finalize() -> None:
+    """Hook: this replica's final model differs from its peers' in one weight when finalize() meets
+    them (a drift nothing else caught)."""
+    from co2_zero import elastic
+
+    original = elastic.ElasticExchange.agree_final
+
+    def drifted(self, round_index):
+        self.membership.engine.next_start[0] += 1.0
+        return original(self, round_index)
+
+    elastic.ElasticExchange.agree_final = drifted
+
+
+def test_replicas_whose_final_models_differ_fail_naming_each_other(job_factory):  # noqa: F811
+    """Two replicas meet in finalize()'s quorum holding different final models: neither ends as if it
+    held the job's model; each fails naming the other and the shared start point that differs."""
+    job = job_factory(3 * TAU)
+    plan = {"start_replicas": 2, "replicas": 2}
+    processes = [*job.start(0, **plan), *job.start(1, hooks=[(HERE, "drift_before_finalize", ())], **plan)]
+    job.wait(processes, timeout=300)
+    for r in (0, 1):
+        error = job.result(r).get("error", "")
+        assert f"replica {1 - r}: shared start point (digest)=" in error and "it leaves the job" in error, (r, error)

@@ -1,16 +1,19 @@
 """What the replicas of a quorum must agree on, checked at every meeting (docs/design.md §12).
 
-Each replica sends one fixed-size int64 row in the small all-reduce that starts every exchange (and the
-start-up meeting): whether it contributes, whether it has trained, then two words per field of its identity:
-the co2 config's fields, its ranks, its model (tensor count, trainable parameters, names and shapes),
-the state version, and what the job asks to agree on (`Membership(agree=...)`: e.g. its dtype and
-seed). Numbers and short text travel exactly, so a difference names the field and both values on every
-replica, not only a hash.
+Each replica sends one fixed-size int64 row in the small all-reduce that starts every exchange (and
+the start-up meeting): whether it contributes, whether it has trained, then two words per field: the
+co2 config's fields, its ranks, its model (tensor count, trainable parameters, names and shapes), the
+state version, what the job asks to agree on (`Membership(agree=...)`: e.g. its dtype and seed), and
+a digest of the shared start point the exchange applies to (at `finalize()`: the final model), so
+replicas that drifted apart are named instead of averaged. Numbers and short text travel exactly, so
+a difference names the field and both values on every replica, not only a hash.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
 
 from ..errors import CO2Error
 from ..topology import _describe, fingerprint, text_words, words_text
@@ -41,6 +44,12 @@ def identity_fields(engine: RoundEngine, agree: Mapping[str, Any]) -> dict[str, 
     if len(fields) > FIELDS:
         raise CO2Error(f"co2 elastic: {len(fields)} fields to agree on; at most {FIELDS}")
     return fields
+
+
+def start_digest(start: torch.Tensor) -> int:
+    """A digest of a shared start point's bits (exact in a float64: below 2**52): replicas that hold
+    different ones differ in it, whatever the values."""
+    return int(torch.sum(start.detach().view(torch.int32), dtype=torch.int64)) % (1 << 52)
 
 
 def encode(value: Any) -> list[int]:
@@ -108,11 +117,13 @@ def verdict(
     differ = [replicas[i] for i in others]
     if staying is not None and identity[me] == staying:
         return CO2Error(
-            f"co2 elastic: round {round_index}: replica(s) {differ} run another co2 config, model or job setting "
-            f"than this replica ({detail}); they leave the job, and this round is cut"
+            f"co2 elastic: round {round_index}: replica(s) {differ} hold another co2 config, model, job "
+            f"setting or shared start point than this replica ({detail}); they leave the job, and this round "
+            f"is cut"
         )
     return ReplicaRefused(
-        f"co2 elastic: round {round_index}: replica {replicas[me]} runs another co2 config, model or job "
-        f"setting than replica(s) {differ} of its quorum ({detail}); every replica must run the same config, "
-        f"model, ranks, dtype and seed: it leaves the job"
+        f"co2 elastic: round {round_index}: replica {replicas[me]} holds another co2 config, model, job "
+        f"setting or shared start point than replica(s) {differ} of its quorum ({detail}); every replica "
+        f"must run the same config, model, ranks, dtype and seed and hold the same shared start: it leaves "
+        f"the job"
     )

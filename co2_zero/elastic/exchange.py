@@ -17,7 +17,7 @@ from ..comm import Layout, OuterExchange, PipelineJob, RoundResult, choose_colle
 from ..config import CO2Config
 from ..errors import CO2Error
 from ..topology import Topology
-from .agreement import FIELDS, HEAD, WORDS, ReplicaRefused, identity_fields, row, verdict
+from .agreement import FIELDS, HEAD, WORDS, ReplicaRefused, identity_fields, row, start_digest, verdict
 from .lighthouse import AbandonedCollective, wait_watched
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,6 +60,7 @@ class ElasticExchange(OuterExchange):
         self.cut = False  # the last exchange was cut on this replica (set by the worker)
         self._abandoned: list[tuple[Any, Any]] = []  # (group, collective) given up on, until it ends
         self._fields: Optional[dict[str, Any]] = None  # what the quorum agrees on (agreement.py), made once
+        self._start = 0  # start_digest of the shared start point this replica's exchange applies to
 
     def launch(self, job: PipelineJob):
         membership = self.membership
@@ -81,6 +82,7 @@ class ElasticExchange(OuterExchange):
     def _pipeline(self, job: PipelineJob) -> RoundResult:
         if self.peers is None:
             self.peers = self.membership.background_quorum(job.round_index)
+        self._start = start_digest(job.base)  # the shared start this exchange applies to (after any heal)
         try:
             result, self.cut = super()._pipeline(job), False
             return result
@@ -114,10 +116,11 @@ class ElasticExchange(OuterExchange):
         if self._fields is None:
             self._fields = identity_fields(engine, self.membership.agree)
         rows = torch.zeros((len(peers.replicas), HEAD + WORDS * FIELDS), dtype=torch.int64)
-        rows[peers.rank] = torch.tensor(row(peers.contributes, engine.rounds > 0, self._fields))
+        fields = {**self._fields, "shared start point (digest)": self._start}
+        rows[peers.rank] = torch.tensor(row(peers.contributes, engine.rounds > 0, fields))
         self._all_reduce(rows, peers.group)
         table = rows.tolist()
-        refused = verdict(table, peers.replicas, peers.rank, self._fields, self.round_index)
+        refused = verdict(table, peers.replicas, peers.rank, fields, self.round_index)
         if refused is not None:
             raise refused
         return tuple(r for r, line in zip(peers.replicas, table) if line[0] > 0)
@@ -126,6 +129,7 @@ class ElasticExchange(OuterExchange):
         """A start-up meeting of the quorum (`Membership.attach`): the agreement, nobody contributing.
         Returns the error of a failed meeting; raises ReplicaRefused if this replica must leave."""
         self.peers, self.round_index = peers, 0
+        self._start = start_digest(self.membership.engine.next_start)
         try:
             self._who_contributes(peers._replace(contributes=False))
         except ReplicaRefused:
@@ -172,7 +176,7 @@ class ElasticExchange(OuterExchange):
         peer that trains on (it stops later) runs its round's exchange in this quorum: this replica takes
         part in the average with a zero displacement, then keeps its own model."""
         peers = self.membership.final_quorum(round_index)._replace(contributes=False)
-        error = None
+        self._start, error = start_digest(self.membership.engine.next_start), None  # the final model
         try:
             self.peers, self.contributors = peers, self._who_contributes(peers)
             if self.contributors:
