@@ -296,8 +296,13 @@ class OuterExchange:
             _reduce_scatter(out, wire, group=group)
             return g_buffer.copy_(out) if narrow else g_buffer.div_(replicas)
         self._count("all_reduce", wire, replicas)
-        dist.all_reduce(wire, group=group)
+        self._all_reduce(wire, group)
         return work.copy_(wire) if narrow else work.div_(replicas)
+
+    def _all_reduce(self, wire: torch.Tensor, group: Any) -> None:
+        """Sum `wire` over `group` in place: the average's collective (the elastic exchange watches
+        its quorum's members while it waits)."""
+        dist.all_reduce(wire, group=group)
 
     def agree_final(self, round_index: int) -> None:
         """finalize()'s last word with the peers, after the last exchange arrived: nothing with a fixed
@@ -402,17 +407,26 @@ class OuterExchange:
         return small
 
     def _non_finite(self, locally_finite: bool, round_index: int) -> list[int]:
-        """The replicas whose displacement held NaN/Inf (every rank learns them: one small all-reduce);
-        raises NonFiniteError under `nonfinite: "raise"`, returns them under "skip_round"."""
-        flags = torch.zeros(self.topology.replicas, device=self.flag_device)
-        flags[self.topology.replica_index] = 0.0 if locally_finite else 1.0
-        bad = [r for r, flag in enumerate(self._sum_across_ranks(flags).tolist()) if flag > 0]
+        """The replicas whose displacement held NaN/Inf (every rank learns them); raises NonFiniteError
+        under `nonfinite: "raise"`, returns them under "skip_round"."""
+        bad = self._nonfinite_replicas(locally_finite)
         if self.config.nonfinite == "skip_round":
             return bad
         raise NonFiniteError(
             f"co2: round {round_index}: the displacement of replica(s) {bad} holds NaN or Inf; the outer "
             f"state was not touched. Set nonfinite='skip_round' in the co2 config to skip such rounds."
         )
+
+    @property
+    def replica_name(self) -> int:
+        """This rank's replica as messages name it: its index in the outer group."""
+        return self.topology.replica_index
+
+    def _nonfinite_replicas(self, locally_finite: bool) -> list[int]:
+        """The replicas (of the outer group) whose displacement held NaN/Inf: one small all-reduce."""
+        flags = torch.zeros(self.topology.replicas, device=self.flag_device)
+        flags[self.topology.replica_index] = 0.0 if locally_finite else 1.0
+        return [r for r, flag in enumerate(self._sum_across_ranks(flags).tolist()) if flag > 0]
 
     @property
     def index_bytes(self) -> int:

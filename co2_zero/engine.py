@@ -303,7 +303,7 @@ class RoundEngine:
     def _warn_inner_reset(self) -> None:
         warnings.warn(
             f"co2: round {self.rounds - 1}: this rank's displacement (global rank {self.topology.rank}, "
-            f"replica {self.topology.replica_index}) holds NaN or Inf; its inner optimizer state is reset "
+            f"replica {self.exchange.replica_name}) holds NaN or Inf; its inner optimizer state is reset "
             f"and it restarts from the agreed start point (nonfinite='skip_round')",
             stacklevel=5,
         )

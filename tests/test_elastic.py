@@ -9,6 +9,7 @@ are compared with the reference simulation run with the membership schedule they
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import socket
@@ -80,7 +81,8 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
     would end them (a sibling left alive for a moment would fail in a collective instead: exit code 1,
     not a kill). plan["gate"]: (t, path): before round t, wait for `path` to exist.
     plan["announce"]: a path to create once imported (a restarted replica tells the survivors it is
-    about to join). plan["config"]: the CO2 config's fields (default: CONFIG)."""
+    about to join). plan["config"]: the CO2 config's fields (default: CONFIG). plan["hooks"]: (module,
+    function, args) to call once imported (faults defined in other test files)."""
     shards = plan.get("shards", 1)
     die = plan.get("die") if rank in plan.get("die_ranks", range(shards)) else None
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -101,6 +103,8 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
         _fail_exchange_at(plan["fail_exchange"])
     if plan.get("straggle") is not None:
         _straggle_at(*plan["straggle"])
+    for module, name, args in plan.get("hooks", ()):  # faults of other test files (tests/test_elastic_faults.py)
+        getattr(importlib.import_module(module), name)(*args)
     if plan.get("announce"):
         Path(plan["announce"]).touch()
     fields = plan.get("config", CONFIG)

@@ -17,6 +17,8 @@ from ..comm import Layout, OuterExchange, PipelineJob, RoundResult, choose_colle
 from ..config import CO2Config
 from ..errors import CO2Error
 from ..topology import Topology
+from .agreement import FIELDS, HEAD, WORDS, ReplicaRefused, identity_fields, row, start_digest, verdict
+from .lighthouse import AbandonedCollective, wait_watched
 
 if TYPE_CHECKING:  # pragma: no cover
     from .membership import Membership
@@ -29,6 +31,7 @@ class Peers(NamedTuple):
     replicas: tuple[int, ...]  # the replica ids of the quorum, in the group's rank order
     rank: int  # this replica's rank in the quorum
     contributes: bool  # False: joined at this round end; its displacement is not in the average
+    members: tuple[str, ...] = ()  # torchft's replica group ids of the quorum ("<replica_id>:<uuid>")
 
 
 class _CutExchange(Exception):
@@ -55,6 +58,9 @@ class ElasticExchange(OuterExchange):
         self.round_index = -1
         self.contributors: tuple[int, ...] = ()
         self.cut = False  # the last exchange was cut on this replica (set by the worker)
+        self._abandoned: list[tuple[Any, Any]] = []  # (group, collective) given up on, until it ends
+        self._fields: Optional[dict[str, Any]] = None  # what the quorum agrees on (agreement.py), made once
+        self._start = 0  # start_digest of the shared start point this replica's exchange applies to
 
     def launch(self, job: PipelineJob):
         membership = self.membership
@@ -76,6 +82,7 @@ class ElasticExchange(OuterExchange):
     def _pipeline(self, job: PipelineJob) -> RoundResult:
         if self.peers is None:
             self.peers = self.membership.background_quorum(job.round_index)
+        self._start = start_digest(job.base)  # the shared start this exchange applies to (after any heal)
         try:
             result, self.cut = super()._pipeline(job), False
             return result
@@ -97,22 +104,79 @@ class ElasticExchange(OuterExchange):
             error = _collective_error(failure)
             drop_group(peers.group)
         if not self.membership.settle(peers, self.round_index, self.contributors or None, error):
+            if isinstance(error, ReplicaRefused):
+                raise error
             raise _CutExchange()
         return g
 
     def _who_contributes(self, peers: Peers) -> tuple[int, ...]:
-        """One small all-reduce over the quorum: which replicas' displacements are in the average."""
+        """One small all-reduce over the quorum: which replicas' displacements are in the average, and
+        whether every replica runs the same config, model and job settings (`agreement.py`)."""
+        engine = self.membership.engine
+        if self._fields is None:
+            self._fields = identity_fields(engine, self.membership.agree)
+        rows = torch.zeros((len(peers.replicas), HEAD + WORDS * FIELDS), dtype=torch.int64)
+        fields = {**self._fields, "shared start point (digest)": self._start}
+        rows[peers.rank] = torch.tensor(row(peers.contributes, engine.rounds > 0, fields))
+        self._all_reduce(rows, peers.group)
+        table = rows.tolist()
+        refused = verdict(table, peers.replicas, peers.rank, fields, self.round_index)
+        if refused is not None:
+            raise refused
+        return tuple(r for r, line in zip(peers.replicas, table) if line[0] > 0)
+
+    def meet(self, peers: Peers) -> Optional[Exception]:
+        """A start-up meeting of the quorum (`Membership.attach`): the agreement, nobody contributing.
+        Returns the error of a failed meeting; raises ReplicaRefused if this replica must leave."""
+        self.peers, self.round_index = peers, 0
+        self._start = start_digest(self.membership.engine.next_start)
+        try:
+            self._who_contributes(peers._replace(contributes=False))
+        except ReplicaRefused:
+            drop_group(peers.group)
+            raise
+        except Exception as error:
+            return _collective_error(error)
+        return None
+
+    def _all_reduce(self, wire: torch.Tensor, group: Any) -> None:
+        """The quorum's all-reduce, waited for while the Lighthouse still holds every member's heartbeat
+        (a frozen or lost peer ends the wait after the heartbeat timeout, not timeout_s). It sums a copy:
+        a collective given up on may still complete later, and must not write into the round's buffers."""
+        self._abandoned = [(pg, work) for pg, work in self._abandoned if not work.is_completed()]
+        scratch = wire.clone()
+        work = dist.all_reduce(scratch, group=group, async_op=True)
+        try:
+            wait_watched(work, self.peers.members, self.membership.lighthouse, self.config.timeout_s)
+        except AbandonedCollective:
+            # gloo cannot cancel it, and the group's destructor (or abort) waits for it: keep the group
+            # until it ends (gloo's own timeout), out of torchft's wrapper, whose next quorum builds anew
+            self._abandoned.append((group._pg, work))
+            group._pg = None
+            raise
+        wire.copy_(scratch)
+
+    @property
+    def replica_name(self) -> int:
+        """This replica as messages name it: its replica_id (each launch is replica 0 of its own world)."""
+        return self.membership.replica_id
+
+    def _nonfinite_replicas(self, locally_finite: bool) -> list[int]:
+        """The replica ids of this round's quorum whose displacement held NaN/Inf: whether any rank of
+        this replica's did (over its own ranks), then one small all-reduce over the quorum."""
+        mine = super()._nonfinite_replicas(locally_finite)  # [0] or []: this launch is one replica
+        peers = self.peers
         flags = torch.zeros(len(peers.replicas), dtype=torch.float32)
-        flags[peers.rank] = 1.0 if peers.contributes else 0.0
-        dist.all_reduce(flags, group=peers.group)
-        return tuple(r for r, flag in zip(peers.replicas, flags.tolist()) if flag > 0)
+        flags[peers.rank] = 1.0 if mine else 0.0
+        self._all_reduce(flags, peers.group)
+        return [r for r, flag in zip(peers.replicas, flags.tolist()) if flag > 0]
 
     def agree_final(self, round_index: int) -> None:
         """finalize(): the last quorum, met as a round end at which this replica contributes nothing. A
         peer that trains on (it stops later) runs its round's exchange in this quorum: this replica takes
         part in the average with a zero displacement, then keeps its own model."""
         peers = self.membership.final_quorum(round_index)._replace(contributes=False)
-        error = None
+        self._start, error = start_digest(self.membership.engine.next_start), None  # the final model
         try:
             self.peers, self.contributors = peers, self._who_contributes(peers)
             if self.contributors:
@@ -122,6 +186,8 @@ class ElasticExchange(OuterExchange):
             error = _collective_error(failure)
             drop_group(peers.group)
         self.membership.end(peers, error)
+        if isinstance(error, ReplicaRefused):
+            raise error
 
     def close(self, join_s: float = 1.0) -> bool:
         closed = super().close(join_s)

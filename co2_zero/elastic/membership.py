@@ -22,6 +22,7 @@ from ..errors import CO2Error, missing_extra
 from ..partition import local_values
 from ..topology import Topology, collective_device
 from .exchange import ElasticExchange, Peers, check_supported, drop_group
+from .lighthouse import QuorumIds, check_unique
 from .quiet import quiet_torchft
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,6 +72,8 @@ class Membership:
     its number). min_replicas: rounds with fewer replicas in the quorum are not committed.
     start_replicas: a job that starts (no replica has trained yet) waits, up to timeout_s, until this
     many replicas are in the quorum, so that they all start from round 0 together.
+    agree: the job's own settings every replica must share ({"dtype": "bf16", "seed": 0}): with the co2
+    config and the model, checked at every meeting of the quorum; a difference is named on every replica.
     store_addr/store_port: this launch's TCPStore (default: MASTER_ADDR/MASTER_PORT, as torchrun sets).
     """
 
@@ -81,6 +84,7 @@ class Membership:
         *,
         min_replicas: int = 1,
         start_replicas: int = 1,
+        agree: Optional[dict[str, Any]] = None,
         store_addr: Optional[str] = None,
         store_port: Optional[int] = None,
     ) -> None:
@@ -93,6 +97,7 @@ class Membership:
         self.replica_id = replica_id
         self.min_replicas = min_replicas
         self.start_replicas = start_replicas
+        self.agree = dict(agree or {})
         self.store_addr = store_addr
         self.store_port = store_port
         self.history: list[RoundRecord] = []
@@ -105,6 +110,7 @@ class Membership:
         self._received: Optional[int] = None  # inner_steps of the state a peer sent this replica
         self._served: Optional[ServedState] = None  # what a healing peer gets from this replica now
         self._background_round: Optional[int] = None  # the round whose quorum runs on the exchange's worker
+        self._round_in_place: Optional[int] = None  # the round whose quorum runs on the main thread, mid-job
 
     # ---- the engine's seam ---------------------------------------------------------------------------
 
@@ -131,6 +137,14 @@ class Membership:
                 f"buffers, or train without a membership"
             )
         self.engine = engine
+        try:
+            return self._join(engine)
+        except CO2Error:
+            self.close()  # the others go on without this replica after the heartbeat timeout
+            raise
+
+    def _join(self, engine: RoundEngine) -> bool:
+        """attach's quorums, until this replica joined a running job or `start_replicas` started one."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             peers = self._quorum(round_index=0, joining=True)
@@ -142,7 +156,7 @@ class Membership:
                 self.exchange.joined = peers._replace(contributes=False)
                 return True
             # The vote ends the serving of this quorum's heals: meet the others first (after their heal).
-            if self._vote(error=_meet(peers)) and len(peers.replicas) >= self.start_replicas:
+            if self._vote(error=self.exchange.meet(peers)) and len(peers.replicas) >= self.start_replicas:
                 return False
             if time.monotonic() > deadline:
                 raise CO2Error(
@@ -182,13 +196,21 @@ class Membership:
                 f"co2 elastic: replica {self.replica_id} could not start its torchft Manager within timeout_s="
                 f"{self.timeout_s:g} (Lighthouse {self.lighthouse}, store {store}): {type(error).__name__}: {error}"
             ) from error
+        manager._client = QuorumIds(manager._client)  # the quorum's replica group ids, kept for each round
         return quiet_torchft(manager)  # torchft's noise on CPU (quiet.py)
 
     def open_round(self, round_index: int) -> Peers:
         """The quorum for round `round_index`'s exchange, on the main thread at the round end. A replica
         that is behind (its last exchange was cut while its peers committed theirs) heals here."""
         self._check_replica_whole(round_index)
-        return self._quorum(round_index, joining=False)
+        self._round_in_place = round_index
+        try:
+            return self._quorum(round_index, joining=False)
+        except CO2Error:  # the peers of this quorum must not wait for this replica in its average
+            drop_group(self.manager._pg)
+            raise
+        finally:
+            self._round_in_place = None
 
     def prepare_background_round(self, round_index: int) -> None:
         """At the round end, on the main thread: the checks and the state to serve for a quorum that
@@ -214,14 +236,31 @@ class Membership:
         step behind them: it heals from a live peer here, as it would at the next round end if there
         were one, so that every replica ends with one model."""
         peers = self._quorum(round_index, joining=False)  # finalize() checked every rank of the replica is here
-        self._received = None
+        healed, self._received = self._received is not None, None
         if self.manager.errored():
             raise CO2Error(
                 f"co2 elastic: finalize: replica {self.replica_id} could not take the final model from its peers "
                 f"{list(peers.replicas)} ({self.manager.errored()}); its parameters may differ from theirs: load "
                 f"the newest checkpoint, or take the parameters of a replica that finalized"
             )
+        if not healed:
+            self._check_not_left_behind(peers)
         return peers
+
+    def _check_not_left_behind(self, peers: Peers) -> None:
+        """A replica that cut its last exchange and meets no peer at the end cannot know the model the
+        others of that round's quorum ended with (they may have committed it): refuse to end as if it
+        held theirs. With a peer in the final quorum, torchft heals it when the peer committed more."""
+        last = self.history[-1] if self.history else None
+        others = [r for r in (last.replicas if last else ()) if r != self.replica_id]
+        if last is None or last.committed or len(peers.replicas) > 1 or not others:
+            return
+        raise CO2Error(
+            f"co2 elastic: finalize: replica {self.replica_id} cut its last exchange (round {last.round}) while "
+            f"replicas {others} of that round's quorum may have committed it, and none of them was left in its "
+            f"final quorum to heal it from: its model may differ from theirs. Take the final model of a replica "
+            f"that finalized without an error, or load the newest checkpoint"
+        )
 
     def end(self, peers: Peers, error: Optional[Exception]) -> None:
         """The vote on finalize()'s last meeting. This replica's model is final either way (it was not
@@ -271,10 +310,16 @@ class Membership:
         if joining and self.manager.errored():
             raise CO2Error(f"co2 elastic: replica {self.replica_id} could not join the job: {self.manager.errored()}")
         group = self.manager._pg
+        members = self.manager._client.last
+        try:
+            check_unique(members, round_index, self.replica_id)
+        except CO2Error:
+            drop_group(group)
+            raise
         shards = self.engine.topology.world_size
         replicas = tuple(rank // shards for rank in (group._global_ranks or [self.replica_id * shards]))
         self.quorum = replicas
-        return Peers(group, replicas, replicas.index(self.replica_id), contributes=True)
+        return Peers(group, replicas, replicas.index(self.replica_id), contributes=True, members=members)
 
     def _vote(self, error: Optional[BaseException]) -> bool:
         """torchft's commit vote over this replica's ranks: True iff none of them failed."""
@@ -344,14 +389,9 @@ class Membership:
                 f"already computing from its own start point; it leaves the job: restart it to rejoin from a "
                 f"live peer"
             )
-        mine = _portable(engine.identity())
-        for key, value in mine.items():
-            if state["identity"].get(key) != value:
-                raise CO2Error(
-                    f"co2 elastic: replica {self.replica_id} cannot heal from its peer: {key}="
-                    f"{state['identity'].get(key)!r} there, {value!r} here; every replica must run the same "
-                    f"co2 config, model and number of ranks"
-                )
+        if state["identity"] != _portable(engine.identity()):
+            return  # another config or model: the quorum's meeting names the fields on every replica
+        self._check_in_step(state)
         with torch.no_grad():
             engine.next_start.copy_(state["next_start"])
             engine.momentum.copy_(state["momentum"])
@@ -365,20 +405,29 @@ class Membership:
         engine.skipped_rounds = state["skipped_rounds"]
         self._received = state["inner_steps"]
 
+    def _check_in_step(self, state: dict[str, Any]) -> None:
+        """A heal at a round end on the main thread (its last exchange was cut) takes the peer's start
+        point and outer state only when the peer is at the same round end: a peer whose counters are
+        ahead committed rounds this replica never trained (it was frozen or stalled longer than
+        timeout_s), and taking them would move the job's step, LR schedule and data position under its
+        training loop."""
+        engine, round_index = self.engine, self._round_in_place
+        if round_index is None or (state["rounds"], state["inner_steps"]) == (engine.rounds, engine.inner_steps):
+            return
+        raise CO2Error(
+            f"co2 elastic: round {round_index}: replica {self.replica_id} is behind its peers: they are at inner "
+            f"step {state['inner_steps']} (round {state['rounds']}), it is at inner step {engine.inner_steps} "
+            f"(round {engine.rounds}); they committed rounds it did not take part in (its exchange was cut, e.g. "
+            f"it was frozen or stalled longer than timeout_s={self.timeout_s:g}). Taking their state would move "
+            f"its step, learning-rate schedule and data position under its training loop, so it leaves the job: "
+            f"restart it to rejoin from a live peer at the job's step"
+        )
+
     def close(self) -> None:
         """Leave the job: stop the Manager (its heartbeats end; the others go on without us)."""
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
-
-
-def _meet(peers: Peers) -> Optional[Exception]:
-    """One tiny all-reduce over the quorum (every member arrives after its heal); the error, if any."""
-    try:
-        dist.all_reduce(torch.zeros(1), group=peers.group)
-    except Exception as error:
-        return error
-    return None
 
 
 def _portable(identity: dict[str, Any]) -> dict[str, Any]:

@@ -137,7 +137,9 @@ def elastic_membership(args) -> Any:
     os.environ.setdefault("RUST_LOG", "warn")
     from co2_zero.elastic import Membership
 
-    return Membership(args.lighthouse, args.replica_id, start_replicas=args.start_replicas)
+    # what every replica's job must share beyond the co2 config and the model (refused naming both values)
+    agree = {"dtype": args.dtype, "seed": args.seed}
+    return Membership(args.lighthouse, args.replica_id, start_replicas=args.start_replicas, agree=agree)
 
 
 def build_plain(args, model, co2) -> Trainer:
