@@ -287,6 +287,7 @@ def _state_from_truth(identity, truth, inner_steps=8, tau=3, stand_in="shared"):
         "rounds": inner_steps // tau,
         "skipped_rounds": 1,
         "fixed_sync_delay": 2,  # sync_delay "auto" fixed it: the resharded run keeps it
+        "applies_at": tau,  # the next start is pending until the round end: resharding re-cuts it as it is
         "start_point": vectors["start_point"],
         "next_start": vectors["next_start"] if geo["overlap"] else None,
         "momentum": vectors["momentum"][lo:hi],

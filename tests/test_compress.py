@@ -421,15 +421,21 @@ def test_replicas_identical_at_every_round_start(results_r2, results_r4):
                 assert all(torch.equal(results[0][name]["final"][k], v) for k, v in other[name]["final"].items()), name
 
 
+def assert_resumed_exactly(runs: dict) -> None:
+    """A resumed run equals the uninterrupted one at every recorded point, and one resumed with its
+    residuals zeroed does not (the residuals matter)."""
+    assert len(runs["resumed"]) == len(runs["uninterrupted"]) >= 3
+    for a, b in zip(runs["resumed"], runs["uninterrupted"]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    last_zeroed, last = runs["residuals-zeroed"][-1], runs["uninterrupted"][-1]
+    assert not all(torch.equal(last_zeroed[k], last[k]) for k in last)
+
+
 def test_resume_restores_the_residuals_exactly(results_r2):
     for per_rank in results_r2:
         runs = per_rank["resume"]
         assert min(runs["saved_residual_norms"]) > 0  # there was something to restore
-        assert len(runs["resumed"]) == len(runs["uninterrupted"]) >= 3
-        for a, b in zip(runs["resumed"], runs["uninterrupted"]):
-            assert all(torch.equal(a[k], b[k]) for k in a)
-        last_zeroed, last = runs["residuals-zeroed"][-1], runs["uninterrupted"][-1]
-        assert not all(torch.equal(last_zeroed[k], last[k]) for k in last)  # the residuals matter
+        assert_resumed_exactly(runs)
 
 
 def test_nan_round_is_skipped_and_residuals_restart(results_r2):

@@ -251,7 +251,8 @@ def test_the_local_stand_in_with_a_clip_refuses_reduce_scatter_naming_what_is_ac
         assert isinstance(error, ValueError), error
         message = str(error)
         assert "collective='reduce_scatter'" in message and "clip.mode='norm'" in message, message
-        assert "accepted: collective: 'all_reduce', or stand_in: 'shared'" in message, message
+        accepted = "accepted: collective: 'all_reduce' (or topk < 1, which all-gathers), or stand_in: 'shared'"
+        assert accepted in message, message
 
 
 def test_shards_that_do_not_divide_the_world_are_rejected(misconfigured_results):
