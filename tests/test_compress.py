@@ -295,23 +295,29 @@ def resume_run(rank: int, sc: dict) -> dict:
     return runs
 
 
+def two_rounds_on_the_wide_model(rank: int, sc: dict) -> dict:
+    """bytes_sent after each of two steps, co2_state_bytes and the outer step's segment index bytes; then
+    finalize()."""
+    model, opt = _build(sc)
+    sent: list = []
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        sent.append(opt.last_round["bytes_sent"])
+    out = {"sent": sent, "state": opt.co2_state_bytes(), "index_bytes": opt.engine.exchange.index_bytes}
+    opt.finalize()
+    return out
+
+
 def bytes_run(rank: int, replicas: int) -> dict:
     """bytes_sent of a round and co2_state_bytes, per comm_dtype and strategy, on the wide model."""
     out = {}
     for comm_dtype in COMM_DTYPES:
         for strategy in STRATEGIES:
             sc = {"config": {**WIDE_CONFIG, "comm_dtype": comm_dtype, "collective": strategy}, "model": "wide"}
-            model, opt = _build(sc)
-            sent: list = []
-            x = torch.randn(8, 256, generator=torch.Generator().manual_seed(rank))
-            for _ in range(2):
-                opt.zero_grad()
-                model(x).square().mean().backward()
-                opt.step()
-                sent.append(opt.last_round["bytes_sent"])
-            index_bytes = opt.engine.exchange.index_bytes  # the outer step's segment index
-            out[(comm_dtype, strategy)] = {"sent": sent, "state": opt.co2_state_bytes(), "index_bytes": index_bytes}
-            opt.finalize()
+            out[(comm_dtype, strategy)] = two_rounds_on_the_wide_model(rank, sc)
     return out
 
 

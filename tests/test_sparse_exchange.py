@@ -29,7 +29,6 @@ from tests.test_compress import (
     ADAPTIVE,
     HEAVY_BALL,
     NESTEROV,
-    _build,
     _model,
     _norm_bytes,
     _shared_start,
@@ -40,6 +39,7 @@ from tests.test_compress import (
     resume_run,
     run_scenario,
     train_sharded,
+    two_rounds_on_the_wide_model,
 )
 
 # "uneven" has 527 parameters: one short chunk per partition, k = 16 of 528 at 3%, 8 at 1.5%
@@ -90,16 +90,7 @@ def bytes_run(rank: int) -> dict:
     """bytes_sent of two rounds and co2_state_bytes on the wide model, dense fp32 and sparse int2."""
     out = {}
     for name, wire in WIRE.items():
-        model, opt = _build({"config": {**WIDE, **wire}, "model": "wide"})
-        sent = []
-        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(rank))
-        for _ in range(2):
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
-            sent.append(opt.last_round["bytes_sent"])
-        out[name] = {"sent": sent, "state": opt.co2_state_bytes(), "index_bytes": opt.engine.exchange.index_bytes}
-        opt.finalize()
+        out[name] = two_rounds_on_the_wide_model(rank, {"config": {**WIDE, **wire}, "model": "wide"})
     return out
 
 
