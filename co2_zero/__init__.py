@@ -4,7 +4,7 @@ Each replica takes `tau` local optimizer steps. The replicas' mean displacement 
 background while the next steps compute, and an outer Nesterov momentum step applies it as soon as the
 exchange is hidden (the sync delay, measured on the job); meanwhile each replica continues from its own
 stand-in for that step (`stand_in: local`). CO2 as published (heavy ball, the adaptive staleness gap
-penalty, the average applied a round late) is `co2_zero.config.PUBLISHED`. docs/design.md §3 has the math.
+penalty, the average applied a round late) is `co2_zero.core.config.PUBLISHED`. docs/design.md §3 has the math.
 """
 
 import torch
@@ -15,8 +15,8 @@ if torch_too_old(torch.__version__):  # before any module that would fail on an 
     raise ImportError(torch_too_old(torch.__version__))
 
 from . import checkpoint  # noqa: E402
-from .config import Clip, CO2Config, GapPenalty  # noqa: E402
-from .errors import CO2Error, CO2TimeoutError, NonFiniteError  # noqa: E402
+from .core.config import Clip, CO2Config, GapPenalty  # noqa: E402
+from .core.errors import CO2Error, CO2TimeoutError, NonFiniteError  # noqa: E402
 from .optim import CO2Optimizer  # noqa: E402
 
 __all__ = [

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional, Type, Union
 import torch
 import torch.distributed as dist
 
-from .errors import CO2Error, missing_extra
+from .core.errors import CO2Error, missing_extra
 
 try:
     from fairscale.internal.params import calc_grad_norm
@@ -35,15 +35,15 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise missing_extra("FairScale", "fairscale", error) from error
 
 from . import integration as contract  # the checks every adapter shares
-from . import pace
-from .agreement import identify
 from .checkpoint.record import load_record, optimizer_record, refused
-from .config import CO2Config
-from .engine import RoundEngine
+from .core import pace
+from .core.config import CO2Config
+from .core.engine import RoundEngine
+from .core.outer import Segment
+from .core.parameter_order import identify
+from .core.partition import Partition, parameter_signature
+from .core.topology import Topology, collective_device
 from .integration import CO2Steps, InnerOptimizerState, Integration
-from .outer import Segment
-from .partition import Partition, parameter_signature
-from .topology import Topology, collective_device
 
 __all__ = ["CO2OSS", "ShardedDataParallel", "wrap"]
 

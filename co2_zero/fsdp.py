@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .agreement import identify
-from .config import CO2Config
-from .errors import CO2Error
+from .core.config import CO2Config
+from .core.errors import CO2Error
+from .core.outer import Segment
+from .core.parameter_order import identify
+from .core.partition import Partition, parameter_signature
+from .core.topology import new_groups, replica_ranks
 from .integration import TensorRows, check_fp32_parameters
-from .outer import Segment
-from .partition import Partition, parameter_signature
-from .topology import new_groups, replica_ranks
 
 _USE_REPLICA_MESH = "shard the model with fully_shard(module, mesh=co2_zero.fsdp.replica_mesh(config))"
 

@@ -34,8 +34,8 @@ except ImportError as error:
     raise ImportError(f"co2_zero.hf needs DeepSpeed ({error}): pip install -e '.[hf]'") from error
 
 from . import checkpoint
-from .errors import CO2Error
-from .step_budget import step_budget_problem
+from .core.errors import CO2Error
+from .core.step_budget import step_budget_problem
 
 __all__ = ["CO2Callback", "check_co2_section"]
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Protocol, S
 
 import torch
 
-from .engine import RoundEngine
-from .errors import CO2Error
-from .partition import Partition
+from .core.engine import RoundEngine
+from .core.errors import CO2Error
+from .core.partition import Partition
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import FrameworkState

@@ -14,10 +14,13 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from .agreement import identify, in_model_order
 from .checkpoint.record import load_record, optimizer_record, refused
-from .config import CO2Config
-from .engine import RoundEngine
+from .core.config import CO2Config
+from .core.engine import RoundEngine
+from .core.outer import Segment
+from .core.parameter_order import identify, in_model_order
+from .core.partition import Partition, parameter_signature
+from .core.topology import Topology
 from .integration import (
     WHOLE,
     CO2Steps,
@@ -28,9 +31,6 @@ from .integration import (
     one_device,
     trainable_parameters,
 )
-from .outer import Segment
-from .partition import Partition, parameter_signature
-from .topology import Topology
 
 
 def flatten_parameters_(params: list[torch.nn.Parameter]) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from co2_zero.pace import taus_for_speeds
+from co2_zero.core.pace import taus_for_speeds
 
 CASES = {"half": [1.0, 1.0, 1.0, 0.5], "quarter": [1.0, 1.0, 0.5, 0.25]}
 BASE_S = 0.03  # an inner step at speed 1, compute included

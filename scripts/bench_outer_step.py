@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from co2_zero import CO2Config, CO2Optimizer
-from co2_zero.config import PUBLISHED
-from co2_zero.outer import OuterHyper, Segment, SegmentIndex, outer_step
+from co2_zero.core.config import PUBLISHED
+from co2_zero.core.outer import OuterHyper, Segment, SegmentIndex, outer_step
 
 PRESETS = {  # n_layer, n_head, n_embd, block_size, vocab_size, batch_size
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=512, batch_size=8),

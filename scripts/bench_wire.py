@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from co2_zero import CO2Optimizer  # noqa: E402
-from co2_zero.compress import FORMATS, RecordLayout, dequantize_into, quantize_with_feedback_  # noqa: E402
-from co2_zero.sparse import SparseLayout, add_decoded_, encode_with_feedback_  # noqa: E402
+from co2_zero.core.compress import FORMATS, RecordLayout, dequantize_into, quantize_with_feedback_  # noqa: E402
+from co2_zero.core.sparse import SparseLayout, add_decoded_, encode_with_feedback_  # noqa: E402
 from tests.dist_utils import run_ranks  # noqa: E402
 
 # label -> the co2 config's wire fields

@@ -1,4 +1,4 @@
-"""The benchmark harness's own arithmetic and measurements (scripts/bench_throughput.py, co2_zero.tune_tau).
+"""The benchmark harness's own arithmetic and measurements (scripts/bench_throughput.py, co2_zero.train.tune_tau).
 
 The benchmarks are not part of the suite; what decides their numbers is: which runs a cell plans, how
 a run's steady state is cut out of its log, and what the tuner times as "one round's exchange".

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from co2_zero import CO2Config, CO2Error, CO2Optimizer, NonFiniteError
-from co2_zero.config import PUBLISHED
+from co2_zero.core.config import PUBLISHED
 from tests import models
 from tests.dist_utils import run_ranks
 

@@ -10,7 +10,7 @@ import torch
 
 from co2_zero import CO2Error, CO2Optimizer, checkpoint
 from co2_zero.checkpoint import consolidate
-from co2_zero.config import PUBLISHED
+from co2_zero.core.config import PUBLISHED
 from tests import models
 from tests.compare import param_copies, same
 from tests.dist_utils import run_ranks
@@ -155,7 +155,7 @@ def test_a_checkpoint_of_the_old_defaults_names_the_published_preset(runs):
     defaults, naming the preset that holds it, and loads under it."""
     _, _, second = runs
     for result in second:
-        assert "config_hash" in result["old-defaults"] and "co2_zero.config.PUBLISHED" in result["old-defaults"]
+        assert "config_hash" in result["old-defaults"] and "co2_zero.core.config.PUBLISHED" in result["old-defaults"]
         assert result["published-step"] == 2
 
 

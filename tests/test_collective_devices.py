@@ -104,7 +104,7 @@ class CollectiveChecker:
     # ---- checking --------------------------------------------------------------------------------------
 
     def _collective(self, name: str, original):
-        from co2_zero.topology import collective_device
+        from co2_zero.core.topology import collective_device
 
         signature = inspect.signature(original)
 
@@ -165,7 +165,7 @@ class CollectiveChecker:
                 if hasattr(dist, name):
                     setattr(dist, name, wrapped)
         by_original = {id(fn): getattr(c10d, name) for name, fn in originals.items()}
-        for module_name, module in list(sys.modules.items()):  # e.g. co2_zero.comm's _reduce_scatter
+        for module_name, module in list(sys.modules.items()):  # e.g. co2_zero.core.comm's _reduce_scatter
             if module_name.startswith(OURS) and module is not None:
                 for attribute, value in list(vars(module).items()):
                     if id(value) in by_original:
@@ -267,7 +267,7 @@ def run_all(rank: int, world: int, directory: str) -> dict:
     os.environ.setdefault("LOCAL_RANK", str(rank))
     checker = CollectiveChecker()
     checker.install()
-    from co2_zero.topology import collective_device
+    from co2_zero.core.topology import collective_device
 
     with checker.canary():  # what the wrapper must catch, and what it must let through
         dist.all_reduce(torch.zeros(1))
@@ -313,7 +313,7 @@ def test_the_run_went_through_every_collective_of_the_library_and_the_tuner(resu
     """The paths above really issued the collectives this test is about (else it would check nothing)."""
     expected = {
         "gather_fingerprints",  # start-up agreement
-        "common_start",  # every replica from replica 0 (co2_zero.startup)
+        "common_start",  # every replica from replica 0 (co2_zero.core.startup)
         "_average",  # the displacement: reduce-scatter and all-reduce
         "_average_sparse",  # the sparse exchange's all-gather (the tuner's topk run)
         "_pipeline",  # all-gather of the new start point
@@ -336,7 +336,7 @@ def test_the_run_went_through_every_collective_of_the_library_and_the_tuner(resu
 
 
 def _nccl_rank(monkeypatch) -> None:
-    import co2_zero.startup as startup
+    import co2_zero.core.startup as startup
 
     monkeypatch.setattr(startup, "collective_device", lambda group=None: torch.device("cuda", 3))
     monkeypatch.setattr(startup.dist, "get_backend", lambda group=None: "nccl")
@@ -345,8 +345,8 @@ def _nccl_rank(monkeypatch) -> None:
 def test_an_empty_partition_keeps_its_state_on_the_collective_device(monkeypatch):
     from types import SimpleNamespace
 
-    from co2_zero.partition import Partition
-    from co2_zero.startup import state_device
+    from co2_zero.core.partition import Partition
+    from co2_zero.core.startup import state_device
 
     _nccl_rank(monkeypatch)
     empty = Partition(chunks=[], segments=[], num_tensors=1, signature="s")
@@ -357,8 +357,8 @@ def test_a_partition_off_the_nccl_device_is_refused_naming_both(monkeypatch):
     from types import SimpleNamespace
 
     from co2_zero import CO2Error
-    from co2_zero.partition import Partition
-    from co2_zero.startup import state_device
+    from co2_zero.core.partition import Partition
+    from co2_zero.core.startup import state_device
 
     _nccl_rank(monkeypatch)
     on_cpu = Partition(chunks=[torch.zeros(4)], segments=[], num_tensors=1, signature="s")  # e.g. CPU offload

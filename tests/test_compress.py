@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from co2_zero import CO2Optimizer
-from co2_zero.compress import BLOCK, FORMATS, RecordLayout, dequantize_into, quantize_into, quantize_with_feedback_
+from co2_zero.core.compress import BLOCK, FORMATS, RecordLayout, dequantize_into, quantize_into, quantize_with_feedback_
 from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from co2_zero import CO2Config
-from co2_zero.config import PUBLISHED, Clip, GapPenalty
+from co2_zero.core.config import PUBLISHED, Clip, GapPenalty
 
 BAD_FIELDS = [
     ("tau", 0, "tau"),
@@ -122,7 +122,7 @@ def test_sync_delay_null_is_the_round_end():
 
 
 def test_auto_sync_delay_starts_at_the_round_end_and_hashes_apart():
-    """ "auto" (the default) applies at the round end until it fixes a delay (co2_zero.sync_delay); its
+    """ "auto" (the default) applies at the round end until it fixes a delay (co2_zero.core.schedule); its
     trajectory is not a fixed delay's, so a checkpoint of one does not load into the other."""
     auto = CO2Config(tau=12)
     assert auto.sync_delay == "auto" and auto.measures_sync_delay and auto.steps_before_apply == 12

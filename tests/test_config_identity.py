@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from co2_zero import CO2Optimizer, checkpoint
-from co2_zero.config import PUBLISHED, CO2Config
+from co2_zero.core.config import PUBLISHED, CO2Config
 from tests import models
 from tests.dist_utils import run_ranks
 

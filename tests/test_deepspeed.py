@@ -704,7 +704,7 @@ def test_missing_deepspeed_names_the_extra(monkeypatch, module):
 
 def test_shipped_configs_are_valid(monkeypatch):
     import co2_zero.configs
-    from co2_zero.topology import check_shards
+    from co2_zero.core.topology import check_shards
 
     paths = sorted(CONFIGS.glob("ds_*co2*.json"))
     assert [p.name for p in paths] == co2_zero.configs.names(), "configs/ must be the package's configs"

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from co2_zero.config import PUBLISHED
+from co2_zero.core.config import PUBLISHED
 from tests import models
 from tests.reference import replica_round_starts, simulate
 

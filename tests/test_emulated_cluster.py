@@ -117,7 +117,7 @@ def test_a_cpu_cap_must_be_positive():
 
 
 def test_recommend_tau_formula():
-    """co2_zero.tune_tau's arithmetic: tau_comm = ceil(margin * t_comm / t_step), the largest candidate wins."""
+    """co2_zero.train.tune_tau's arithmetic: tau_comm = ceil(margin * t_comm / t_step), the largest candidate wins."""
     rec = tune_tau.recommend_tau(t_comm=0.26, t_step=0.11, margin=1.5)
     assert rec["tau_comm"] == 4 and rec["tau"] == 4  # ceil(1.5 * 2.36) = ceil(3.55)
     rec = tune_tau.recommend_tau(0.26, 0.11, 1.5, t_book=0.011, max_overhead=0.02, round_overhead=0.1,

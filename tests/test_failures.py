@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from co2_zero import CO2Config, CO2Error, CO2Optimizer, CO2TimeoutError, NonFiniteError, checkpoint
-from co2_zero.config import PUBLISHED
-from co2_zero.topology import Topology
+from co2_zero.core.config import PUBLISHED
+from co2_zero.core.topology import Topology
 from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import launch_ranks, run_ranks
@@ -78,7 +78,7 @@ def test_lost_peer_fails_within_timeout_naming_round_and_group(how):
 def test_a_failed_step_announcement_is_a_timeout_only_when_a_deadline_passed():
     """A peer that left closes the control group's connection at once: that is a CO2Error naming the
     cause, not a CO2TimeoutError claiming timeout_s passed (it was the message whichever wait noticed)."""
-    from co2_zero.agreement import StepAnnouncements
+    from co2_zero.core.parameter_order import StepAnnouncements
 
     class FailedWork:
         def __init__(self, error: Exception) -> None:

@@ -4,8 +4,8 @@ delay: no processes."""
 import pytest
 import torch
 
+from co2_zero.core.schedule import ApplySchedule
 from co2_zero.integration import Integration, check_fp32, check_fp32_parameters, one_device, trainable_parameters
-from co2_zero.sync_delay import ApplySchedule
 
 
 def test_trainable_parameters_are_in_order_each_once_without_frozen_ones():

@@ -235,9 +235,9 @@ def run_scenario(rank: int, sc: dict) -> dict:
 
 def train_scenarios(rank: int, world: int, scenarios: dict) -> dict:
     """Child process: every scenario in turn; `slow` ones get a deliberately slow collective."""
-    import co2_zero.comm
+    import co2_zero.core.comm
 
-    original_average = co2_zero.comm.OuterExchange._average
+    original_average = co2_zero.core.comm.OuterExchange._average
     results = {}
     for name, sc in scenarios.items():
         delay = sc.get("slow", 0.0)
@@ -246,9 +246,9 @@ def train_scenarios(rank: int, world: int, scenarios: dict) -> dict:
             time.sleep(_delay)
             return original_average(self, *args)
 
-        co2_zero.comm.OuterExchange._average = slow_average if delay else original_average
+        co2_zero.core.comm.OuterExchange._average = slow_average if delay else original_average
         results[name] = run_scenario(rank, sc)
-    co2_zero.comm.OuterExchange._average = original_average
+    co2_zero.core.comm.OuterExchange._average = original_average
     return results
 
 

@@ -1,4 +1,4 @@
-"""The outer step's fused kernels (co2_zero/outer.py) against plain per-segment loops written here.
+"""The outer step's fused kernels (co2_zero/core/outer.py) against plain per-segment loops written here.
 
 `SegmentIndex` makes per-tensor sums of squares and per-tensor scaling a fixed number of kernels;
 these tests compare it with the obvious loop over segments on awkward layouts (offsets, gaps,
@@ -15,8 +15,8 @@ from collections import Counter
 import pytest
 import torch
 
-from co2_zero.config import PUBLISHED, CO2Config
-from co2_zero.outer import EPS, OuterHyper, Segment, SegmentIndex, outer_step
+from co2_zero.core.config import PUBLISHED, CO2Config
+from co2_zero.core.outer import EPS, OuterHyper, Segment, SegmentIndex, outer_step
 
 torch.set_num_threads(1)
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from co2_zero import CO2Config, CO2Optimizer, checkpoint
-from co2_zero.agreement import steps_mismatch
-from co2_zero.errors import CO2Error
-from co2_zero.pace import Pace, refuse
+from co2_zero.core.errors import CO2Error
+from co2_zero.core.pace import Pace, refuse
+from co2_zero.core.parameter_order import steps_mismatch
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.reference import simulate, simulate_paced
@@ -198,7 +198,7 @@ def test_weights_are_the_token_shares():
 
 
 def test_steps_per_round_from_speeds():
-    from co2_zero.pace import taus_for_speeds
+    from co2_zero.core.pace import taus_for_speeds
 
     assert taus_for_speeds([1, 1, 0.5, 0.25], 32) == [32, 32, 16, 8]
     assert taus_for_speeds([2.0, 1.0, 0.01], 8) == [8, 4, 1]  # never below one step
@@ -254,7 +254,7 @@ def test_an_elastic_membership_is_refused_before_anything_is_built():
     """The engine refuses first (a membership's quorums change who is averaged every round)."""
     from types import SimpleNamespace
 
-    from co2_zero.engine import RoundEngine
+    from co2_zero.core.engine import RoundEngine
 
     partition = SimpleNamespace(check_views=lambda: None)
     with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with an elastic membership"):

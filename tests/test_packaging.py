@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow  # about 1.5-3 minutes: a build, a venv with torch
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "co2_zero" / "version.py").read_text()).group(1)
 TORCH = f"torch=={torch.__version__.split('+')[0]}"  # the local-version-free pin: 2.13.0 matches 2.13.0+cpu
-SCRIPTS = {"co2-train": "co2_zero.train:main", "co2-tune-tau": "co2_zero.tune_tau:main"}
+SCRIPTS = {"co2-train": "co2_zero.train:main", "co2-tune-tau": "co2_zero.train.tune_tau:main"}
 SDIST_MUST_HOLD = [
     "CHANGELOG.md", "LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in", "co2_zero/py.typed",
     "co2_zero/configs/ds_zero2_co2.json", "configs/ds_zero1_co2.json", "configs/ds_zero2_co2.json",
@@ -99,7 +99,9 @@ def test_wheel_holds_the_package_configs_and_py_typed_only(dist):
     assert all(n.startswith(("co2_zero/", f"co2_zero-{VERSION}.dist-info/")) for n in names), names
     for required in ("co2_zero/py.typed", "co2_zero/configs/ds_zero2_co2.json", "co2_zero/configs/__init__.py"):
         assert required in names, required
-    assert "co2_zero/train/__init__.py" in names and "co2_zero/tune_tau.py" in names, "the jobs are not in the wheel"
+    assert "co2_zero/train/__init__.py" in names and "co2_zero/train/tune_tau.py" in names, (
+        "the jobs are not in the wheel"
+    )
     metadata = zipfile.ZipFile(dist["wheel"]).read(f"co2_zero-{VERSION}.dist-info/METADATA").decode()
     torch_min = ".".join(map(str, TORCH_MIN))
     assert "License-Expression: BSD-3-Clause" in metadata and f"Requires-Dist: torch>={torch_min}" in metadata

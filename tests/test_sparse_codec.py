@@ -1,4 +1,4 @@
-"""The sparse exchange's codec (`co2_zero.sparse`, docs/design.md §5) against the plain per-chunk code of
+"""The sparse exchange's codec (`co2_zero.core.sparse`, docs/design.md §5) against the plain per-chunk code of
 tests/reference_compress.py, bit for bit, and its edge cases: a chunk of zeros, ties at the k-th value,
 a chunk shorter than the rest, NaN/Inf, k rounding to 0; the payload's size against its formula."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from co2_zero.compress import FORMATS, RecordLayout
-from co2_zero.sparse import (
+from co2_zero.core.compress import FORMATS, RecordLayout
+from co2_zero.core.sparse import (
     CHUNK,
     INDEX_BITS,
     SparseLayout,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from co2_zero import CO2Error, CO2Optimizer, checkpoint
-from co2_zero.config import CO2Config
-from co2_zero.sparse import SparseLayout
+from co2_zero.core.config import CO2Config
+from co2_zero.core.sparse import SparseLayout
 from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from co2_zero.step_budget import step_budget_problem
+from co2_zero.core.step_budget import step_budget_problem
 from co2_zero.train import args as train_args
 from co2_zero.train import preflight
 from tests import models

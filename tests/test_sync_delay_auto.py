@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from co2_zero import CO2Optimizer, checkpoint
-from co2_zero.sync_delay import MARGIN, DelayMeter, delay_for
+from co2_zero.core.schedule import MARGIN, DelayMeter, delay_for
 from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks
@@ -125,7 +125,7 @@ def test_a_pipeline_counts_as_finished_once_its_device_work_has():
     for the event, not only for the future."""
     from concurrent.futures import Future
 
-    from co2_zero.engine import _finished
+    from co2_zero.core.engine import _finished
 
     class Event:
         def __init__(self, ready: bool) -> None:
@@ -148,9 +148,9 @@ def test_a_pipeline_counts_as_finished_once_its_device_work_has():
 def _gate(opt: CO2Optimizer, steps_in: int):
     """Every pipeline waits for the inner step `steps_in` of the next round to begin, which waits for the
     pipeline: the exchange takes exactly `steps_in` steps. Returns the function that removes the gate."""
-    import co2_zero.comm
+    import co2_zero.core.comm
 
-    original = co2_zero.comm.OuterExchange._average
+    original = co2_zero.core.comm.OuterExchange._average
     opened = threading.Event()
 
     def gated_average(self, *args):
@@ -167,12 +167,12 @@ def _gate(opt: CO2Optimizer, steps_in: int):
                 assert time.monotonic() < deadline, "the gated pipeline did not finish"
                 time.sleep(0.001)
 
-    co2_zero.comm.OuterExchange._average = gated_average
+    co2_zero.core.comm.OuterExchange._average = gated_average
     handle = opt.optimizer.register_step_pre_hook(pre_hook)
 
     def unpatch():  # a pipeline still gated (launched at the last step) goes through
         opened.set()
-        co2_zero.comm.OuterExchange._average = original
+        co2_zero.core.comm.OuterExchange._average = original
         handle.remove()
 
     return unpatch

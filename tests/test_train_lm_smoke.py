@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from co2_zero import CO2Config
-from co2_zero.config import PUBLISHED
+from co2_zero.core.config import PUBLISHED
 from co2_zero.train import args as train_args
 from co2_zero.train import checkpoints as train_checkpoints
 from co2_zero.train import data as train_data

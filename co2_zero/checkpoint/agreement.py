@@ -11,8 +11,8 @@ import struct
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence
 
-from ..errors import CO2Error, CO2TimeoutError
-from ..topology import gather_fingerprints, text_words, words_text
+from ..core.errors import CO2Error, CO2TimeoutError
+from ..core.topology import gather_fingerprints, text_words, words_text
 
 TEXT_WORDS = 64  # an error message or a path in an agreement: 512 bytes of UTF-8
 TAG_WORDS = 32  # a tag (at most files.MAX_TAG_BYTES = 200 bytes) in the load's choice: 256 bytes

@@ -10,9 +10,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from ..config import PUBLISHED, CO2Config
-from ..errors import CO2Error
-from ..topology import text_words, words_text
+from ..core.config import PUBLISHED, CO2Config
+from ..core.errors import CO2Error
+from ..core.topology import text_words, words_text
 from .agreement import (
     SEEN_WORDS,
     TAG_WORDS,
@@ -296,7 +296,7 @@ def _config_hint(saved_hash: Any) -> str:
     published, the preset that holds it."""
     if saved_hash == CO2Config(**PUBLISHED).math_hash():
         return (
-            "it was saved under CO2 as published: resume with co2_zero.config.PUBLISHED "
+            "it was saved under CO2 as published: resume with co2_zero.core.config.PUBLISHED "
             "(CO2Config(**PUBLISHED), or train_lm's --method co2_published; docs/configuration.md)"
         )
     return "resume with the same co2 config (the defaults and presets: docs/configuration.md)"

@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import CO2Error, CO2TimeoutError
-from ..topology import fingerprint
+from ..core.errors import CO2Error, CO2TimeoutError
+from ..core.topology import fingerprint
 from .agreement import (
     Agreement,
     as_hex,

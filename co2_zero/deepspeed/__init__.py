@@ -23,7 +23,7 @@ partition and `CO2ZeroOptimizer`), `workarounds.py`, `engine.py` (`initialize`, 
 `checkpoints.py` (`save_checkpoint`, `load_checkpoint`), `routing.py` (`patch`, `unpatch`).
 """
 
-from ..errors import missing_extra
+from ..core.errors import missing_extra
 
 try:  # the deepspeed extra; without it, an ImportError that names the extra
     import deepspeed  # noqa: F401

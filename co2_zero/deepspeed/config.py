@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 from .. import configs
-from ..config import CO2Config
-from ..topology import Topology
+from ..core.config import CO2Config
+from ..core.topology import Topology
 
 ConfigLike = Union[str, os.PathLike, Mapping[str, Any]]
 

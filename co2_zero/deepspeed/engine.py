@@ -16,8 +16,8 @@ from typing import Any, Iterator, Mapping, Optional
 import deepspeed
 import torch
 
+from ..core.topology import Topology
 from ..integration import refuse_membership
-from ..topology import Topology
 from .checkpoints import load_checkpoint, save_checkpoint
 from .config import ConfigLike, _per_replica_batch, split_config
 from .mpu import ReplicaMPU

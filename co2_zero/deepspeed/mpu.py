@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..topology import Topology
+from ..core.topology import Topology
 
 
 class ReplicaMPU:

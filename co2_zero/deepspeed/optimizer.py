@@ -10,15 +10,15 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from .. import pace
-from ..agreement import identify
-from ..config import CO2Config
-from ..engine import RoundEngine
-from ..errors import CO2Error
+from ..core import pace
+from ..core.config import CO2Config
+from ..core.engine import RoundEngine
+from ..core.errors import CO2Error
+from ..core.outer import Segment
+from ..core.parameter_order import identify
+from ..core.partition import Partition, parameter_signature
+from ..core.topology import Topology
 from ..integration import CO2Steps, Integration, check_fp32, trainable_parameters
-from ..outer import Segment
-from ..partition import Partition, parameter_signature
-from ..topology import Topology
 
 
 def zero_partition(zero: DeepSpeedZeroOptimizer, module: Optional[torch.nn.Module] = None) -> Partition:

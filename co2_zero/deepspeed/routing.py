@@ -23,8 +23,8 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import deepspeed
 
 from .. import checkpoint
-from ..errors import CO2Error
-from ..topology import gather_fingerprints
+from ..core.errors import CO2Error
+from ..core.topology import gather_fingerprints
 from .checkpoints import load_checkpoint, save_checkpoint
 from .config import _config_source, _load_ds_config, _refuse_misspelt_section
 from .engine import initialize

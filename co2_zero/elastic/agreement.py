@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from ..errors import CO2Error
-from ..topology import _describe, fingerprint, text_words, words_text
+from ..core.errors import CO2Error
+from ..core.topology import _describe, fingerprint, text_words, words_text
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import RoundEngine
+    from ..core.engine import RoundEngine
 
 WORDS = 2  # per field: a number's float64 bits, up to 16 bytes of text, or a hash marked HASHED
 HASHED = -1  # second word of a value too long to travel as text

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import Layout, OuterExchange, PipelineJob, RoundResult, choose_collective
-from ..config import CO2Config
-from ..errors import CO2Error
-from ..topology import Topology
+from ..core.comm import Layout, OuterExchange, PipelineJob, RoundResult, choose_collective
+from ..core.config import CO2Config
+from ..core.errors import CO2Error
+from ..core.topology import Topology
 from .agreement import FIELDS, HEAD, WORDS, ReplicaRefused, identity_fields, row, start_digest, verdict
 from .lighthouse import AbandonedCollective, wait_watched
 

@@ -16,7 +16,7 @@ import warnings
 from collections import Counter
 from typing import Any, Callable, Optional
 
-from ..errors import CO2Error
+from ..core.errors import CO2Error
 
 # torchft 0.2.0's Lighthouse status page: one item per heartbeating replica group, "old" once its last
 # heartbeat is older than the heartbeat timeout (the quorum then leaves it out)

@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import Layout
-from ..config import CO2Config
-from ..errors import CO2Error, missing_extra
-from ..partition import local_values
-from ..topology import Topology, collective_device
+from ..core.comm import Layout
+from ..core.config import CO2Config
+from ..core.errors import CO2Error, missing_extra
+from ..core.partition import local_values
+from ..core.topology import Topology, collective_device
 from .exchange import ElasticExchange, Peers, check_supported, drop_group
 from .lighthouse import QuorumIds, check_unique
 from .quiet import quiet_torchft
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import RoundEngine
+    from ..core.engine import RoundEngine
 
 
 def _torchft() -> Any:

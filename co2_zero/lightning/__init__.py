@@ -14,7 +14,7 @@ Both check the run at its start, log each round's figures through the Trainer's 
 
 from typing import Any
 
-from ..errors import missing_extra
+from ..core.errors import missing_extra
 
 try:  # the lightning extra
     import lightning.pytorch  # noqa: F401

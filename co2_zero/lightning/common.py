@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..errors import CO2Error
+from ..core.errors import CO2Error
 
 TAG = "checkpoint"  # the co2_zero.checkpoint tag inside a Lightning checkpoint path (DeepSpeed's name)
 PER_RANK = ("state_dict", "optimizer_states")  # what the per-rank files hold themselves

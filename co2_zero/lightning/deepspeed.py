@@ -23,7 +23,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from .. import deepspeed as co2_deepspeed
-from ..errors import CO2Error
+from ..core.errors import CO2Error
 from .common import TAG, CO2Hooks
 
 

@@ -18,9 +18,10 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 
-from .. import checkpoint, pace
-from ..config import CO2Config
-from ..errors import CO2Error
+from .. import checkpoint
+from ..core import pace
+from ..core.config import CO2Config
+from ..core.errors import CO2Error
 from ..integration import CO2Steps
 from ..optim import CO2Optimizer
 from .common import TAG, CO2Hooks

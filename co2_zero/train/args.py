@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import configs
-from ..config import PUBLISHED, STAND_INS
-from ..step_budget import step_budget_problem
+from ..core.config import PUBLISHED, STAND_INS
+from ..core.step_budget import step_budget_problem
 from .data import BYTE_VOCAB, TOKEN_VOCAB
 from .model import MODEL_PRESETS
 

@@ -20,7 +20,7 @@ import torch
 import torch._dynamo  # noqa: F401  before any process group (below)
 import torch.distributed as dist
 
-from .. import pace
+from ..core import pace
 from . import checkpoints
 from .args import CO2_METHODS, co2_config, get_args
 from .data import Batches, elastic_stream

@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from co2_zero.config import CO2Config  # noqa: E402
+from co2_zero.core.config import CO2Config  # noqa: E402
 
 REFERENCE_MARKER = "<!-- co2-config-reference -->"
 DEFAULTS_MARKER = "<!-- co2-config-defaults -->"

@@ -32,7 +32,7 @@ estimate from the measured round (a round costs tau * t_step + O, with O roughly
 τ tried met the targets, it says so and recommends the τ measured best (`choose_tau`). Every
 measurement is printed, and written as JSON with --tune_json, so it can be checked.
 
-Installed, the command is `co2-tune-tau` (or `python -m co2_zero.tune_tau`); in a checkout,
+Installed, the command is `co2-tune-tau` (or `python -m co2_zero.train.tune_tau`); in a checkout,
 scripts/tune_tau.py runs the same.
 
 Run it exactly like the training job, e.g. on a real 4-node cluster (one rank per node here; any
@@ -67,8 +67,8 @@ import torch
 import torch.distributed as dist
 
 from co2_zero import CO2Config, CO2Optimizer
-from co2_zero.sync_delay import MARGIN, delay_for
-from co2_zero.topology import collective_device
+from co2_zero.core.schedule import MARGIN, delay_for
+from co2_zero.core.topology import collective_device
 from co2_zero.train.args import HelpWithDefaults, co2_config
 from co2_zero.train.args import get_args as training_args
 from co2_zero.train.loop import setup_dist
@@ -99,7 +99,7 @@ def measure_step_time(step_fn: Callable[[], None], steps: int = 10, warmup: int 
 def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, reps: int = 5) -> dict:
     """Median seconds of one round's exchange of `numel` partition elements, slowest rank.
 
-    Times the library's own pipeline (co2_zero.comm: the collective `config.collective` resolves to,
+    Times the library's own pipeline (co2_zero.core.comm: the collective `config.collective` resolves to,
     in `config.comm_dtype`, quantization and error feedback included, and the outer step) on a
     partition of one flat tensor: CO2 rounds of τ = 1 with nothing to compute, so each round's wait
     is the previous round's whole pipeline. Every rank is a replica (CO2Optimizer's S = 1), as in
@@ -298,7 +298,11 @@ def _batch(args):
 
 def get_args(argv: Optional[Sequence[str]] = None):
     epilog = "Every other flag is the training job's (co2-train --help)."
-    prog = "python -m co2_zero.tune_tau" if sys.argv[0].endswith("tune_tau.py") and "co2_zero" in sys.argv[0] else None
+    prog = (
+        "python -m co2_zero.train.tune_tau"
+        if sys.argv[0].endswith("tune_tau.py") and "co2_zero" in sys.argv[0]
+        else None
+    )
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0], epilog=epilog,
                                 formatter_class=HelpWithDefaults)  # fmt: skip
     p.add_argument("--margin", type=float, default=MARGIN, help="safety factor on t_comm / t_step")
@@ -321,7 +325,7 @@ def get_args(argv: Optional[Sequence[str]] = None):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`co2-tune-tau` / `python -m co2_zero.tune_tau` / scripts/tune_tau.py; returns 0."""
+    """`co2-tune-tau` / `python -m co2_zero.train.tune_tau` / scripts/tune_tau.py; returns 0."""
     tune(argv)
     return 0
 

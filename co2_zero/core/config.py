@@ -323,7 +323,7 @@ class CO2Config:
     def steps_before_apply(self) -> int:
         """Inner steps into a round at which the average of the round before it is applied, at the start:
         0 in blocking mode (at once), else `sync_delay` (tau when unset, and while "auto" measures: the
-        round end; `co2_zero.sync_delay` fixes the measured one)."""
+        round end; `co2_zero.core.schedule` fixes the measured one)."""
         if not self.overlap:
             return 0
         return self.tau if self.sync_delay in (None, "auto") else self.sync_delay

@@ -14,8 +14,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from .agreement import TensorIdentity
 from .outer import Segment
+from .parameter_order import TensorIdentity
 
 
 @dataclass

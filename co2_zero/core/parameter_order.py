@@ -7,7 +7,7 @@
 - **How many inner steps each rank took** (every round end and `finalize()`): a rank that calls
   `finalize()` tells the others at once, so a rank that trained on learns it at its next wait instead
   of blocking on a round its peers never run. The same announcement carries the inner steps the last
-  exchange took on the rank (`sync_delay: "auto"`, `co2_zero.sync_delay`), so all ranks fix one delay.
+  exchange took on the rank (`sync_delay: "auto"`, `co2_zero.core.schedule`), so all ranks fix one delay.
 
 Everything travels as fixed-size int64 vectors (`topology.gather_fingerprints`): no pickling.
 """
@@ -186,7 +186,7 @@ def steps_mismatch(
 ) -> Optional[str]:
     """The finalize error for announcement `rows`, or None when every rank is at the same step and
     agrees on finalizing. This rank's own count is `steps` (it may have trained on since it posted).
-    `taus` (replicas of different speeds, `co2_zero.pace`): every rank's inner steps per round; the ranks
+    `taus` (replicas of different speeds, `co2_zero.core.pace`): every rank's inner steps per round; the ranks
     then have to agree on the round ends they passed, not on the steps (steps past the last are dropped)."""
     rows = [[row[0], row[1]] for row in rows]  # [steps, finalizing]; the exchange steps may differ
     compared = rows if taus is None else [[s // tau, done] for (s, done), tau in zip(rows, taus)]

@@ -19,10 +19,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .agreement import TensorIdentity, agree_on_parameters
 from .comm import Layout, choose_collective
 from .config import CO2Config
 from .errors import CO2Error, collective_error
+from .parameter_order import TensorIdentity, agree_on_parameters
 from .partition import ParameterWatch, Partition, local_values
 from .topology import Topology, collective_device, fingerprint, gather_fingerprints
 
@@ -40,7 +40,7 @@ def check_stand_in(config: CO2Config, topology: Topology) -> None:
             f"{config.clip.mode!r} and the local stand-in (stand_in={config.stand_in!r}): the stand-in would "
             f"follow a copy of the outer momentum that a clipped step leaves unknown; accepted: collective: "
             f"'all_reduce' (or topk < 1, which all-gathers), or stand_in: 'shared' with an outer step for it "
-            f"(co2_zero.config.PUBLISHED's)"
+            f"(co2_zero.core.config.PUBLISHED's)"
         )
 
 

@@ -13,7 +13,7 @@ replica's progress since the round start kept on top of it, `_apply_mid_round`);
 apply are the only writes of the live parameters. `sync_delay: "auto"` measures d on the job first
 (`sync_delay.DelayMeter`) and switches the schedule once, at a round end. The engine's lifecycle is an explicit `Phase`;
 what `overlap` and the sync delay change is decided in one place, `ApplySchedule`. Start-up lives in
-`startup`, the module buffers in `buffers`, the state as plain data in `engine_state`.
+`startup`, the module buffers in `buffers`, the state as plain data in `round_state`.
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import engine_state, startup
-from .agreement import StepAnnouncements, steps_mismatch
+from . import round_state, startup
 from .buffers import ModuleBuffers
 from .comm import OuterExchange, PipelineJob, largest_abs
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError, collective_error
 from .outer import eager_start, local_start, track_momentum
 from .pace import Pace, refuse
+from .parameter_order import StepAnnouncements, steps_mismatch
 from .partition import ParameterWatch, Partition
-from .sync_delay import MARGIN, ApplySchedule, DelayMeter, RoundPlan
+from .schedule import MARGIN, ApplySchedule, DelayMeter, RoundPlan
 from .topology import Topology
 
 _WATCH_S = 0.05  # how often a wait for the pipeline looks at the step announcements
@@ -499,12 +499,12 @@ class RoundEngine:
     # ---- state (engine_state: plain containers and tensors) ------------------------------------------
 
     def geometry(self) -> dict[str, Any]:
-        """See `engine_state.geometry`."""
-        return engine_state.geometry(self)
+        """See `round_state.geometry`."""
+        return round_state.geometry(self)
 
     def identity(self) -> dict[str, Any]:
-        """What a state must agree on to be loaded here (`engine_state.identity`)."""
-        return engine_state.identity(self)
+        """What a state must agree on to be loaded here (`round_state.identity`)."""
+        return round_state.identity(self)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's CO2 state. Waits for the round in flight so its result is included. Tensors are
@@ -512,12 +512,12 @@ class RoundEngine:
         step."""
         self.check_usable()
         self._wait_pending()
-        return engine_state.state_dict(self)
+        return round_state.state_dict(self)
 
     def check_state_dict(self, state: Any) -> None:
         """Raise ValueError naming the first field of `state` that does not fit this engine (same
         config, topology, model and partition); changes nothing."""
-        engine_state.check_state_dict(self, state)
+        round_state.check_state_dict(self, state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved on this same rank of the same topology and config. Checks
@@ -525,7 +525,7 @@ class RoundEngine:
         self.check_usable()
         self.check_state_dict(state)
         self._wait_pending()
-        engine_state.load_state_dict(self, state)
+        round_state.load_state_dict(self, state)
 
     def restart_round(self) -> None:
         """Set the live parameters to where this replica's round starts (`round_start`: its stand-in when

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .sync_delay import ApplySchedule
+from .schedule import ApplySchedule
 
 if TYPE_CHECKING:
     from .engine import RoundEngine
