@@ -7,6 +7,8 @@ import ast
 from pathlib import Path
 from typing import Sequence
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "co2_zero" / "checkpoint"
 PACKAGE = ["co2_zero", "checkpoint"]
@@ -70,3 +72,33 @@ def test_the_import_reader_sees_relative_and_nested_imports():
     assert {"co2_zero.fsdp", "co2_zero.optim"} <= names
     assert all(forbidden(n) for n in ("co2_zero.fsdp", "co2_zero.optim.CO2Optimizer", "deepspeed.runtime"))
     assert not forbidden("co2_zero.core.topology") and not forbidden("co2_zero.optimizer_math")
+
+
+def test_old_module_paths_import_the_moved_modules_with_a_warning_naming_the_new_path():
+    """Every entry of co2_zero.moved.MOVED: the old name is the new module object, with a DeprecationWarning
+    naming the new path; the new module keeps its own name and spec."""
+    import importlib
+    import sys
+    import warnings
+
+    from co2_zero.moved import MOVED
+
+    for old, new in MOVED.items():
+        assert not (ROOT / Path(*old.split("."))).with_suffix(".py").exists(), f"{old} is still a file"
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+        assert module.__spec__.name == new and module.__name__ == new, old
+        assert any(f"import {new} instead" in str(w.message) for w in caught), (old, [str(w.message) for w in caught])
+        sys.modules.pop(old)
+
+
+def test_an_unknown_module_of_the_package_is_still_an_import_error():
+    import importlib
+
+    import co2_zero  # noqa: F401  installs the finder
+
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("co2_zero.no_such_module")
