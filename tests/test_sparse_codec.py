@@ -110,6 +110,16 @@ def test_a_short_chunk_and_k_rounding_to_zero_still_send_one_element():
         assert arrived[lo : lo + CHUNK].abs().max() == chunk.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ("int2", "fp32"))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_residual_is_still_sent_nonfinite_when_it_decays(fmt, bad):
+    """β·NaN is NaN and β·Inf is Inf: a poisoned residual still reaches the peers as non-finite."""
+    vector, residual = torch.randn(CHUNK), torch.zeros(CHUNK)
+    residual[11] = bad
+    arrived, _, _ = _send(vector, fmt, 0.015, residual, decay=0.95)
+    assert not bool(arrived.isfinite().all())
+
+
 @pytest.mark.parametrize("fmt", VALUE_FORMATS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_nonfinite_chunks_stay_nonfinite(fmt, bad):
