@@ -14,7 +14,8 @@ whatever the values:
 
 A quantized chunk holding NaN/Inf has a non-finite scale, so every value it sends decodes non-finite.
 Error feedback (`encode_with_feedback_`): the residual keeps everything not sent and the quantization
-error of what was, exactly as `compress.quantize_with_feedback_`.
+error of what was, exactly as `compress.quantize_with_feedback_`; with `feedback_decay` β < 1 it is
+scaled by β before it is added (SparseLoCo's decaying accumulator).
 """
 
 from __future__ import annotations
