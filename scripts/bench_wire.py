@@ -52,6 +52,7 @@ WIRES = {
     "top3%-int2": {"comm_dtype": "int2", "topk": 0.03},
     "top1.5%-int2": {"comm_dtype": "int2", "topk": 0.015},
     "top1%-int2": {"comm_dtype": "int2", "topk": 0.01},
+    "top0.9%-int2": {"comm_dtype": "int2", "topk": 0.009},
     "top1.5%-int4": {"comm_dtype": "int4", "topk": 0.015},
     "top1.5%-fp32": {"comm_dtype": "fp32", "topk": 0.015},
 }

@@ -20,6 +20,7 @@ not from the library (nothing here imports co2_zero):
   magnitude (NaN largest, ties to the lower index), their values quantized as one block of k (or kept
   fp32 / rounded to bf16); e_r keeps the rest; every replica averages the R arrivals in replica order
   and runs the outer step on the whole partition; the new start is its result, for every replica.
+  With `feedback_decay` β < 1 replica r sends D_r + β·e_r instead (what was not sent fades).
 """
 
 from __future__ import annotations
@@ -79,11 +80,18 @@ class CompressedExchange:
     """
 
     def __init__(
-        self, fmt: str, strategy: str, replicas: int, partitions: list[list[Piece]] | None = None, topk: float = 1.0
+        self,
+        fmt: str,
+        strategy: str,
+        replicas: int,
+        partitions: list[list[Piece]] | None = None,
+        topk: float = 1.0,
+        decay: float = 1.0,
     ):
         assert strategy in ("reduce_scatter", "all_reduce", "all_gather") and (strategy == "all_gather") == (topk < 1)
         assert fmt in QMAX or (topk < 1 and fmt in RAW)
-        self.fmt, self.strategy, self.replicas, self.topk = fmt, strategy, replicas, topk
+        assert decay == 1.0 or topk < 1
+        self.fmt, self.strategy, self.replicas, self.topk, self.decay = fmt, strategy, replicas, topk, decay
         self.partitions = partitions
         self.sent: dict[tuple[int, int], Tensor] = {}  # (replica, shard) -> displacement residual
         self.owned: dict[int, Tensor] = {}  # shard -> residual of what the owners gather (all R of them)
@@ -111,11 +119,13 @@ class CompressedExchange:
         return {name: out[name].reshape(like[name].shape) for name in like}
 
     def _send(self, vector: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """(what arrives, the new residual) for sending `vector` + `residual`, sub-shard by sub-shard."""
-        total = vector + residual
+        """(what arrives, the new residual) for sending `vector` + `residual` (top-k: + decay · `residual`),
+        sub-shard by sub-shard."""
         if self.strategy == "all_gather":  # the whole partition, top-k per chunk
+            total = vector + self.decay * residual
             arrived = sparse_roundtrip(total, self.fmt, self.topk)
         else:
+            total = vector + residual
             arrived = torch.cat([roundtrip(part, self.fmt) for part in total.chunk(self.replicas)])
         return arrived, total - arrived
 

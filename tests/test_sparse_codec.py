@@ -25,12 +25,12 @@ from tests.reference_compress import sparse_roundtrip
 VALUE_FORMATS = ("fp32", "bf16", "int8", "fp8", "int4", "int2")
 
 
-def _send(vector: torch.Tensor, fmt: str, topk: float, residual=None):
-    """(what arrives, the new residual, the payload) when `vector` + `residual` is sent."""
+def _send(vector: torch.Tensor, fmt: str, topk: float, residual=None, decay: float = 1.0):
+    """(what arrives, the new residual, the payload) when `vector` + decay · `residual` is sent."""
     layout = SparseLayout.for_length(vector.numel(), topk, fmt)
     residual = torch.zeros_like(vector) if residual is None else residual.clone()
     payload = torch.empty(layout.nbytes, dtype=torch.uint8)
-    encode_with_feedback_(vector.clone(), residual, layout, payload)
+    encode_with_feedback_(vector.clone(), residual, layout, payload, decay)
     return add_decoded_(payload, layout, torch.zeros_like(vector)), residual, payload
 
 
@@ -54,6 +54,27 @@ def test_error_feedback_residual_is_added_before_selection():
     residual[7] = 5.0  # what an earlier round could not send
     arrived, new_residual, _ = _send(vector, "fp32", 1 / CHUNK, residual)
     assert arrived[7] == 5.0 and int((arrived != 0).sum()) == 1 and not new_residual.any()
+
+
+def test_a_decaying_residual_fades_before_selection():
+    """feedback_decay β: the top-k of D + β·e is sent, and the residual keeps the rest of D + β·e."""
+    vector, residual = torch.zeros(CHUNK), torch.zeros(CHUNK)
+    vector[3], residual[7], residual[9] = 3.0, 4.0, -1.0
+    arrived, new_residual, _ = _send(vector, "fp32", 1 / CHUNK, residual, decay=0.5)
+    assert arrived[3] == 3.0 and int((arrived != 0).sum()) == 1  # 3 beats 4·0.5: the faded residual lost
+    assert new_residual[7] == 2.0 and new_residual[9] == -0.5 and int((new_residual != 0).sum()) == 2
+
+
+@pytest.mark.parametrize("fmt", ("int2", "int4", "fp32"))
+@pytest.mark.parametrize("decay", [0.95, 0.5])
+def test_decaying_feedback_matches_the_reference(fmt, decay):
+    gen = torch.Generator().manual_seed(7)
+    vector, residual = torch.randn(CHUNK + 100, generator=gen), torch.randn(CHUNK + 100, generator=gen)
+    arrived, new_residual, _ = _send(vector, fmt, 0.03, residual, decay=decay)
+    total = vector + decay * residual
+    expected = sparse_roundtrip(total, fmt, 0.03)
+    assert torch.equal(arrived, expected)
+    assert torch.equal(new_residual, total - expected)
 
 
 @pytest.mark.parametrize("fmt", VALUE_FORMATS)
@@ -87,6 +108,16 @@ def test_a_short_chunk_and_k_rounding_to_zero_still_send_one_element():
         chunk = vector[lo : lo + CHUNK]
         assert int((arrived[lo : lo + CHUNK] != 0).sum()) == 1
         assert arrived[lo : lo + CHUNK].abs().max() == chunk.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ("int2", "fp32"))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_residual_is_still_sent_nonfinite_when_it_decays(fmt, bad):
+    """β·NaN is NaN and β·Inf is Inf: a poisoned residual still reaches the peers as non-finite."""
+    vector, residual = torch.randn(CHUNK), torch.zeros(CHUNK)
+    residual[11] = bad
+    arrived, _, _ = _send(vector, fmt, 0.015, residual, decay=0.95)
+    assert not bool(arrived.isfinite().all())
 
 
 @pytest.mark.parametrize("fmt", VALUE_FORMATS)

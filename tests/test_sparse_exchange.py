@@ -66,6 +66,14 @@ SCENARIOS = {
         config={**HEAVY_BALL, "stand_in": "eager", "tau": 3, "topk": 0.1, "comm_dtype": "int8"}, steps=9,
         model="uneven",
     ),
+    # SparseLoCo's decaying residual, with the defaults otherwise, and with its plain outer step
+    "topk-int2-defaults-decay": dict(
+        config={"tau": 3, "topk": 0.03, "comm_dtype": "int2", "feedback_decay": 0.9}, steps=13, model="uneven",
+    ),
+    "topk-int2-sparseloco": dict(
+        config={"tau": 2, "topk": 0.03, "comm_dtype": "int2", "feedback_decay": 0.95, "outer_lr": 1.0,
+                "outer_momentum": 0.0}, steps=10, model="uneven", optimizer="adam",
+    ),
 }  # fmt: skip
 NAN_ROUND = dict(
     config={**HEAVY_BALL, "tau": 2, "topk": 0.03, "comm_dtype": "int2", "nonfinite": "skip_round"},
@@ -81,6 +89,9 @@ SHARDED = {  # CO2OSS, S x R = 2 x 2
     ),
     "oss-topk-int2-shared": dict(config={**NESTEROV, "tau": 2, "topk": 0.05, "comm_dtype": "int2"}, steps=8,
                                  model="uneven"),
+    "oss-topk-int2-defaults-decay": dict(
+        config={"tau": 2, "topk": 0.03, "comm_dtype": "int2", "feedback_decay": 0.9}, steps=8, model="uneven"
+    ),
 }  # fmt: skip
 WIDE = {**HEAVY_BALL, "tau": 1, "overlap": False, "gap_penalty": ADAPTIVE}
 WIRE = {"fp32": {"comm_dtype": "fp32", "collective": "all_reduce"}, "int2-1.5%": {"comm_dtype": "int2", "topk": 0.015}}
@@ -110,7 +121,10 @@ def results():
 def _reference(sc: dict, replicas: int, partitions=None, shards: int = 1):
     """[round][replica] starts and [replica] finals of the reference with `sc`'s sparse exchange."""
     config = sc["config"]
-    exchange = CompressedExchange(config["comm_dtype"], "all_gather", replicas, partitions, topk=config["topk"])
+    exchange = CompressedExchange(
+        config["comm_dtype"], "all_gather", replicas, partitions, topk=config["topk"],
+        decay=config.get("feedback_decay", 1.0),
+    )  # fmt: skip
     starts: list = []
     step_record: list = []
     kind, opt_kind = sc.get("model", "mlp"), sc.get("optimizer", "sgd")
@@ -217,13 +231,29 @@ def test_impossible_combinations_are_refused_with_what_to_set(co2, field):
     assert "topk" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "co2,accepted",
+    [
+        ({"feedback_decay": 0.9}, "1.0 when topk=1.0"),
+        ({"topk": 0.03, "feedback_decay": 0.0}, r"\(0, 1\]"),
+        ({"topk": 0.03, "feedback_decay": 1.5}, r"\(0, 1\]"),
+        ({"topk": 0.03, "feedback_decay": float("nan")}, r"\(0, 1\]"),
+        ({"topk": 0.03, "feedback_decay": "0.9"}, r"\(0, 1\]"),
+    ],
+)
+def test_feedback_decay_is_refused_outside_the_sparse_exchange(co2, accepted):
+    with pytest.raises(ValueError, match=rf"co2 config: feedback_decay=.*accepted.*{accepted}"):
+        CO2Config.from_dict(co2)
+
+
 def test_a_deepspeed_co2_section_takes_topk():
     from co2_zero.deepspeed.config import split_config
 
     _, config = split_config(
-        {"train_batch_size": 8, "zero_optimization": {"stage": 1}, "co2": {"topk": 0.015, "comm_dtype": "int2"}}
-    )
-    assert (config.topk, config.comm_dtype, config.sparse) == (0.015, "int2", True)
+        {"train_batch_size": 8, "zero_optimization": {"stage": 1},
+         "co2": {"topk": 0.015, "comm_dtype": "int2", "feedback_decay": 0.95}}
+    )  # fmt: skip
+    assert (config.topk, config.comm_dtype, config.sparse, config.feedback_decay) == (0.015, "int2", True, 0.95)
 
 
 def test_elastic_membership_refuses_the_sparse_exchange(monkeypatch):
@@ -241,6 +271,8 @@ def test_existing_config_identities_survive_the_new_field():
     """`topk` at 1.0 leaves every existing config's hash (and so its checkpoints) as it was."""
     assert CO2Config().math_hash() == CO2Config(topk=1.0).math_hash() == "60dcf12d30d96517"
     assert CO2Config(topk=0.5).math_hash() != CO2Config().math_hash()
+    assert CO2Config(topk=0.5, feedback_decay=1.0).math_hash() == CO2Config(topk=0.5).math_hash()
+    assert CO2Config(topk=0.5, feedback_decay=0.9).math_hash() != CO2Config(topk=0.5).math_hash()
 
 
 # ---- FSDP2, S x R = 2 x 2: every inner step ------------------------------------------------------------
@@ -250,6 +282,9 @@ FSDP = {
     "fsdp-topk-int4-shared-adaptive": dict(
         config={**NESTEROV, "tau": 3, "gap_penalty": ADAPTIVE, "topk": 0.2, "comm_dtype": "int4"}, steps=7,
         optimizer="adam",
+    ),
+    "fsdp-topk-int2-defaults-decay": dict(
+        config={"tau": 2, "topk": 0.1, "comm_dtype": "int2", "feedback_decay": 0.8}, steps=7
     ),
 }  # fmt: skip
 
@@ -282,7 +317,10 @@ def test_fsdp_every_inner_step_matches_the_reference(results_fsdp, name):
     partitions = _fsdp_partitions(results_fsdp, name, shards)
 
     def reference(steps: int, finalize: bool) -> list:
-        exchange = CompressedExchange(sc["config"]["comm_dtype"], "all_gather", 2, partitions, sc["config"]["topk"])
+        config = sc["config"]
+        exchange = CompressedExchange(
+            config["comm_dtype"], "all_gather", 2, partitions, config["topk"], config.get("feedback_decay", 1.0)
+        )
         return simulate(
             lambda: models.make_model("mlp"), lambda p: models.make_optimizer(sc.get("optimizer", "sgd"), p),
             models.batch, models.loss_fn, sc["config"], replicas=2, steps=steps, finalize=finalize,

@@ -263,6 +263,18 @@ class CO2Config:
             "neutral": 1.0,
         },
     )
+    feedback_decay: float = field(
+        default=1.0,
+        metadata={
+            "doc": "The sparse exchange's error feedback: each round a replica sends the top-k of "
+            "`D + feedback_decay · residual`, so what was not sent fades by this factor per round "
+            "(SparseLoCo, arXiv 2508.15706: 0.95, with `outer_momentum: 0` and `outer_lr: 1`, the decaying "
+            "residual standing in for the outer momentum). `1.0` (the default): nothing fades, every element "
+            "of D is sent in some round. Needs `topk` < 1.",
+            "accepted": "a number in (0, 1]",
+            "neutral": 1.0,
+        },
+    )
     timeout_s: float = field(
         default=600.0,
         metadata={"doc": "Deadline of every wait on the exchange, and timeout of the CO2 process groups."},
@@ -306,6 +318,7 @@ class CO2Config:
         _check_choice("collective", self.collective, COLLECTIVES)
         _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         _check_number("topk", self.topk, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        _check_number("feedback_decay", self.feedback_decay, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
         self._check_exchange_combination()
         seconds = f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
         _check_number("timeout_s", self.timeout_s, seconds, lambda v: 0 < v <= MAX_TIMEOUT_S)
@@ -317,7 +330,7 @@ class CO2Config:
             self._check_stand_in_combination()
         if self.replica_tau is not None:
             self._check_replica_tau()
-        _as_floats(self, "outer_lr", "outer_momentum", "timeout_s", "topk")
+        _as_floats(self, "outer_lr", "outer_momentum", "timeout_s", "topk", "feedback_decay")
 
     @property
     def steps_before_apply(self) -> int:
@@ -380,6 +393,10 @@ class CO2Config:
             )
         if not self.sparse and self.collective == "all_gather":
             _fail("collective", self.collective, "'auto', 'reduce_scatter' or 'all_reduce' when topk=1.0 (dense)")
+        if not self.sparse and self.feedback_decay != 1.0:
+            _fail(
+                "feedback_decay", self.feedback_decay, "1.0 when topk=1.0 (the dense formats keep their whole residual)"
+            )
 
     def _check_stand_in_combination(self) -> None:
         """An explicit `eager` or `local` (`auto` is `local` with overlap, `shared` without, and accepts all

@@ -14,7 +14,8 @@ whatever the values:
 
 A quantized chunk holding NaN/Inf has a non-finite scale, so every value it sends decodes non-finite.
 Error feedback (`encode_with_feedback_`): the residual keeps everything not sent and the quantization
-error of what was, exactly as `compress.quantize_with_feedback_`.
+error of what was, exactly as `compress.quantize_with_feedback_`; with `feedback_decay` β < 1 it is
+scaled by β before it is added (SparseLoCo's decaying accumulator).
 """
 
 from __future__ import annotations
@@ -128,10 +129,12 @@ def _rows(vector: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def encode_with_feedback_(
-    vector: torch.Tensor, residual: torch.Tensor, layout: SparseLayout, payload: torch.Tensor
+    vector: torch.Tensor, residual: torch.Tensor, layout: SparseLayout, payload: torch.Tensor, decay: float = 1.0
 ) -> None:
-    """One error-feedback step: vector <- vector + residual; payload (uint8, `layout.nbytes`) <- its
+    """One error-feedback step: vector <- vector + decay · residual; payload (uint8, `layout.nbytes`) <- its
     top-k encoding; residual <- vector - what the payload decodes to (fp32 vectors of `layout.length`)."""
+    if decay != 1.0:
+        residual.mul_(decay)  # then added: the rounding of D + (β·e), as specified
     vector.add_(residual)
     residual.copy_(vector)
     payload.zero_()  # the records' padding too: the same bytes for the same input

@@ -38,7 +38,7 @@ CO2_FLAGS = {
     "gap_value": ("gap_penalty", "value"), "clip": ("clip", "mode"), "clip_threshold": ("clip", "threshold"),
     "shards_per_replica": "shards_per_replica", "collective": "collective", "comm_dtype": "comm_dtype",
     "timeout_s": "timeout_s", "nonfinite": "nonfinite", "stand_in": "stand_in",
-    "sync_delay": "sync_delay", "topk": "topk",
+    "sync_delay": "sync_delay", "topk": "topk", "feedback_decay": "feedback_decay",
 }  # fmt: skip
 PRESET = "default: the --method preset, else the config's co2 section, else CO2Config's"
 ELASTIC_ENGINES = ("plain", "fsdp")
@@ -149,6 +149,7 @@ def _co2_flags(p: argparse.ArgumentParser) -> None:
     a("--collective", default=None, help=f"{PRESET} auto")
     a("--comm_dtype", default=None, help=f"wire format of the exchange; {PRESET} fp32")
     a("--topk", type=float, default=None, help=f"fraction of each chunk a replica sends; {PRESET} 1.0 (dense)")
+    a("--feedback_decay", type=float, default=None, help=f"the sparse exchange's residual decay; {PRESET} 1.0")
     a("--timeout_s", type=float, default=None, help=f"deadline of every wait; {PRESET} 600")
     a("--nonfinite", default=None, choices=("raise", "skip_round"), help=f"on a NaN/inf round; {PRESET} raise")
 
