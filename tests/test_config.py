@@ -73,7 +73,9 @@ def test_stand_in_refuses_what_it_is_not_defined_with(other, named, value, refus
 def test_skip_round_runs_the_local_stand_in_and_refuses_eager():
     """A skipped round leaves eager's share in its own momentum; local restarts a non-finite replica from
     the shared start (design §3), so it and the defaults accept skip_round."""
-    with pytest.raises(ValueError, match="nonfinite='skip_round' is not supported with stand_in='eager'.*accepted: 'raise'"):
+    with pytest.raises(
+        ValueError, match="nonfinite='skip_round' is not supported with stand_in='eager'.*accepted: 'raise'"
+    ):
         CO2Config.from_dict({"stand_in": "eager", "nonfinite": "skip_round"})
     for stand_in in ("local", "auto"):
         assert CO2Config(stand_in=stand_in, nonfinite="skip_round").effective_stand_in == "local"
@@ -86,7 +88,10 @@ def test_skip_round_runs_the_local_stand_in_and_refuses_eager():
         ({"sync_delay": 33}, "null, 'auto', or an integer in [1, tau=32]"),
         ({"sync_delay": "fast"}, "null, 'auto', or an integer in [1, tau=32]"),
         ({"sync_delay": 2.0}, "an integer >= 1"),
-        ({"sync_delay": 4, "overlap": False}, "with overlap=False (a blocking round applies its average at once); accepted: null or 'auto'"),
+        (
+            {"sync_delay": 4, "overlap": False},
+            "with overlap=False (a blocking round applies its average at once); accepted: null or 'auto'",
+        ),
         ({"stand_in": "fresh"}, "'auto' | 'shared' | 'eager' | 'local'"),
     ],
 )

@@ -226,15 +226,14 @@ def test_a_deepspeed_co2_section_takes_topk():
     assert (config.topk, config.comm_dtype, config.sparse) == (0.015, "int2", True)
 
 
-def test_elastic_membership_refuses_the_sparse_exchange(monkeypatch):
+def test_elastic_membership_refuses_the_sparse_exchange():
     """A joiner or healed replica would have no error-feedback residual of its own to adopt."""
-    from co2_zero.elastic import exchange
+    from co2_zero.core.plan import resolve
 
-    monkeypatch.setattr(exchange.dist, "get_backend", lambda group: "gloo")
-    topology = SimpleNamespace(replicas=1, world_size=1, outer_group=None)
+    topology = SimpleNamespace(replicas=1, shards=1, outer_group=None)
     for dtype in ("int2", "fp32"):
-        with pytest.raises(CO2Error, match=r"topk=0\.03.*topk 1\.0"):
-            exchange.check_supported(CO2Config(topk=0.03, comm_dtype=dtype), topology)
+        with pytest.raises(CO2Error, match=r"topk=0\.03 is not supported with an elastic membership.*accepted: 1\.0"):
+            resolve(CO2Config(topk=0.03, comm_dtype=dtype), topology, elastic=True, backend="gloo")
 
 
 def test_existing_config_identities_survive_the_new_field():

@@ -2,8 +2,9 @@
 
 Every field is validated on construction; a bad value raises `ValueError` naming the field, the value
 and what would be accepted. Combinations of fields are refused by the support table
-(`co2_zero.core.support`): those of fields alone here, the rest when the optimizer is built. `CO2Config.from_dict` rejects unknown keys (DeepSpeed silently ignores
-unknown top-level keys, so this is the only check a typo in a JSON config gets).
+(`co2_zero.core.support`): those of fields alone here, the rest when the optimizer is built.
+`CO2Config.from_dict` rejects unknown keys (DeepSpeed silently ignores unknown top-level keys, so this
+is the only check a typo in a JSON config gets).
 """
 
 from __future__ import annotations

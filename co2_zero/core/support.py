@@ -63,7 +63,8 @@ class Refusal:
     def message(self, facts: Mapping[str, Any]) -> str:
         context = " and ".join(describe(name, facts) for name, _ in self.context)
         accepted = self.accepted.format(tau=facts.get("tau"))
-        return f"co2 config: {describe(self.subject, facts)} is not supported with {context} ({self.why}); accepted: {accepted}"
+        refused = f"{describe(self.subject, facts)} is not supported with {context}"
+        return f"co2 config: {refused} ({self.why}); accepted: {accepted}"
 
 
 # How the facts that are not config fields read in a message.
@@ -77,7 +78,10 @@ DRIVERS = {
     "lightning": "Lightning's CO2Strategy (its Trainer runs the same steps on every replica)",
     "co2-train": "co2-train (it runs the same steps on every replica)",
 }
-ELASTIC_ONES = "a plain CO2Optimizer (one rank per launch) or CO2Optimizer over FSDP2 (every rank of the launch)"
+ELASTIC_ONES = (
+    "CO2Optimizer over plain parameters (one rank per replica launch) or CO2Optimizer over FSDP2 (fully_shard on "
+    "co2_zero.fsdp.replica_mesh, the replica's S ranks one launch)"
+)
 
 
 def _show(value: Any) -> str:
@@ -142,7 +146,8 @@ TABLE: tuple[Refusal, ...] = (
     _row("stand_in", _EAGER, "'auto', 'shared' or 'local'", "eager's share would be 1/R, not the replica's weight",
          replica_tau=_SET),
     _row("replica_tau", _SET, "null", "not tested there", integration=one_of("fairscale")),
-    _row("replica_tau", _SET, "null", "its engine counts steps for every replica alike", integration=one_of("deepspeed")),
+    _row("replica_tau", _SET, "null", "its engine counts steps for every replica alike",
+         integration=one_of("deepspeed")),
     _row("replica_tau", _SET, "null", "not tested there", driver=one_of("lightning", "co2-train")),
     _row("replica_tau", _SET, "null", "its quorums change who is averaged every round", elastic=_ELASTIC),
     # where the config runs

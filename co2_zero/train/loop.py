@@ -20,7 +20,7 @@ import torch
 import torch._dynamo  # noqa: F401  before any process group (below)
 import torch.distributed as dist
 
-from ..core import pace
+from ..core.plan import check_given
 from . import checkpoints
 from .args import CO2_METHODS, co2_config, get_args
 from .data import Batches, elastic_stream
@@ -128,7 +128,7 @@ def build(args) -> Job:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     config = co2_config(args) if args.method in CO2_METHODS else None
     if config is not None:
-        pace.refuse(config, "co2-train (it runs the same steps on every replica)")
+        check_given(config, driver="co2-train")
     fit_to_whole_rounds(args, config, rank)
     warn_single_process(args, config, world)
     batches = Batches(args, elastic_stream(args.replica_id, rank, world) if args.lighthouse else rank, device)
