@@ -23,6 +23,9 @@ class Unsupported(CO2Error, ValueError):
     and what to set instead. A ValueError (bad configuration) and a CO2Error (the library refuses)."""
 
 
+_JSON_WORDS = {None: "null", True: "true", False: "false"}  # as a "co2" section spells them
+
+
 @dataclass(frozen=True)
 class Values:
     """A condition on one fact: its value is one of `values` (or, `besides`, none of them)."""
@@ -34,7 +37,9 @@ class Values:
         return (value in self.values) != self.besides
 
     def __str__(self) -> str:
-        shown = ", ".join(_show(v) for v in self.values)
+        shown = ", ".join(
+            _JSON_WORDS.get(v, repr(v)) if isinstance(v, (bool, type(None))) else repr(v) for v in self.values
+        )
         return f"not {shown}" if self.besides else shown
 
 
@@ -55,6 +60,11 @@ class Refusal:
     context: tuple[tuple[str, Values], ...]
     accepted: str  # what to set instead; `{tau}` is filled in from the facts
     why: str
+
+    def __str__(self) -> str:
+        """The combination in words: `subject: values with name: values and ...`."""
+        context = " and ".join(f"{name}: {values}" for name, values in self.context)
+        return f"{self.subject}: {self.refused} with {context}"
 
     def applies(self, facts: Mapping[str, Any]) -> bool:
         conditions = ((self.subject, self.refused), *self.context)
@@ -157,8 +167,6 @@ TABLE: tuple[Refusal, ...] = (
     # elastic replicas (docs/elastic.md)
     _row("elastic", _ELASTIC, ELASTIC_ONES, "elastic training runs on CO2Optimizer only",
          integration=one_of("fairscale", "deepspeed")),
-    _row("replicas", besides(1), "one replica per launch (one torchrun per replica, its ranks the replica's shards)",
-         "each replica group is its own launch", elastic=_ELASTIC),
     _row("topk", _SPARSE, "1.0", "a joiner or a healed replica has no error-feedback residual of its own to adopt",
          elastic=_ELASTIC),
     _row("comm_dtype", besides("fp32", "bf16"), "'fp32' or 'bf16'",
@@ -167,11 +175,13 @@ TABLE: tuple[Refusal, ...] = (
          "every replica keeps the whole partition's outer state, so a lost replica takes nothing with it",
          elastic=_ELASTIC),
     _row("overlap", one_of(False), "true", "elastic mode runs CO2's overlapped rounds", elastic=_ELASTIC),
-    _row("plan.sync_delay", one_of("fixed"), "'auto' (the round end there), null or tau={tau}",
+    _row("plan.sync_delay", one_of("fixed"), "'auto' (the round end there), null, or the value of tau ({tau})",
          "a quorum is formed and healed at round ends, where the average in flight is applied", elastic=_ELASTIC),
     _row("plan.stand_in", _EAGER, "'auto' or 'local' (the defaults), or 'shared'",
          "an eager replica's share is 1/R of an average whose contributors are known only inside each round's "
          "quorum, and a healing replica would need its own momentum of its shares", elastic=_ELASTIC),
+    _row("replicas", besides(1), "one replica per launch (one torchrun per replica, its ranks the replica's shards)",
+         "each replica group is its own launch", elastic=_ELASTIC),
     _row("float_buffers", besides(0), "a model without float buffers, or no membership",
          "elastic mode does not average buffers across replicas", elastic=_ELASTIC),
 )  # fmt: skip
