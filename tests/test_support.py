@@ -69,13 +69,12 @@ EXTRA_WITNESSES = [
     ("replica_tau: not null with driver: 'lightning', 'co2-train'", TRAIN, {"replica_tau": [2, 1]}),
 ]
 
-# Allowed: every stand-in x overlap x wire format the table allows, and a few more; each runs a round.
+# Allowed: every stand-in with overlap and without, each wire format, and a few more; each runs a round.
 GRID = [
-    {"stand_in": stand_in, "overlap": overlap, **wire}
-    for stand_in in ("auto", "shared", "eager", "local")
-    for overlap in (True, False)
-    for wire in ({}, {"comm_dtype": "int8"}, {"comm_dtype": "bf16", "topk": 0.5})
-] + [
+    *({"stand_in": stand_in} for stand_in in ("auto", "shared", "eager", "local")),
+    *({"stand_in": stand_in, "overlap": False} for stand_in in ("auto", "shared", "eager", "local")),
+    {"comm_dtype": "int8"},
+    {"comm_dtype": "bf16", "topk": 0.5},
     {"clip": {"mode": "norm"}, "collective": "all_reduce"},
     {"nonfinite": "skip_round", "sync_delay": 1},
     {"replica_tau": [2, 1]},
@@ -102,7 +101,7 @@ def _build(entry: str, section: dict[str, Any]) -> Any:
 
         model = models.make_model("mlp")
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "co2": co2}
-        config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}
         kwargs = {"membership": membership} if membership is not None else {}
         return co2_deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, **kwargs)
     if entry == LIGHTNING:
@@ -191,7 +190,7 @@ def test_every_refused_combination_is_refused_when_built_with_its_message(result
 
 def test_every_allowed_combination_of_the_grid_runs_a_round(results):
     allowed = [section for section in GRID if _allowed(section)]
-    assert len(allowed) >= 18  # the grid is not emptied by a too-eager table
+    assert len(allowed) == len(GRID) - 2  # eager and local without overlap are the grid's only refused cells
     for got in results:
         assert len(got["ran"]) == len(allowed)
         for section, ran in zip(allowed, got["ran"]):

@@ -180,10 +180,10 @@ TABLE: tuple[Refusal, ...] = (
     _row("plan.stand_in", _EAGER, "'auto' or 'local' (the defaults), or 'shared'",
          "an eager replica's share is 1/R of an average whose contributors are known only inside each round's "
          "quorum, and a healing replica would need its own momentum of its shares", elastic=_ELASTIC),
-    _row("replicas", besides(1), "one replica per launch (one torchrun per replica, its ranks the replica's shards)",
-         "each replica group is its own launch", elastic=_ELASTIC),
     _row("float_buffers", besides(0), "a model without float buffers, or no membership",
          "elastic mode does not average buffers across replicas", elastic=_ELASTIC),
+    _row("replicas", besides(1), "one replica per launch (one torchrun per replica, its ranks the replica's shards)",
+         "each replica group is its own launch", elastic=_ELASTIC),
 )  # fmt: skip
 
 
