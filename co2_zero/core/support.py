@@ -163,7 +163,7 @@ TABLE: tuple[Refusal, ...] = (
     # where the config runs
     _row("shards_per_replica", besides("node", 1), "1 or 'node' (read as 1); shard a replica with FSDP2 "
          "(co2_zero.fsdp.replica_mesh), co2_zero.fairscale.CO2OSS or co2_zero.deepspeed",
-         "every rank is its own replica", integration=one_of("plain")),
+         "it cannot shard a replica", integration=one_of("plain")),
     # elastic replicas (docs/elastic.md)
     _row("elastic", _ELASTIC, ELASTIC_ONES, "elastic training runs on CO2Optimizer only",
          integration=one_of("fairscale", "deepspeed")),
