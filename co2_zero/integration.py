@@ -24,6 +24,7 @@ import torch
 from .core import support
 from .core.engine import RoundEngine
 from .core.partition import Partition
+from .core.plan import ResolvedPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import FrameworkState
@@ -115,6 +116,11 @@ class CO2Steps:
         self.round_ended = applied and self.engine.inner_step_done()
         if self.round_ended and self.engine.last_round["inner_state_reset"]:
             self.inner_optimizer.state.clear()  # nonfinite="skip_round": this partition's moments were NaN/Inf
+
+    @property
+    def plan(self) -> ResolvedPlan:
+        """Every choice the rounds run with, each `auto` resolved (`co2_zero.core.plan.ResolvedPlan`)."""
+        return self.engine.plan
 
     @property
     def last_round(self) -> dict[str, Any]:

@@ -10,14 +10,18 @@ with the table, which allows it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from co2_zero import CO2Config
 from co2_zero.core import support
+from co2_zero.core.plan import ResolvedPlan, resolve
 from tests import models
 from tests.dist_utils import run_ranks
 
@@ -130,7 +134,7 @@ def _one_round(rank: int, section: dict[str, Any]) -> dict[str, Any]:
     models.train_steps(rank, model, opt, 0, opt.steps_per_round)
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     rounds = opt.engine.rounds
-    plan = repr(opt.engine.plan)
+    plan = repr(opt.plan)
     opt.engine.close()
     return {"rounds": rounds, "finite": finite, "plan": plan}
 
@@ -196,3 +200,32 @@ def test_every_allowed_combination_of_the_grid_runs_a_round(results):
         for section, ran in zip(allowed, got["ran"]):
             assert ran["rounds"] == 1 and ran["finite"], (section, ran)
             assert ran["plan"].startswith("ResolvedPlan(config=CO2Config(tau=2"), ran["plan"]
+
+
+ONE_REPLICA = SimpleNamespace(replicas=1, shards=1, outer_group=None)
+
+
+@pytest.mark.parametrize(
+    ("section", "backend", "elastic", "resolved"),
+    [
+        ({}, "gloo", False, {"collective": "all_reduce", "stand_in": "local", "sync_delay": "measured"}),
+        ({}, "nccl", False, {"collective": "reduce_scatter", "steps_before_apply": TAU}),
+        ({"topk": 0.5}, "nccl", False, {"collective": "all_gather"}),
+        ({"overlap": False}, "gloo", False, {"stand_in": "shared", "sync_delay": "at once", "steps_before_apply": 0}),
+        ({"sync_delay": None}, "gloo", False, {"sync_delay": "round end"}),
+        ({"sync_delay": TAU}, "gloo", False, {"sync_delay": "round end"}),
+        ({"sync_delay": 1}, "gloo", False, {"sync_delay": "fixed", "steps_before_apply": 1}),
+        ({"replica_tau": [TAU]}, "gloo", False, {"sync_delay": "round end", "taus": (TAU,)}),
+        ({}, "gloo", True, {"sync_delay": "round end", "stand_in": "local"}),
+    ],
+)
+def test_the_plan_resolves_every_auto_once(section, backend, elastic, resolved):
+    """docs/design.md §3, "How a round flows": the collective for the backend, the stand-in, the sync delay
+    mode and apply point, the replicas' tau, an elastic membership's rewrite; immutable; repr names them all."""
+    plan = resolve(CO2Config(tau=TAU, **section), ONE_REPLICA, elastic=elastic, backend=backend)
+    assert {key: getattr(plan, key) for key in resolved} == resolved
+    assert all(f"{f.name}=" in repr(plan) for f in dataclasses.fields(ResolvedPlan)), repr(plan)
+    assert repr(plan.config) in repr(plan)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.collective = "all_reduce"
+    assert plan.config.sync_delay == (None if elastic else CO2Config(tau=TAU, **section).sync_delay)

@@ -190,7 +190,7 @@ def header(job: Job) -> str:
         f"max_steps={a.max_steps}"
     )
     if job.config is not None:
-        line += f" {job.trainer.opt.engine.plan}"
+        line += f" {job.trainer.opt.plan}"
     if a.lighthouse:
         line += f" elastic: replica {a.replica_id} of the job at {a.lighthouse} (start_replicas={a.start_replicas})"
     return line
