@@ -63,7 +63,9 @@ class RoundEngine:
     `membership` (optional, `co2_zero.elastic.Membership`): replicas that come and go; it makes the
     exchange (which averages over each round's quorum) and, via `attach`, joins the job: True means
     this replica joined a running job at a round end and takes part in that round's exchange with a
-    zero displacement (docs/design.md §12).
+    zero displacement (docs/design.md §12). `integration`: the adapter's name
+    (`co2_zero.integration.Integration`), which the support table reads. The engine resolves its plan
+    first (`co2_zero.core.plan`, `self.plan`): a combination the table refuses raises before any collective.
     """
 
     def __init__(
