@@ -41,6 +41,7 @@ from .core.engine import RoundEngine
 from .core.outer import Segment
 from .core.parameter_order import identify
 from .core.partition import Partition, parameter_signature
+from .core.plan import check_given
 from .core.topology import Topology, collective_device
 from .integration import CO2Steps, InnerOptimizerState, Integration
 
@@ -100,8 +101,9 @@ class CO2OSS(CO2Steps, OSS):
         model: Optional[torch.nn.Module] = None,
         **defaults: Any,
     ) -> None:
-        contract.refuse_membership("co2_zero.fairscale.CO2OSS", defaults)
+        contract.refuse_membership(Integration.FAIRSCALE, defaults)
         config = CO2Config.coerce(co2)
+        check_given(config, integration=Integration.FAIRSCALE)  # before OSS talks on its group
         # OSS talks on its group inside __init__, so the replica's group must exist first.
         topology = Topology.build(config, inner_group=group)
         super().__init__(
@@ -196,7 +198,13 @@ class CO2OSS(CO2Steps, OSS):
         """Collective over every rank (the engine checks that all ranks agree on the layout)."""
         params = [p for g in self.param_groups for p in g["params"]]
         return RoundEngine(
-            self._partition, self.config, self.topology, refresh=self.refresh_replica, module=self._model, params=params
+            self._partition,
+            self.config,
+            self.topology,
+            refresh=self.refresh_replica,
+            module=self._model,
+            params=params,
+            integration=self.integration,
         )
 
     # ---- training -----------------------------------------------------------------------------------

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Protocol, S
 
 import torch
 
+from .core import support
 from .core.engine import RoundEngine
-from .core.errors import CO2Error
 from .core.partition import Partition
+from .core.plan import ResolvedPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import FrameworkState
@@ -115,6 +116,11 @@ class CO2Steps:
         self.round_ended = applied and self.engine.inner_step_done()
         if self.round_ended and self.engine.last_round["inner_state_reset"]:
             self.inner_optimizer.state.clear()  # nonfinite="skip_round": this partition's moments were NaN/Inf
+
+    @property
+    def plan(self) -> ResolvedPlan:
+        """Every choice the rounds run with, each `auto` resolved (`co2_zero.core.plan.ResolvedPlan`)."""
+        return self.engine.plan
 
     @property
     def last_round(self) -> dict[str, Any]:
@@ -303,21 +309,12 @@ def local_optimizer_state(
     return {**state_dict, "state": state}, sharded
 
 
-ELASTIC_ENGINES = (
-    "CO2Optimizer over plain parameters (one rank per replica launch) and CO2Optimizer over FSDP2 "
-    "(fully_shard on co2_zero.fsdp.replica_mesh, the replica's S ranks one launch)"
-)
-
-
-def refuse_membership(entry_point: str, given: dict[str, Any]) -> None:
-    """Raise CO2Error when `given` (an entry point's keyword arguments) holds a `membership`: only plain
-    CO2Optimizer and FSDP2 are elastic (docs/design.md §12). Without this, FairScale's OSS or DeepSpeed
-    would get it as an unknown keyword of the inner optimizer or of `deepspeed.initialize`."""
+def refuse_membership(integration: str, given: dict[str, Any]) -> None:
+    """Refuse a `membership` among `given` (an entry point's keyword arguments) as the support table does:
+    only plain CO2Optimizer and FSDP2 are elastic (docs/design.md §12). Without this, FairScale's OSS or
+    DeepSpeed would get it as an unknown keyword of the inner optimizer or of `deepspeed.initialize`."""
     if "membership" in given:
-        raise CO2Error(
-            f"co2 elastic: {entry_point} takes no membership=: elastic training is not supported there; "
-            f"it runs with {ELASTIC_ENGINES}"
-        )
+        support.check({"elastic": True, "integration": integration})
 
 
 def is_sharded(params: Sequence[torch.Tensor]) -> bool:

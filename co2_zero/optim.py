@@ -20,6 +20,7 @@ from .core.engine import RoundEngine
 from .core.outer import Segment
 from .core.parameter_order import identify, in_model_order
 from .core.partition import Partition, parameter_signature
+from .core.plan import check_given
 from .core.topology import Topology
 from .integration import (
     WHOLE,
@@ -109,6 +110,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         self.flat_params: Optional[torch.Tensor] = None
         self._replica_group: Any = None  # FSDP2: the replica mesh's group
         self._check_shards: Callable[[], None] = _nothing_to_spread
+        check_given(config, integration=self.integration, elastic=membership is not None)  # before the flattening
         partition = self.find_partition()
         shards = None if self.integration == Integration.FSDP2 else 1  # FSDP2: the replica mesh's size
         self.topology = Topology.build(config, shards=shards, inner_group=self._replica_group)
@@ -121,6 +123,7 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
             module=model,
             params=inner_params,
             membership=membership,
+            integration=self.integration,
         )
 
     def find_partition(self) -> Partition:
@@ -143,13 +146,6 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         self, params: list[torch.nn.Parameter], config: CO2Config, model: Optional[torch.nn.Module]
     ) -> Partition:
         """S = 1: the parameters re-pointed into one flat fp32 buffer, which is the partition."""
-        if config.shards_per_replica not in ("node", 1):
-            raise ValueError(
-                f"co2 config: shards_per_replica={config.shards_per_replica!r} is invalid for "
-                f"CO2Optimizer over plain parameters, where every rank is its own replica; accepted: 1 "
-                f"or 'node' (read as 1). Shard a replica with FSDP2 (co2_zero.fsdp.replica_mesh), "
-                f"co2_zero.fairscale.CO2OSS or co2_zero.deepspeed"
-            )
         self.flat_params = flatten_parameters_(params)
         segments, offset = [], 0
         for i, p in enumerate(params):

@@ -73,7 +73,9 @@ def test_stand_in_refuses_what_it_is_not_defined_with(other, named, value, refus
 def test_skip_round_runs_the_local_stand_in_and_refuses_eager():
     """A skipped round leaves eager's share in its own momentum; local restarts a non-finite replica from
     the shared start (design §3), so it and the defaults accept skip_round."""
-    with pytest.raises(ValueError, match="nonfinite='skip_round'.*accepted: 'raise'.*stand_in='eager'"):
+    with pytest.raises(
+        ValueError, match="nonfinite='skip_round' is not supported with stand_in='eager'.*accepted: 'raise'"
+    ):
         CO2Config.from_dict({"stand_in": "eager", "nonfinite": "skip_round"})
     for stand_in in ("local", "auto"):
         assert CO2Config(stand_in=stand_in, nonfinite="skip_round").effective_stand_in == "local"
@@ -86,7 +88,10 @@ def test_skip_round_runs_the_local_stand_in_and_refuses_eager():
         ({"sync_delay": 33}, "null, 'auto', or an integer in [1, tau=32]"),
         ({"sync_delay": "fast"}, "null, 'auto', or an integer in [1, tau=32]"),
         ({"sync_delay": 2.0}, "an integer >= 1"),
-        ({"sync_delay": 4, "overlap": False}, "null or 'auto' when overlap=False"),
+        (
+            {"sync_delay": 4, "overlap": False},
+            "with overlap=False (a blocking round applies its average at once); accepted: null or 'auto'",
+        ),
         ({"stand_in": "fresh"}, "'auto' | 'shared' | 'eager' | 'local'"),
     ],
 )
@@ -161,13 +166,18 @@ def test_the_defaults_run_a_clip_and_skip_round(clip):
 
 
 def test_a_membership_runs_auto_sync_delay_at_the_round_end_and_keeps_the_rest():
-    """Elastic mode: `sync_delay: "auto"` is the round end; the stand-in is kept, so the exchange refuses the
-    default `auto` (and anything but `shared`) with what it accepts (test_elastic.py)."""
-    elastic = CO2Config().for_membership()
-    assert (elastic.stand_in, elastic.sync_delay, elastic.steps_before_apply) == ("auto", None, 32)
-    assert not elastic.measures_sync_delay
-    kept = CO2Config(stand_in="local", sync_delay=4).for_membership()
-    assert (kept.stand_in, kept.sync_delay) == ("local", 4)
+    """Elastic mode: `sync_delay: "auto"` is the round end (the plan's rewrite); the stand-in is kept, and what
+    the exchange cannot heal is refused with what it accepts (test_elastic.py)."""
+    from types import SimpleNamespace
+
+    from co2_zero.core.plan import resolve
+
+    topology = SimpleNamespace(replicas=1, shards=1, outer_group=None)
+    elastic = resolve(CO2Config(), topology, elastic=True, backend="gloo")
+    assert (elastic.config.stand_in, elastic.config.sync_delay, elastic.steps_before_apply) == ("auto", None, 32)
+    assert (elastic.sync_delay, elastic.stand_in, elastic.collective) == ("round end", "local", "all_reduce")
+    kept = resolve(CO2Config(stand_in="local", sync_delay=4), topology, backend="gloo")
+    assert (kept.config.stand_in, kept.config.sync_delay, kept.sync_delay) == ("local", 4, "fixed")
 
 
 def test_published_preset_loads_checkpoints_of_the_old_defaults():

@@ -783,26 +783,24 @@ def test_engines_that_are_not_elastic_refuse_a_membership_naming_what_is(build, 
     with pytest.raises(CO2Error) as refused:
         build(Membership("http://localhost:1", 0))
     message = str(refused.value)
-    assert f"{entry_point} takes no membership=" in message, message
-    assert "plain parameters" in message and "FSDP2" in message, message
+    assert "an elastic membership (membership=) is not supported with" in message, message
+    assert entry_point in message and "plain parameters" in message and "FSDP2" in message, message
 
 
 @pytest.mark.parametrize("field,value", [("sync_delay", 2), ("stand_in", "eager")])
 def test_elastic_mode_refuses_what_its_quorums_cannot_heal(monkeypatch, field, value):
     """Quorums form and heal at round ends (design §12): an average applied mid-round, or eager's momentum
     of a replica's own shares, is refused at construction, naming the field, its value and what is
-    accepted; `sync_delay: "auto"` is the round end there (`CO2Config.for_membership`, which the engine
-    applies before it builds the exchange), and the defaults (the local stand-in) and the published
-    shared start are accepted."""
+    accepted; `sync_delay: "auto"` is the round end there (the plan's elastic rewrite, `co2_zero.core.plan`),
+    and the defaults (the local stand-in) and the published shared start are accepted."""
     from types import SimpleNamespace
 
     from co2_zero import CO2Config, CO2Error
-    from co2_zero.elastic import exchange
+    from co2_zero.core.plan import resolve
 
-    monkeypatch.setattr(exchange.dist, "get_backend", lambda group: "gloo")
-    topology = SimpleNamespace(replicas=1, world_size=1, outer_group=None)
+    topology = SimpleNamespace(replicas=1, shards=1, outer_group=None)
     published = {**PUBLISHED, "tau": 4, "sync_delay": "auto"}
     for accepted in (published, {"tau": 4}, {"tau": 4, "stand_in": "local"}):
-        exchange.check_supported(CO2Config(**accepted).for_membership(), topology)
-    with pytest.raises(CO2Error, match=f"{field}={value!r} is not supported; accepted: "):
-        exchange.check_supported(CO2Config(**{**published, field: value}).for_membership(), topology)
+        resolve(CO2Config(**accepted), topology, elastic=True, backend="gloo")
+    with pytest.raises(CO2Error, match=f"{field}={value!r}.* is not supported with an elastic membership .*accepted: "):
+        resolve(CO2Config(**{**published, field: value}), topology, elastic=True, backend="gloo")

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from co2_zero import CO2Config, CO2Optimizer, checkpoint
 from co2_zero.core.errors import CO2Error
-from co2_zero.core.pace import Pace, refuse
+from co2_zero.core.pace import Pace
 from co2_zero.core.parameter_order import steps_mismatch
+from co2_zero.core.plan import check_given
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.reference import simulate, simulate_paced
@@ -232,9 +233,10 @@ def test_bad_or_untested_settings_are_refused_naming_the_field(fields, named):
 
 
 def test_integrations_it_was_not_tested_with_refuse_it():
-    with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with FairScale"):
-        refuse(CO2Config(tau=TAU, replica_tau=[4, 2]), "FairScale OSS")
-    refuse(CO2Config(tau=TAU), "FairScale OSS")  # null: nothing to refuse
+    with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with DeepSpeed"):
+        check_given(CO2Config(tau=TAU, replica_tau=[4, 2]), integration="deepspeed")
+    check_given(CO2Config(tau=TAU), integration="deepspeed")  # null: nothing to refuse
+    check_given(CO2Config(tau=TAU, replica_tau=[4, 2]), integration="fairscale")  # runs there (tested below)
 
 
 def test_lightning_refuses_it_when_built():

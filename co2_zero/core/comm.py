@@ -17,10 +17,9 @@ import torch.distributed as dist
 
 from . import sparse
 from .compress import FORMATS, RecordLayout, dequantize_into, quantize_with_feedback_
-from .config import CO2Config
 from .errors import NonFiniteError
 from .outer import OuterHyper, Segment, SegmentIndex, outer_step
-from .pace import Pace
+from .plan import ResolvedPlan
 from .topology import Topology, collective_device
 
 # torch 2.13 renamed the tensor collectives `*_single` and warns on the old names.
@@ -54,23 +53,6 @@ class Residuals(NamedTuple):
 
     displacement: torch.Tensor
     gathered: torch.Tensor
-
-
-def choose_collective(config: CO2Config, backend: str) -> str:
-    """Resolve `collective: auto` for a backend.
-
-    gloo: `all_reduce`. Measured here (torch 2.13, 2 ranks, 5e7 fp32): all_reduce 94 ms against
-    reduce_scatter 269 ms + all_gather 214 ms; gloo's reduce-scatter and all-gather are far from
-    bandwidth-optimal, so one all-reduce plus a redundant update of the partition wins.
-    nccl (and others): `reduce_scatter`: ring reduce-scatter + all-gather move the same bytes as a
-    ring all-reduce, and the outer momentum then needs only Ψ/N elements per rank instead of Ψ/S.
-    A sparse exchange (`topk` < 1): `all_gather` on every backend (docs/design.md §5).
-    """
-    if config.sparse:
-        return "all_gather"
-    if config.collective != "auto":
-        return config.collective
-    return "all_reduce" if backend == "gloo" else "reduce_scatter"
 
 
 class Layout(NamedTuple):
@@ -175,11 +157,12 @@ class BackgroundWorker:
 class OuterExchange:
     """Runs pipeline t: average D over the outer group, outer step, all-gather the new start point."""
 
-    def __init__(self, config: CO2Config, topology: Topology, layout: Layout, device: torch.device) -> None:
+    def __init__(self, plan: ResolvedPlan, topology: Topology, layout: Layout, device: torch.device) -> None:
+        config = plan.config
         self.config = config
         self.topology = topology
         self.layout = layout
-        self.strategy = choose_collective(config, dist.get_backend(topology.outer_group))
+        self.strategy = plan.collective
         self.comm_dtype = _COMM_DTYPES.get(config.comm_dtype)
         # None: fp32/bf16 travel as plain tensors; with topk < 1 the values' format of `sparse_layout`
         self.wire_format = None if config.sparse else FORMATS.get(config.comm_dtype)
@@ -198,7 +181,7 @@ class OuterExchange:
         self.bytes_sent = 0  # by this rank's pipelines so far (`wire_bytes`); written by the worker only
         r = topology.replica_index
         # replica_tau: R·w_r, so that the plain mean over R below is the token-weighted average (`pace`)
-        self.displacement_scale = Pace.of(config, topology.replicas).displacement_scale(r)
+        self.displacement_scale = plan.pace.displacement_scale(r)
         start, end = layout.sub_shard_range(r)
         self.sub_shard = slice(start, end)
         sub_shard_segments = layout.segments_in(start, end)

@@ -1,8 +1,10 @@
 """One schema for CO2: `CO2Config` and the `"co2"` section of a DeepSpeed JSON config.
 
 Every field is validated on construction; a bad value raises `ValueError` naming the field, the value
-and what would be accepted. `CO2Config.from_dict` rejects unknown keys (DeepSpeed silently ignores
-unknown top-level keys, so this is the only check a typo in a JSON config gets).
+and what would be accepted. Combinations of fields are refused by the support table
+(`co2_zero.core.support`): those of fields alone here, the rest when the optimizer is built.
+`CO2Config.from_dict` rejects unknown keys (DeepSpeed silently ignores unknown top-level keys, so this
+is the only check a typo in a JSON config gets).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
+
+from . import support
 
 PENALTY_MODES = ("none", "constant", "adaptive")
 CLIP_MODES = ("none", "value", "norm")
@@ -163,6 +167,7 @@ class CO2Config:
     Raises:
         ValueError: a field has a wrong type or an out-of-range value, or a nested section has an
             unknown key; the message names the field, the value and what would be accepted.
+        support.Unsupported (a ValueError): the support table refuses a combination of fields.
     """
 
     tau: int = field(
@@ -319,18 +324,16 @@ class CO2Config:
         _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         _check_number("topk", self.topk, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
         _check_number("feedback_decay", self.feedback_decay, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
-        self._check_exchange_combination()
         seconds = f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
         _check_number("timeout_s", self.timeout_s, seconds, lambda v: 0 < v <= MAX_TIMEOUT_S)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         _check_choice("stand_in", self.stand_in, STAND_INS)
         if self.sync_delay is not None:
             self._check_sync_delay()
-        if self.stand_in in ("eager", "local"):
-            self._check_stand_in_combination()
         if self.replica_tau is not None:
             self._check_replica_tau()
         _as_floats(self, "outer_lr", "outer_momentum", "timeout_s", "topk", "feedback_decay")
+        support.check(self.leaves())  # the combinations that need no more than these fields
 
     @property
     def steps_before_apply(self) -> int:
@@ -355,12 +358,6 @@ class CO2Config:
             return self.stand_in
         return "local" if self.overlap else "shared"
 
-    def for_membership(self) -> CO2Config:
-        """The config an elastic membership runs: `sync_delay: "auto"` is the round end there (a quorum forms
-        and heals at round ends; docs/elastic.md). Every other field is kept (and refused there if
-        unsupported, e.g. the eager stand-in)."""
-        return dataclasses.replace(self, sync_delay=None) if self.sync_delay == "auto" else self
-
     def _check_sync_delay(self) -> None:
         accepted = f"null, 'auto', or an integer in [1, tau={self.tau}]"
         if isinstance(self.sync_delay, str):
@@ -370,54 +367,15 @@ class CO2Config:
             _check_int("sync_delay", self.sync_delay, 1)
             if self.sync_delay > self.tau:
                 _fail("sync_delay", self.sync_delay, accepted)
-        if not self.overlap and self.sync_delay != "auto":
-            _fail(
-                "sync_delay",
-                self.sync_delay,
-                "null or 'auto' when overlap=False (a blocking round applies its average at once)",
-            )
 
     @property
     def sparse(self) -> bool:
         """Whether the exchange sends a top-k selection (`topk` < 1), all-gathered (docs/design.md §5)."""
         return self.topk < 1.0
 
-    def _check_exchange_combination(self) -> None:
-        """A sparse exchange cannot be summed along a ring: it travels by `all_gather`, which only it uses."""
-        if self.sparse and self.collective not in ("auto", "all_gather"):
-            _fail(
-                "collective",
-                self.collective,
-                f"'auto' or 'all_gather' when topk={self.topk!r} (a sparse exchange cannot be summed along a "
-                f"ring; its payloads are all-gathered), or topk: 1.0",
-            )
-        if not self.sparse and self.collective == "all_gather":
-            _fail("collective", self.collective, "'auto', 'reduce_scatter' or 'all_reduce' when topk=1.0 (dense)")
-        if not self.sparse and self.feedback_decay != 1.0:
-            _fail(
-                "feedback_decay", self.feedback_decay, "1.0 when topk=1.0 (the dense formats keep their whole residual)"
-            )
-
-    def _check_stand_in_combination(self) -> None:
-        """An explicit `eager` or `local` (`auto` is `local` with overlap, `shared` without, and accepts all
-        the rest): each refusal names the field, its value and what the stand-in accepts (docs/design.md §3,
-        "Stand-ins")."""
-        overlap = ("overlap", self.overlap, (True,), "true (a blocking round has no average in flight to stand in for)")
-        needs = [overlap]
-        if self.stand_in == "eager":
-            unclipped = "'none' (eager's momentum of its own shares is not clipped)"
-            unskipped = "'raise' (a skipped round would leave eager's share in its momentum)"
-            needs += [
-                ("clip.mode", self.clip.mode, ("none",), unclipped),
-                ("nonfinite", self.nonfinite, ("raise",), unskipped),
-            ]
-        for name, value, accepted, what in needs:
-            if value not in accepted:
-                _fail(name, value, f"{what} when stand_in={self.stand_in!r}")
-
     def _check_replica_tau(self) -> None:
-        """`replica_tau`: one integer in [1, tau] per replica, the largest tau, and the settings it was built and
-        tested with (docs/design.md §3, "Replicas of different speeds"); stored as a tuple."""
+        """`replica_tau`: one integer in [1, tau] per replica, the largest tau (docs/design.md §3, "Replicas of
+        different speeds"); stored as a tuple. What it combines with is the support table's."""
         accepted = f"null, or a list of one integer in [1, tau={self.tau}] per replica, the largest equal to tau"
         value = self.replica_tau
         if not isinstance(value, (list, tuple)) or not value:
@@ -428,16 +386,6 @@ class CO2Config:
         if max(value) != self.tau:
             _fail("replica_tau", value, accepted)
         object.__setattr__(self, "replica_tau", tuple(value))
-        needs = [
-            ("sync_delay", self.sync_delay, (None, "auto"), "null or 'auto' (the round end: rounds differ in length)"),
-            ("comm_dtype", self.comm_dtype, ("fp32",), "'fp32' (the weighted average is tested in fp32 only)"),
-            ("topk", self.topk, (1.0,), "1.0 (the weighted average is tested dense only)"),
-            ("nonfinite", self.nonfinite, ("raise",), "'raise' (a skipped round is not tested with weights)"),
-            ("stand_in", self.stand_in, ("auto", "shared", "local"), "'auto', 'shared' or 'local' (eager's: 1/R)"),
-        ]  # fmt: skip
-        for name, field_value, accepted_values, what in needs:
-            if field_value not in accepted_values:
-                _fail(name, field_value, f"{what} when replica_tau is set")
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:

@@ -37,9 +37,9 @@ from .comm import OuterExchange, PipelineJob, largest_abs
 from .config import CO2Config
 from .errors import CO2Error, CO2TimeoutError, collective_error
 from .outer import eager_start, local_start, track_momentum
-from .pace import Pace, refuse
 from .parameter_order import StepAnnouncements, steps_mismatch
 from .partition import ParameterWatch, Partition
+from .plan import resolve
 from .schedule import MARGIN, ApplySchedule, DelayMeter, RoundPlan
 from .topology import Topology
 
@@ -63,7 +63,9 @@ class RoundEngine:
     `membership` (optional, `co2_zero.elastic.Membership`): replicas that come and go; it makes the
     exchange (which averages over each round's quorum) and, via `attach`, joins the job: True means
     this replica joined a running job at a round end and takes part in that round's exchange with a
-    zero displacement (docs/design.md §12).
+    zero displacement (docs/design.md §12). `integration`: the adapter's name
+    (`co2_zero.integration.Integration`), which the support table reads. The engine resolves its plan
+    first (`co2_zero.core.plan`, `self.plan`): a combination the table refuses raises before any collective.
     """
 
     def __init__(
@@ -76,19 +78,19 @@ class RoundEngine:
         module: Optional[torch.nn.Module] = None,
         params: Sequence[torch.Tensor] = (),
         membership: Any = None,
+        integration: str = "plain",
     ) -> None:
         partition.check_views()
-        if membership is not None:
-            refuse(config, "an elastic membership (its quorums change who is averaged every round)")
-            config = config.for_membership()  # sync_delay "auto": the round end, where quorums form
-        startup.check_stand_in(config, topology)
+        module_buffers = [*buffers, *(module.buffers() if module is not None else ())]
+        float_buffers = len({id(b) for b in module_buffers if b.is_floating_point()})
+        self.plan = resolve(config, topology, integration, membership is not None, float_buffers)
+        config = self.plan.config  # with an elastic membership's rewrite
         self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
-        self.pace = Pace.of(config, topology.replicas)
+        self.pace = self.plan.pace
         self.tau = self.pace.tau(topology.replica_index)  # this replica's inner steps per round
-        self.schedule = ApplySchedule(min(config.steps_before_apply, self.tau), self.tau)
-        self.delay_meter = DelayMeter(config.tau) if config.measures_sync_delay else None
-        module_buffers = list(module.buffers()) if module is not None else []
-        self.buffers = ModuleBuffers([*buffers, *module_buffers], topology, config)
+        self.schedule = ApplySchedule(min(self.plan.steps_before_apply, self.tau), self.tau)
+        self.delay_meter = DelayMeter(config.tau) if self.plan.sync_delay == "measured" else None
+        self.buffers = ModuleBuffers(module_buffers, topology, config)
         self.watch = ParameterWatch.collect(params, module)
         device = startup.state_device(partition, topology)
         self.layout = startup.layout_of(partition, topology.replicas)
@@ -96,7 +98,7 @@ class RoundEngine:
         startup.common_start(partition, topology, refresh, self.watch, config.timeout_s)
         self.buffers.start_common()
         make_exchange = OuterExchange if membership is None else membership.make_exchange
-        self.exchange = make_exchange(config, topology, self.layout, device)
+        self.exchange = make_exchange(self.plan, topology, self.layout, device)
         self.announcements = StepAnnouncements(topology.control_group)
         self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology, self.announcements)
         self._allocate_state(device)

@@ -4,8 +4,8 @@ With `replica_tau`, replica r ends its rounds every τ_r inner steps instead of 
 different speeds reach each round end at about the same wall-clock time and none waits for the slowest.
 The exchange then weighs replica r's displacement by its share of the tokens trained, w_r = τ_r / Στ
 (every inner step being one batch of the same size). `Pace` is that bookkeeping and nothing else: which τ
-a replica runs, the factor its displacement is scaled by before the exchange's plain mean, how a step
-count reads as rounds, and what the settings it was not built for are refused with.
+a replica runs, the factor its displacement is scaled by before the exchange's plain mean, and how a step
+count reads as rounds (what it combines with is the support table's, `co2_zero.core.support`).
 """
 
 from __future__ import annotations
@@ -76,15 +76,6 @@ def taus_for_speeds(speeds: Sequence[float], tau: int) -> list[int]:
     if not speeds or any(not s > 0 for s in speeds):
         raise ValueError(f"co2: speeds={list(speeds)!r}; expected a positive number per replica")
     return [max(1, round(tau * s / max(speeds))) for s in speeds]
-
-
-def refuse(config: CO2Config, what: str) -> None:
-    """ValueError naming `replica_tau` when it is set for `what`, which it was not built and tested with."""
-    if config.replica_tau is not None:
-        raise ValueError(
-            f"co2 config: replica_tau={list(config.replica_tau)!r} is not supported with {what}; accepted there: "
-            f'null (docs/configuration.md, "Replicas of different speeds", lists what it runs with)'
-        )
 
 
 def rounds_of(steps: Sequence[int], taus: Sequence[int]) -> list[int]:

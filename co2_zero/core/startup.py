@@ -1,6 +1,5 @@
 """What the engine does once, when it is built (docs/design.md §3, §5): agree, then start together.
 
-- `check_stand_in`: a config whose stand-in this collective cannot run (refused before any collective);
 - `state_device`: where the CO2 state lives (refusing a partition NCCL cannot reach);
 - `layout_of`: the padded flat layout the outer step works on;
 - `check_agreement`: every rank holds the same model and, per shard, the same partition layout, or
@@ -19,29 +18,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .comm import Layout, choose_collective
+from .comm import Layout
 from .config import CO2Config
 from .errors import CO2Error, collective_error
 from .parameter_order import TensorIdentity, agree_on_parameters
 from .partition import ParameterWatch, Partition, local_values
 from .topology import Topology, collective_device, fingerprint, gather_fingerprints
-
-
-def check_stand_in(config: CO2Config, topology: Topology) -> None:
-    """The local stand-in clips its step with the outer momentum, which every rank holds whole only with
-    `all_reduce`; with `reduce_scatter` it follows a copy of it from the applied steps, and a clipped step
-    cannot be followed that way (docs/design.md §3, "Stand-ins")."""
-    if config.clip.mode == "none" or config.effective_stand_in != "local":
-        return
-    strategy = choose_collective(config, dist.get_backend(topology.outer_group))
-    if strategy == "reduce_scatter":
-        raise ValueError(
-            f"co2 config: collective={config.collective!r} (here {strategy!r}) is invalid with clip.mode="
-            f"{config.clip.mode!r} and the local stand-in (stand_in={config.stand_in!r}): the stand-in would "
-            f"follow a copy of the outer momentum that a clipped step leaves unknown; accepted: collective: "
-            f"'all_reduce' (or topk < 1, which all-gathers), or stand_in: 'shared' with an outer step for it "
-            f"(co2_zero.core.config.PUBLISHED's)"
-        )
 
 
 def state_device(partition: Partition, topology: Topology) -> torch.device:

@@ -17,7 +17,7 @@ import deepspeed
 import torch
 
 from ..core.topology import Topology
-from ..integration import refuse_membership
+from ..integration import Integration, refuse_membership
 from .checkpoints import load_checkpoint, save_checkpoint
 from .config import ConfigLike, _per_replica_batch, split_config
 from .mpu import ReplicaMPU
@@ -146,7 +146,7 @@ def initialize(
             support is configured (ZeRO-3, an `mpu`, MoE, fp16/bf16 master weights, ...).
         CO2Error: the ranks disagree on the config, the grid or the model.
     """
-    refuse_membership("co2_zero.deepspeed.initialize", kwargs)
+    refuse_membership(Integration.DEEPSPEED, kwargs)
     config, args = _the_config(config, args, kwargs)
     ds_config, co2 = split_config(config)
     _explicit_gradient_clipping(ds_config)

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from ..core import pace
 from ..core.config import CO2Config
 from ..core.engine import RoundEngine
 from ..core.errors import CO2Error
@@ -112,8 +111,9 @@ class CO2ZeroOptimizer(CO2Steps, DeepSpeedZeroOptimizer):
 
     def _co2_attach(self, config: CO2Config, topology: Topology, module: torch.nn.Module) -> None:
         self.config, self.topology, self._co2_module = config, topology, module
-        pace.refuse(config, "DeepSpeed ZeRO (its engine, HF Trainer and Lightning count steps for every replica alike)")
-        self.engine = RoundEngine(self.find_partition(), config, topology, refresh=self.refresh_replica, module=module)
+        self.engine = RoundEngine(
+            self.find_partition(), config, topology, self.refresh_replica, module=module, integration=self.integration
+        )
 
     def find_partition(self) -> Partition:
         """This rank's fp32 master partition (`zero_partition`)."""

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ..core.comm import Layout, OuterExchange, PipelineJob, RoundResult, choose_collective
-from ..core.config import CO2Config
+from ..core.comm import Layout, OuterExchange, PipelineJob, RoundResult
 from ..core.errors import CO2Error
+from ..core.plan import ResolvedPlan
 from ..core.topology import Topology
 from .agreement import FIELDS, HEAD, WORDS, ReplicaRefused, identity_fields, row, start_digest, verdict
 from .lighthouse import AbandonedCollective, wait_watched
@@ -49,9 +49,9 @@ class ElasticExchange(OuterExchange):
     """
 
     def __init__(
-        self, membership: Membership, config: CO2Config, topology: Topology, layout: Layout, device: torch.device
+        self, membership: Membership, plan: ResolvedPlan, topology: Topology, layout: Layout, device: torch.device
     ) -> None:
-        super().__init__(config, topology, layout, device)
+        super().__init__(plan, topology, layout, device)
         self.membership = membership
         self.joined: Optional[Peers] = None  # the quorum `attach` joined, for the first round end
         self.peers: Optional[Peers] = None  # this round's (None until the background quorum); the worker's
@@ -218,36 +218,3 @@ def drop_group(group: Any) -> None:
         group.abort()
     except Exception as error:  # pragma: no cover - torchft's abort only drops its reference
         warnings.warn(f"co2 elastic: could not abort the quorum's process group: {error}", stacklevel=2)
-
-
-def check_supported(config: CO2Config, topology: Topology) -> None:
-    """Elastic mode's limits, refused at construction with what is supported."""
-    if topology.replicas != 1:
-        raise CO2Error(
-            f"co2 elastic: this launch holds {topology.replicas} replicas ({topology.world_size} ranks); in elastic "
-            f"mode each replica group is its own launch (one torchrun per replica, its ranks the replica's shards): "
-            f"plain CO2Optimizer needs one rank per launch, FSDP2 a mesh of every rank of the launch"
-        )
-    strategy = choose_collective(config, dist.get_backend(topology.outer_group))
-    if strategy != "all_reduce" or config.comm_dtype not in ("fp32", "bf16"):
-        raise CO2Error(
-            f"co2 elastic: collective={config.collective!r} (resolved to {strategy!r}) with comm_dtype="
-            f"{config.comm_dtype!r} and topk={config.topk!r} is not supported; elastic mode needs "
-            f"collective='all_reduce' (every replica keeps the whole partition's outer state, so a lost replica "
-            f"takes nothing with it), comm_dtype 'fp32' or 'bf16' and topk 1.0 (a compressed exchange's "
-            f"error-feedback residuals are a replica's own, and a joiner or a healed replica has none to adopt)"
-        )
-    if not config.overlap:
-        raise CO2Error("co2 elastic: overlap=False is not supported; elastic mode runs CO2's overlapped rounds")
-    if config.sync_delay not in (None, config.tau):
-        raise CO2Error(
-            f"co2 elastic: sync_delay={config.sync_delay!r} is not supported; accepted: 'auto' (here the round "
-            f"end), null or tau={config.tau} (a "
-            f"quorum is formed and healed at round ends, where the average in flight is applied)"
-        )
-    if config.effective_stand_in == "eager":
-        raise CO2Error(
-            f"co2 elastic: stand_in={config.stand_in!r} is not supported; accepted: 'auto' or 'local' (the "
-            f"defaults), or 'shared'. An eager replica's share is 1/R of an average whose contributors are only "
-            f"known inside each round's quorum, and a healing replica would need its own momentum of its shares"
-        )

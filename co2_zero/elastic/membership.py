@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from ..core.comm import Layout
-from ..core.config import CO2Config
 from ..core.errors import CO2Error, missing_extra
 from ..core.partition import local_values
+from ..core.plan import ResolvedPlan
 from ..core.topology import Topology, collective_device
-from .exchange import ElasticExchange, Peers, check_supported, drop_group
+from .exchange import ElasticExchange, Peers, drop_group
 from .lighthouse import QuorumIds, check_unique
 from .quiet import quiet_torchft
 
@@ -115,12 +115,12 @@ class Membership:
     # ---- the engine's seam ---------------------------------------------------------------------------
 
     def make_exchange(
-        self, config: CO2Config, topology: Topology, layout: Layout, device: torch.device
+        self, plan: ResolvedPlan, topology: Topology, layout: Layout, device: torch.device
     ) -> ElasticExchange:
-        """The exchange of an elastic engine; starts this replica's torchft Manager."""
-        check_supported(config, topology)
-        self.timeout_s = float(config.timeout_s)
-        self.exchange = ElasticExchange(self, config, topology, layout, device)
+        """The exchange of an elastic engine (the plan was checked against the support table); starts this
+        replica's torchft Manager."""
+        self.timeout_s = float(plan.config.timeout_s)
+        self.exchange = ElasticExchange(self, plan, topology, layout, device)
         self.manager = self._start_manager(topology)
         return self.exchange
 
@@ -130,12 +130,6 @@ class Membership:
 
         At a job's start (no replica has trained) every replica takes the start point of one peer
         (torchft's init_sync), and the quorum is formed again until `start_replicas` are in it."""
-        if engine.buffers:
-            raise CO2Error(
-                f"co2 elastic: the model has {len(engine.buffers)} float buffer(s) (e.g. BatchNorm statistics); "
-                f"elastic mode does not average buffers across replicas yet: pass a model without float "
-                f"buffers, or train without a membership"
-            )
         self.engine = engine
         try:
             return self._join(engine)

@@ -19,9 +19,9 @@ from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 
 from .. import checkpoint
-from ..core import pace
 from ..core.config import CO2Config
 from ..core.errors import CO2Error
+from ..core.plan import check_given
 from ..integration import CO2Steps
 from ..optim import CO2Optimizer
 from .common import TAG, CO2Hooks
@@ -105,7 +105,7 @@ class CO2Strategy(CO2Hooks, DDPStrategy):
                 f"checkpoint_io, precision_plugin, process_group_backend, timeout, start_method)"
             )
         self.co2 = CO2Config.coerce(co2)
-        pace.refuse(self.co2, "Lightning (its Trainer runs the same steps on every replica)")
+        check_given(self.co2, driver="lightning")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import configs
+from ..core import support
 from ..core.config import PUBLISHED, STAND_INS
 from ..core.step_budget import step_budget_problem
 from .data import BYTE_VOCAB, TOKEN_VOCAB
@@ -41,7 +42,7 @@ CO2_FLAGS = {
     "sync_delay": "sync_delay", "topk": "topk", "feedback_decay": "feedback_decay",
 }  # fmt: skip
 PRESET = "default: the --method preset, else the config's co2 section, else CO2Config's"
-ELASTIC_ENGINES = ("plain", "fsdp")
+INTEGRATIONS = {"plain": "plain", "fsdp": "fsdp2", "fairscale": "fairscale", "deepspeed": "deepspeed"}  # by --engine
 ELASTIC_SUPPORTED = (
     "--lighthouse runs the plain engine (--engine plain: CO2Optimizer, one rank per launch) or FSDP2 (--engine "
     "fsdp: the launch's ranks are one replica, S = --shards_per_replica) with a CO2 method that overlaps "
@@ -262,12 +263,12 @@ def _elastic_inconsistency(args: argparse.Namespace) -> Optional[str]:
         given = {"--replica_id": args.replica_id is not None, "--start_replicas": args.start_replicas != 1}
         flags = " and ".join(flag for flag, set_ in given.items() if set_)
         return f"{flags}: elastic training's; accepted: together with --lighthouse" if flags else None
-    if args.engine not in ELASTIC_ENGINES:
+    if support.refusal({"elastic": True, "integration": INTEGRATIONS[args.engine]}) is not None:
         return f"--lighthouse with --engine {args.engine} is not supported; {ELASTIC_SUPPORTED}"
     if args.method not in CO2_METHODS:
         return f"--lighthouse with --method {args.method} is not supported; {ELASTIC_SUPPORTED}"
     overlap = args.overlap if args.overlap is not None else METHOD_PRESETS[args.method].get("overlap", True)
-    if not overlap:
+    if support.refusal({"elastic": True, "overlap": overlap}) is not None:
         return f"--lighthouse with --method {args.method} (overlap off) is not supported; {ELASTIC_SUPPORTED}"
     if args.replica_id is None or args.replica_id < 0:
         return (

@@ -20,7 +20,7 @@ import torch
 import torch._dynamo  # noqa: F401  before any process group (below)
 import torch.distributed as dist
 
-from ..core import pace
+from ..core.plan import check_given
 from . import checkpoints
 from .args import CO2_METHODS, co2_config, get_args
 from .data import Batches, elastic_stream
@@ -128,7 +128,7 @@ def build(args) -> Job:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     config = co2_config(args) if args.method in CO2_METHODS else None
     if config is not None:
-        pace.refuse(config, "co2-train (it runs the same steps on every replica)")
+        check_given(config, driver="co2-train")
     fit_to_whole_rounds(args, config, rank)
     warn_single_process(args, config, world)
     batches = Batches(args, elastic_stream(args.replica_id, rank, world) if args.lighthouse else rank, device)
@@ -176,7 +176,8 @@ def resume(args, trainer: Trainer, batches: Batches, console: Console) -> int:
 
 
 def header(job: Job) -> str:
-    """The run's first line: what runs where, on which data, and the R x S and CO2 config really used."""
+    """The run's first line: what runs where, on which data, and the R x S and the CO2 plan really used (every
+    `auto` resolved: `co2_zero.core.plan.ResolvedPlan`)."""
     a = job.args
     replicas, shards = job.trainer.grid(job.world)
     b = job.batches
@@ -188,8 +189,8 @@ def header(job: Job) -> str:
         f"train={len(b.train) / 1e6:.2f}M val={b.val_tokens / 1e6:.2f}M tokens tokens/step={job.tokens_per_step} "
         f"max_steps={a.max_steps}"
     )
-    if job.config is not None:  # the plain engine's CO2Optimizer uses S = 1 whatever the config says
-        line += f" {dataclasses.replace(job.config, shards_per_replica=shards)}"
+    if job.config is not None:
+        line += f" {job.trainer.opt.plan}"
     if a.lighthouse:
         line += f" elastic: replica {a.replica_id} of the job at {a.lighthouse} (start_replicas={a.start_replicas})"
     return line

@@ -126,7 +126,7 @@ def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, reps: 
     return {
         "t_comm": t_comm,
         "samples": [round(x, 4) for x in times],
-        "collective": opt.engine.exchange.strategy,
+        "collective": opt.plan.collective,
         "comm_dtype": config.comm_dtype,
         "topk": config.topk,
         "partition_elems": numel,
