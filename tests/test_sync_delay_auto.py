@@ -125,7 +125,7 @@ def test_a_pipeline_counts_as_finished_once_its_device_work_has():
     for the event, not only for the future."""
     from concurrent.futures import Future
 
-    from co2_zero.core.engine import _finished
+    from co2_zero.core.in_flight import finished as _finished
 
     class Event:
         def __init__(self, ready: bool) -> None:

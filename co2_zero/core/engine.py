@@ -11,19 +11,20 @@ and a `refresh` callback that spreads a rewritten partition to the rest of its r
 With a sync delay d < tau the average is applied d steps into the next round instead (the
 replica's progress since the round start kept on top of it, `_apply_mid_round`); step 3 and that
 apply are the only writes of the live parameters. `sync_delay: "auto"` measures d on the job first
-(`sync_delay.DelayMeter`) and switches the schedule once, at a round end. The engine's lifecycle is an explicit `Phase`;
-what `overlap` and the sync delay change is decided in one place, `ApplySchedule`. Start-up lives in
-`startup`, the module buffers in `buffers`, the state as plain data in `round_state`.
+(`schedule.DelayMeter`) and switches the schedule once, at a round end. What `overlap` and the sync
+delay change is decided in one place, `ApplySchedule`. The engine holds every tensor and counter of
+the round in one `round_state.RoundState` and is its only owner: others read values through its read
+methods and hand it whole states to `adopt` (a checkpoint's, or an elastic peer's). Start-up lives in
+`startup`, the module buffers in `buffers`, a stand-in's arithmetic in `stand_in`, the pipeline in
+flight (the lifecycle `Phase`, waits with a deadline) in `in_flight`.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 import warnings
 import weakref
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
@@ -32,25 +33,16 @@ from . import round_state, startup
 from .buffers import ModuleBuffers
 from .comm import OuterExchange, PipelineJob, largest_abs
 from .config import CO2Config
-from .errors import CO2Error, collective_error
+from .errors import CO2Error, collective_error, inner_reset_warning, skipped_round_warning
+from .in_flight import Phase, finished, result_watching_steps, shutdown
 from .pace import Pace, refuse
 from .parameter_order import StepAnnouncements, announcement_failure, steps_mismatch
 from .partition import ParameterWatch, Partition
 from .round_state import RoundState
 from .schedule import RoundPlan
 from .stand_in import StandIn
+from .step_budget import dropped_steps_warning
 from .topology import Topology
-
-_WATCH_S = 0.05  # how often a wait for the pipeline looks at the step announcements
-
-
-class Phase(enum.Enum):
-    """Where the engine is in its life. Round ends run from IDLE or IN_FLIGHT; the last two are final."""
-
-    IDLE = "idle"  # no pipeline in flight (before the first round end, in blocking mode between rounds)
-    IN_FLIGHT = "in flight"  # a pipeline runs round `pending_index` in the background
-    FAILED = "failed"  # a wait, a collective or a check failed: the worker and groups are released
-    FINALIZED = "finalized"  # finalize() gave every rank the same model
 
 
 class RoundEngine:
@@ -94,7 +86,7 @@ class RoundEngine:
         make_exchange = OuterExchange if membership is None else membership.make_exchange
         self.exchange = make_exchange(config, topology, self.layout, device)
         self.announcements = StepAnnouncements(topology.control_group)
-        self._at_exit = weakref.finalize(self, _shutdown, self.exchange, topology, self.announcements)
+        self._at_exit = weakref.finalize(self, shutdown, self.exchange, topology, self.announcements)
         self.state = RoundState.allocate(partition, self.exchange, config, self.tau, device)
         self.stand_in = StandIn(config, topology, self.exchange) if config.effective_stand_in != "shared" else None
         self.phase = Phase.IDLE
@@ -157,34 +149,24 @@ class RoundEngine:
     def inner_step_done(self) -> bool:
         """Count one applied inner step; end the round on every tau-th. Returns True if it did."""
         self.check_usable()
-        self.state.inner_steps += 1
-        if self.state.inner_steps % self.tau:
-            if (
-                self.state.delay_meter is not None and self.state.delay_meter.watching
-            ):  # a few steps of rounds 2 and 3 only
-                self.state.delay_meter.saw(self.state.inner_steps % self.tau, _finished(self._pending))
-            if self.state.average_unapplied and self.state.schedule.applies_mid_round(self.state.inner_steps):
+        state = self.state
+        state.inner_steps += 1
+        if state.inner_steps % self.tau:
+            if state.delay_meter is not None and state.delay_meter.watching:  # a few steps of rounds 2 and 3 only
+                state.delay_meter.saw(state.inner_steps % self.tau, finished(self._pending))
+            if state.average_unapplied and state.schedule.applies_mid_round(state.inner_steps):
                 self._apply_mid_round()
             return False
         self._round_end()
         return True
 
     def _apply_mid_round(self) -> None:
-        """Sync delay d < tau, d steps into round t+1: wait for pipeline t and rebase, live x <- x + (x_{t+1}
-        - y), y being where this replica's round started (the shared start, or its stand-in), so the d
-        steps' progress is kept on top of the new start point; the buffers trade roles. The retiring start
-        point is the scratch buffer; with a stand-in, y becomes the new shared start (it is spent)."""
+        """Sync delay d < tau, d steps into round t+1: wait for pipeline t, then rebase the live parameters
+        on x_{t+1} (`RoundState.apply_mid_round`)."""
         began = time.perf_counter()
         wait_s = self._wait_pending()
         self._track_applied_step()
-        retiring = self.state.start_point
-        self.partition.subtract_from(self.round_start, out=retiring)  # y - x
-        torch.sub(self.state.next_start, retiring, out=retiring)  # x_{t+1} - y + x
-        self.state.swap_buffers()  # the retiring start point is the next start's buffer now
-        self._set_live(retiring)
-        if self.state.own_start is not None:
-            self.state.own_start.copy_(self.state.start_point)
-        self.state.average_unapplied = False
+        self._set_live(self.state.apply_mid_round(self.partition))
         self._mid_round_s = (wait_s, time.perf_counter() - began)
 
     def _round_end(self) -> None:
@@ -199,9 +181,7 @@ class RoundEngine:
         self.announcements.post(self.state.inner_steps, finalizing=False, exchange_steps=measured)
         self._announced_round = self.state.rounds
         sent = self._exchange_bytes_since_last_report()
-        plan = self.state.schedule.plan(
-            self.state.start_point, self.state.next_start, self.state.previous_update_sq_norms
-        )
+        plan = self.state.plan_round()
         reset_inner = self._launch(plan)  # step 2
         if self.state.delay_meter is not None:
             self._follow_delay_meter()
@@ -211,13 +191,14 @@ class RoundEngine:
             sent += self._exchange_bytes_since_last_report()
         if plan.swap:  # else the buffers trade roles at the apply point (`_apply_mid_round`)
             self.state.swap_buffers()
-        self._set_live(self.round_start)  # step 3: x <- Nx (or this replica's stand-in); refresh
+        self._set_live(self.state.round_start)  # step 3: x <- Nx (or this replica's stand-in); refresh
         self.state.rounds += 1
         if self.buffers:  # a peer that finalized never averages them: learn it first
             self._check_steps()
         buffer_bytes, buffers_restored = self._average_buffers(f"round {self.state.rounds - 1}")
         if reset_inner:
-            self._warn_inner_reset()
+            where = f"global rank {self.topology.rank}, replica {self.exchange.replica_name}"
+            warnings.warn(inner_reset_warning(self.state.rounds - 1, where), stacklevel=4)
         apply_wait_s, apply_s = self._mid_round_s  # with a sync delay, counted with this round end's
         self._mid_round_s = (0.0, 0.0)
         self.last_round = {
@@ -243,7 +224,7 @@ class RoundEngine:
         before the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's
         own D is non-finite under "skip_round" (its inner state must then be reset)."""
         self.exchange.set_staleness(self.state.schedule.steps / self.tau)
-        self.partition.subtract_from(self.round_start, out=plan.work)
+        self.partition.subtract_from(self.state.round_start, out=plan.work)
         reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(plan.work[: self.layout.length])
         if self.stand_in is not None:
             self.stand_in.next_start(self.state, plan, reset_inner)
@@ -255,14 +236,6 @@ class RoundEngine:
         self.phase = Phase.IN_FLIGHT
         return reset_inner
 
-    def _warn_inner_reset(self) -> None:
-        warnings.warn(
-            f"co2: round {self.state.rounds - 1}: this rank's displacement (global rank {self.topology.rank}, "
-            f"replica {self.exchange.replica_name}) holds NaN or Inf; its inner optimizer state is reset "
-            f"and it restarts from the agreed start point (nonfinite='skip_round')",
-            stacklevel=5,
-        )
-
     def _track_applied_step(self) -> None:
         """The average in flight is applied now: the stand-in follows it (`StandIn.track_applied_step`)."""
         if self.stand_in is not None:
@@ -272,12 +245,6 @@ class RoundEngine:
     def agreed_step(self) -> int:
         """The step the ranks agree on to save (`Pace.agreed_step`): the inner steps, unless replica_tau."""
         return self.pace.agreed_step(self.topology.replica_index, self.state.inner_steps)
-
-    @property
-    def round_start(self) -> torch.Tensor:
-        """Where this replica's current round started: the shared start point B, or its stand-in until the
-        average in flight is applied (docs/design.md §3)."""
-        return self.state.start_point if self.state.own_start is None else self.state.own_start
 
     def _exchange_bytes_since_last_report(self) -> int:
         """Bytes this rank's finished pipelines sent since the last call (read with none in flight)."""
@@ -297,13 +264,7 @@ class RoundEngine:
         self._check_steps(finalizing=True)
         dropped = self.state.inner_steps % self.tau
         if dropped:
-            where = "start point" if self.state.rounds else f"model it started from: no round ended (tau={self.tau})"
-            warnings.warn(
-                f"co2 finalize: the {dropped} inner step(s) since the last round end (step "
-                f"{self.state.inner_steps - dropped}) are dropped; every rank returns to the {where}. Train whole rounds: "
-                f"a number of steps that tau divides",
-                stacklevel=3,
-            )
+            warnings.warn(dropped_steps_warning(dropped, self.state.inner_steps, self.tau), stacklevel=3)
         self._wait_pending()
         try:
             self.exchange.agree_final(self.state.rounds)
@@ -337,13 +298,7 @@ class RoundEngine:
         """A change of requires_grad since construction is refused (see `ParameterWatch`)."""
         changes = self.watch.changes()
         if changes:
-            self._fail(
-                CO2Error(
-                    f"co2: round {self.state.rounds}: {'; '.join(changes)} since the CO2 optimizer was built. The CO2 "
-                    f"partition and the set of frozen parameters cannot change during training: save a "
-                    f"checkpoint, change requires_grad, build a new optimizer and load it with reshard=True"
-                )
-            )
+            self._fail(CO2Error(f"co2: round {self.state.rounds}: {self.watch.refusal(changes)}"))
 
     def _average_buffers(self, where: str) -> tuple[int, bool]:
         """`ModuleBuffers.average`; its failure (a collective, or non-finite buffers under "raise")
@@ -369,7 +324,7 @@ class RoundEngine:
         future, round_index = self._pending, self._pending_index
         self._pending, self.phase = None, Phase.IDLE
         try:
-            result, done = self._result_watching_steps(future)
+            result, done = result_watching_steps(future, self.announcements, self.config.timeout_s, self._check_steps)
         except CO2Error as error:  # the pipeline's own verdict (NonFiniteError), or a peer's step count
             self._fail(error)
         except Exception as error:  # this wait's deadline, or the collective failed: a peer died or timed out
@@ -377,31 +332,10 @@ class RoundEngine:
             self._fail(collective_error(what, error, self.config.timeout_s), error)
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
-        self.state.previous_update_sq_norms = result.update_sq_norms
-        self.state.applied_was_skipped = result.skipped_replicas is not None
-        if result.skipped_replicas is not None:
-            self.state.skipped_rounds += 1
-            warnings.warn(
-                f"co2: round {round_index}: the displacement of replica(s) {result.skipped_replicas} held NaN "
-                f"or Inf; the round's outer update was skipped on every replica (skipped_rounds="
-                f"{self.state.skipped_rounds}). Every replica restarts from the agreed start point; a rank whose own "
-                f"displacement was non-finite reset its inner optimizer state",
-                stacklevel=5,
-            )
+        if self.state.take_result(result):
+            skipped = skipped_round_warning(round_index, result.skipped_replicas, self.state.skipped_rounds)
+            warnings.warn(skipped, stacklevel=5)
         return time.perf_counter() - began
-
-    def _result_watching_steps(self, future: Future) -> Any:
-        """The pipeline's result within timeout_s; meanwhile, a step announcement that arrives is
-        checked: a peer that called finalize() will never run this round, so report the counts now."""
-        deadline = time.monotonic() + self.config.timeout_s
-        while True:
-            if self.announcements.ready():
-                self._check_steps()
-            try:
-                return future.result(timeout=min(_WATCH_S, max(deadline - time.monotonic(), 0.0)))
-            except FutureTimeout:
-                if time.monotonic() >= deadline:
-                    raise
 
     # ---- the round state (round_state.RoundState): read methods, and adopting a whole state -------------
 
@@ -419,10 +353,10 @@ class RoundEngine:
 
     @property
     def run_id(self) -> Optional[str]:
+        """The run's id, agreed by the first checkpoint saved (`co2_zero.checkpoint`), or loaded."""
         return self.state.run_id
 
     def name_run(self, run_id: str) -> None:
-        """The run's id, agreed by the first checkpoint saved (`co2_zero.checkpoint`)."""
         self.state.run_id = run_id
 
     @property
@@ -445,13 +379,10 @@ class RoundEngine:
         """sync_delay "auto": the most inner steps an exchange took (`DelayMeter.most_steps`), else 0."""
         return 0 if self.state.delay_meter is None else self.state.delay_meter.most_steps
 
-    def geometry(self) -> dict[str, Any]:
-        """See `round_state.geometry`."""
-        return round_state.geometry(self.layout, self.exchange, self.topology, self.config)
-
     def identity(self) -> dict[str, Any]:
-        """What a state must agree on to be adopted here (`round_state.identity`)."""
-        return round_state.identity(self.config, self.topology, self.partition.signature, self.geometry())
+        """What a state must agree on to be adopted here (`round_state.identity`, with its `geometry`)."""
+        where = round_state.geometry(self.layout, self.exchange, self.topology, self.config)
+        return round_state.identity(self.config, self.topology, self.partition.signature, where)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's CO2 state. Waits for the round in flight so its result is included. Tensors are
@@ -498,7 +429,7 @@ class RoundEngine:
         the loaded state carried one, else the shared start) and refresh the replica: a resharded state
         resumes at the saved run's last round start."""
         self.check_usable()
-        self._set_live(self.round_start)
+        self._set_live(self.state.round_start)
 
     def restart_from_next_start(self) -> None:
         """Take the next start point as the shared start, and set the live parameters and a stand-in to it
@@ -517,34 +448,5 @@ class RoundEngine:
         return sum(t.numel() * t.element_size() for t in self.state.tensors()) + self.exchange.index_bytes
 
 
-def _finished(pending: Optional[Future]) -> bool:
-    """Whether a pipeline has finished, on the device too (its CUDA event), without blocking: the
-    worker returns once its kernels are queued. None (waited for already) counts as finished; a failed
-    one too (its wait reports it)."""
-    if pending is None:
-        return True
-    if not pending.done():
-        return False
-    if pending.exception() is not None:
-        return True
-    _, done = pending.result()
-    return done is None or done.query()
-
-
 def _all_finite(flat: torch.Tensor) -> bool:
     return bool(torch.isfinite(largest_abs(flat)))
-
-
-def _shutdown(
-    exchange: OuterExchange,
-    topology: Topology,
-    announcements: StepAnnouncements,
-    join_s: float = 1.0,
-    release: bool = False,
-) -> None:
-    # A worker still blocked in a collective keeps its groups: destroying them under it would crash.
-    # So does a step announcement a peer never answered (it is a collective on the control group).
-    if exchange.close(join_s) and not (announcements.in_flight and not announcements.ready()):
-        if release:
-            announcements.release()
-        topology.destroy(release=release)

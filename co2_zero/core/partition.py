@@ -135,6 +135,15 @@ class ParameterWatch:
         for mine, value in zip(self.frozen_values(), values):
             mine.copy_(value)
 
+    @staticmethod
+    def refusal(changes: list[str]) -> str:
+        """Why training cannot go on after `changes`, and what to do instead."""
+        return (
+            f"{'; '.join(changes)} since the CO2 optimizer was built. The CO2 partition and the set of frozen "
+            f"parameters cannot change during training: save a checkpoint, change requires_grad, build a new "
+            f"optimizer and load it with reshard=True"
+        )
+
     def changes(self) -> list[str]:
         """One phrase per parameter whose requires_grad differs from construction time."""
         return [

@@ -15,10 +15,10 @@ from typing import Any, Optional
 
 import torch
 
-from .comm import Layout, OuterExchange, Residuals
+from .comm import Layout, OuterExchange, Residuals, RoundResult
 from .config import CO2Config
 from .partition import Partition
-from .schedule import ApplySchedule, DelayMeter, late_average_warning
+from .schedule import ApplySchedule, DelayMeter, RoundPlan, late_average_warning
 from .topology import Topology
 
 STATE_VERSION = 2
@@ -78,6 +78,38 @@ class RoundState:
     def swap_buffers(self) -> None:
         """The two partition buffers trade roles."""
         self.start_point, self.next_start = self.next_start, self.start_point
+
+    @property
+    def round_start(self) -> torch.Tensor:
+        """Where this replica's current round started: the shared start point B, or its stand-in until the
+        average in flight is applied (docs/design.md §3)."""
+        return self.start_point if self.own_start is None else self.own_start
+
+    def apply_mid_round(self, partition: Partition) -> torch.Tensor:
+        """Sync delay d < tau, d steps into round t+1, pipeline t done: rebase, x_{t+1} - y + x (y the round
+        start: shared, or the stand-in), so the d steps' progress is kept on top of the new start point;
+        the buffers trade roles (the retiring start point is the scratch buffer). With a stand-in, y becomes
+        the new shared start (it is spent). Returns the buffer holding the new live values."""
+        retiring = self.start_point
+        partition.subtract_from(self.round_start, out=retiring)  # y - x
+        torch.sub(self.next_start, retiring, out=retiring)  # x_{t+1} - y + x
+        self.swap_buffers()  # the retiring start point is the next start's buffer now
+        if self.own_start is not None:
+            self.own_start.copy_(self.start_point)
+        self.average_unapplied = False
+        return retiring
+
+    def take_result(self, result: RoundResult) -> bool:
+        """A finished pipeline's outcome: its update norms (the next gap penalty's), and whether its outer
+        update was skipped (nonfinite "skip_round"; counted). Returns whether it was."""
+        self.previous_update_sq_norms = result.update_sq_norms
+        self.applied_was_skipped = result.skipped_replicas is not None
+        self.skipped_rounds += self.applied_was_skipped
+        return self.applied_was_skipped
+
+    def plan_round(self) -> RoundPlan:
+        """This round end's buffers and gap norms (`ApplySchedule.plan`)."""
+        return self.schedule.plan(self.start_point, self.next_start, self.previous_update_sq_norms)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held (for its bytes)."""
@@ -243,7 +275,9 @@ def check(state: RoundState, saved: Any, expected: dict[str, Any], config: CO2Co
     for key in COUNTERS:
         if not isinstance(saved.get(key), int) or saved[key] < 0:
             raise ValueError(f"co2 {source}: {key}={saved.get(key)!r}; expected an integer >= 0")
-    if saved["rounds"] != saved["inner_steps"] // tau:
+    # a peer serves its state inside a round end, before it counts that round (at finalize, after)
+    behind = (0, 1) if source == "elastic heal" else (0,)
+    if saved["inner_steps"] // tau - saved["rounds"] not in behind:
         raise ValueError(
             f"co2 {source}: rounds={saved['rounds']} does not fit inner_steps={saved['inner_steps']} "
             f"at tau={tau} (this replica's)"
