@@ -225,7 +225,8 @@ class RoundEngine:
         own D is non-finite under "skip_round" (its inner state must then be reset)."""
         self.exchange.set_staleness(self.state.schedule.steps / self.tau)
         self.partition.subtract_from(self.state.round_start, out=plan.work)
-        reset_inner = self.config.nonfinite == "skip_round" and not _all_finite(plan.work[: self.layout.length])
+        own = plan.work[: self.layout.length]
+        reset_inner = self.config.nonfinite == "skip_round" and not bool(torch.isfinite(largest_abs(own)))
         if self.stand_in is not None:
             self.stand_in.next_start(self.state, plan, reset_inner)
         job = PipelineJob(plan.work, plan.base, self.state.momentum, self.state.g_buffer, plan.gap, self.state.rounds)
@@ -435,10 +436,7 @@ class RoundEngine:
         """Take the next start point as the shared start, and set the live parameters and a stand-in to it
         (an elastic replica that joined from a peer's state) and refresh the replica."""
         self.check_usable()
-        self.state.start_point.copy_(self.state.next_start)
-        if self.state.own_start is not None:  # a stand-in: this replica has trained nothing since
-            self.state.own_start.copy_(self.state.start_point)
-        self._set_live(self.state.start_point)
+        self._set_live(self.state.take_next_as_start())
 
     def state_bytes(self) -> int:
         """Bytes of CO2 state this rank holds (docs/design.md §4: 2Ψ/S + 2Ψ/N fp32 words with
@@ -446,7 +444,3 @@ class RoundEngine:
         index (`outer.SegmentIndex`, about 2·√(elements · segments) ids); int8/fp8 add the error-feedback
         residuals, Ψ/S + Ψ/N; a stand-in its own start and momentum, up to 2Ψ/S."""
         return sum(t.numel() * t.element_size() for t in self.state.tensors()) + self.exchange.index_bytes
-
-
-def _all_finite(flat: torch.Tensor) -> bool:
-    return bool(torch.isfinite(largest_abs(flat)))

@@ -85,6 +85,14 @@ class RoundState:
         average in flight is applied (docs/design.md §3)."""
         return self.start_point if self.own_start is None else self.own_start
 
+    def take_next_as_start(self) -> torch.Tensor:
+        """The next start point becomes the shared start, and a stand-in's (this replica has trained nothing
+        since: an elastic joiner). Returns the start point."""
+        self.start_point.copy_(self.next_start)
+        if self.own_start is not None:
+            self.own_start.copy_(self.start_point)
+        return self.start_point
+
     def apply_mid_round(self, partition: Partition) -> torch.Tensor:
         """Sync delay d < tau, d steps into round t+1, pipeline t done: rebase, x_{t+1} - y + x (y the round
         start: shared, or the stand-in), so the d steps' progress is kept on top of the new start point;
