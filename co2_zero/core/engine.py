@@ -393,7 +393,7 @@ class RoundEngine:
         self._wait_pending()
         return self.state.to_dict(self.identity(), self.config.effective_stand_in)
 
-    def check_state_dict(self, state: Any, source: str = "checkpoint") -> None:
+    def check_state_dict(self, state: Any, source: round_state.Source = "checkpoint") -> None:
         """Raise ValueError naming the first field of `state` that does not fit this engine (same
         config, topology, model and partition); changes nothing."""
         round_state.check(self.state, state, self.identity(), self.config, self.tau, source)
@@ -404,7 +404,7 @@ class RoundEngine:
         """Restore what `state_dict` saved on this same rank of the same topology and config (`adopt`)."""
         self.adopt(state, source="checkpoint")
 
-    def adopt(self, state: dict[str, Any], source: str) -> None:
+    def adopt(self, state: dict[str, Any], source: round_state.Source) -> None:
         """Check `state` (`check_state_dict`: a refused state changes nothing), then adopt it. source
         "checkpoint": what `state_dict` saved (no round in flight: this waits). "elastic heal": what a
         live peer's `state_for_peer` served, at a round end (the peer's next start point and outer state,

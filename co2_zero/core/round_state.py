@@ -11,7 +11,7 @@ loads with torch.load(weights_only=True). Files, agreement across ranks and resh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -23,6 +23,8 @@ from .topology import Topology
 
 STATE_VERSION = 2
 COUNTERS = ("inner_steps", "rounds", "skipped_rounds")
+SOURCES = ("checkpoint", "elastic heal")  # where a state to adopt comes from (`RoundEngine.adopt`)
+Source = Literal["checkpoint", "elastic heal"]
 PEER_FIELDS = ("next_start", "momentum", "previous_update_sq_norms", *COUNTERS, "own_momentum")
 
 
@@ -268,9 +270,11 @@ def identity(config: CO2Config, topology: Topology, signature: Any, where: dict[
     }
 
 
-def check(state: RoundState, saved: Any, expected: dict[str, Any], config: CO2Config, tau: int, source: str) -> None:
+def check(state: RoundState, saved: Any, expected: dict[str, Any], config: CO2Config, tau: int, source: Source) -> None:
     """Raise ValueError naming the first field of `saved` (a checkpoint's state, or a peer's: `source`)
     that does not fit `state` under `expected` (the identity) and `config`; changes nothing."""
+    if source not in SOURCES:
+        raise ValueError(f"co2: source={source!r} is not a source of state; accepted: {', '.join(SOURCES)}")
     if not isinstance(saved, dict):
         raise ValueError(f"co2 {source}: the co2 state is a {type(saved).__name__}, expected a dict")
     for key, value in expected.items():
