@@ -14,10 +14,12 @@ from .version import __version__, torch_too_old
 if torch_too_old(torch.__version__):  # before any module that would fail on an older torch's missing APIs
     raise ImportError(torch_too_old(torch.__version__))
 
-from . import checkpoint  # noqa: E402
+from . import checkpoint, moved  # noqa: E402
 from .core.config import Clip, CO2Config, GapPenalty  # noqa: E402
 from .core.errors import CO2Error, CO2TimeoutError, NonFiniteError  # noqa: E402
 from .optim import CO2Optimizer  # noqa: E402
+
+moved.install()
 
 __all__ = [
     "CO2Config",

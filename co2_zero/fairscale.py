@@ -36,7 +36,6 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from . import integration as contract  # the checks every adapter shares
 from .checkpoint.record import load_record, optimizer_record, refused
-from .core import pace
 from .core.config import CO2Config
 from .core.engine import RoundEngine
 from .core.outer import Segment
@@ -103,7 +102,6 @@ class CO2OSS(CO2Steps, OSS):
     ) -> None:
         contract.refuse_membership("co2_zero.fairscale.CO2OSS", defaults)
         config = CO2Config.coerce(co2)
-        pace.refuse(config, "FairScale OSS (not tested there)")
         # OSS talks on its group inside __init__, so the replica's group must exist first.
         topology = Topology.build(config, inner_group=group)
         super().__init__(

@@ -7,6 +7,8 @@ import ast
 from pathlib import Path
 from typing import Sequence
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "co2_zero" / "checkpoint"
 PACKAGE = ["co2_zero", "checkpoint"]
@@ -118,3 +120,33 @@ def test_the_cycle_finder_finds_a_type_only_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_old_module_paths_import_the_moved_modules_with_a_warning_naming_the_new_path():
+    """Every entry of co2_zero.moved.MOVED: the old name is the new module object, with a DeprecationWarning
+    naming the new path; the new module keeps its own name and spec."""
+    import importlib
+    import sys
+    import warnings
+
+    from co2_zero.moved import MOVED
+
+    for old, new in MOVED.items():
+        assert not (ROOT / Path(*old.split("."))).with_suffix(".py").exists(), f"{old} is still a file"
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+        assert module.__spec__.name == new and module.__name__ == new, old
+        assert any(f"import {new} instead" in str(w.message) for w in caught), (old, [str(w.message) for w in caught])
+        sys.modules.pop(old)
+
+
+def test_an_unknown_module_of_the_package_is_still_an_import_error():
+    import importlib
+
+    import co2_zero  # noqa: F401  installs the finder
+
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("co2_zero.no_such_module")

@@ -2,7 +2,7 @@
 replica its own inner steps per round, the exchange weighted by the tokens each trained.
 
 CO2Optimizer on real gloo processes against the independent reference (`reference.simulate_paced`) at
-every inner step of every replica: R = 2 (plain) and S x R = 2 x 2 (FSDP2), with the defaults and with
+every inner step of every replica: R = 2 (plain) and S x R = 2 x 2 (FSDP2 and FairScale OSS), with the defaults and with
 the other collective, the shared stand-in with the adaptive gap, and blocking rounds. Then what follows
 the clock: finalize()'s agreement on rounds, a checkpoint resumed bit for bit mid-round (each replica's
 own step count and data position), resharding refused, the learning-rate clock; and the refusals.
@@ -237,14 +237,11 @@ def test_integrations_it_was_not_tested_with_refuse_it():
     refuse(CO2Config(tau=TAU), "FairScale OSS")  # null: nothing to refuse
 
 
-def test_fairscale_and_lightning_refuse_it_when_built():
-    """Both refuse before any process group is touched (DeepSpeed's adapter calls the same `refuse`)."""
-    from co2_zero.fairscale import CO2OSS
+def test_lightning_refuses_it_when_built():
+    """Before any process group is touched (DeepSpeed's adapter calls the same `refuse`)."""
+    from co2_zero.lightning import CO2Strategy
 
     paced = {"tau": TAU, "replica_tau": [4, 2]}
-    with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with FairScale OSS"):
-        CO2OSS(models.make_model("mlp").parameters(), co2=paced)
-    from co2_zero.lightning import CO2Strategy
 
     with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with Lightning"):
         CO2Strategy(co2=paced)
@@ -357,3 +354,41 @@ def test_fsdp2_two_by_two_matches_the_reference_at_every_step():
         for k, (actual, expected) in enumerate(zip(got["steps"], per_step[replica])):
             _assert_close(actual, expected, f"fsdp2 rank {rank} after its step {k + 1}")
         _assert_close(got["final"], finals[replica], f"fsdp2 rank {rank} final")
+
+
+# ---- S x R = 2 x 2 on FairScale OSS -----------------------------------------------------------------------
+
+
+def _fairscale_child(rank: int, world: int) -> dict:
+    from co2_zero.fairscale import CO2OSS, ShardedDataParallel
+
+    shards = 2
+    config = {**SCENARIOS["defaults"], "shards_per_replica": shards}
+    replica, shard_index = divmod(rank, shards)
+    model = models.make_model("mlp")
+    probe = models.make_optimizer("sgd", [torch.zeros(1, requires_grad=True)])
+    opt = CO2OSS(model.parameters(), optim=type(probe), co2=config, **probe.defaults)
+    net = ShardedDataParallel(model, opt, process_group=opt.group, broadcast_buffers=False)
+    record: list = []
+    for _ in range(ROUNDS * opt.steps_per_round + EXTRA[replica]):
+        x, y = models.shard_batch(replica, shard_index, opt.engine.inner_steps, shards)
+        opt.zero_grad()
+        models.loss_fn(net(x), y).backward()
+        opt.step()
+        record.append(_params(model))
+    _finalize(opt, EXTRA[replica])
+    out = {"steps": record, "final": _params(model), "grid": (opt.topology.replicas, opt.topology.shards)}
+    dist.barrier()
+    return out
+
+
+def test_fairscale_two_by_two_matches_the_reference_at_every_step():
+    results = run_ranks(_fairscale_child, 4, timeout=300)
+    per_step, finals = _reference(SCENARIOS["defaults"], shards=2)
+    for rank, got in enumerate(results):
+        replica = rank // 2
+        assert got["grid"] == (2, 2)
+        assert len(got["steps"]) == len(per_step[replica])
+        for k, (actual, expected) in enumerate(zip(got["steps"], per_step[replica])):
+            _assert_close(actual, expected, f"fairscale rank {rank} after its step {k + 1}")
+        _assert_close(got["final"], finals[replica], f"fairscale rank {rank} final")

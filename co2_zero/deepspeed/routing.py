@@ -13,6 +13,7 @@ own `initialize` makes (its config no longer has the section): the routing never
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import os
@@ -88,9 +89,9 @@ def _routed_entry_point() -> Iterator[None]:
     finally:
         function.__code__, function.__defaults__ = plain.__code__, plain.__defaults__
         function.__kwdefaults__ = plain.__kwdefaults__
-        delattr(function, _PLAIN_ATTRIBUTE)
+        function.__dict__.pop(_PLAIN_ATTRIBUTE, None)  # an adopting copy may have put it back already
         if wrapped is _ABSENT:
-            del function.__wrapped__
+            function.__dict__.pop("__wrapped__", None)
         else:
             function.__wrapped__ = wrapped  # type: ignore[attr-defined]
         _ENTRY.plain = _ENTRY.signature = None
@@ -228,6 +229,7 @@ def patch() -> _Patch:
             changes.enter_context(_without_shm_comm_build())
             _ENTRY.undo = changes.pop_all()
         _ENTRY.patched = True
+        atexit.register(unpatch)  # undone while the interpreter can still run it, not in module teardown
     return _Patch(was_patched)
 
 
@@ -237,3 +239,4 @@ def unpatch() -> None:
     if _ENTRY.patched:
         _ENTRY.undo.close()
         _ENTRY.patched = False
+        atexit.unregister(unpatch)
