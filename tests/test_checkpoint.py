@@ -115,7 +115,7 @@ def resharded(rank: int, world: int, root: str) -> dict:
         model, opt = _build(config)
         with pytest.warns(UserWarning, match="dropped"):
             checkpoint.load(f"{root}/{name}", model, opt, reshard=True)
-        own_momentum = opt.engine.own_momentum
+        own_momentum = opt.engine.state.own_momentum
         out[name] = {
             "share": consolidate(opt.engine.state_dict()),
             "live": param_copies(model),

@@ -231,11 +231,11 @@ def _full(model: torch.nn.Module) -> torch.Tensor:
 
 
 def outer_state_words(engine: Any) -> dict[torch.dtype, int]:
-    """Elements per dtype of every tensor the engine, its exchange and its membership hold as outer
-    state (attributes that are tensors, or tuples of tensors), each storage counted once: what an
+    """Elements per dtype of every tensor the engine, its round state, its exchange and its membership hold
+    as outer state (attributes that are tensors, or tuples of tensors), each storage counted once: what an
     elastic rank holds, found from the objects, not from a formula."""
     storages: dict[int, torch.Tensor] = {}
-    for owner in (engine, engine.exchange, engine.exchange.membership):
+    for owner in (engine, engine.state, engine.exchange, engine.exchange.membership):
         for value in vars(owner).values():
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor):

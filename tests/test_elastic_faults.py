@@ -234,7 +234,7 @@ def drift_before_finalize() -> None:
     original = elastic.ElasticExchange.agree_final
 
     def drifted(self, round_index):
-        self.membership.engine.next_start[0] += 1.0
+        self.membership.engine.state.next_start[0] += 1.0
         return original(self, round_index)
 
     elastic.ElasticExchange.agree_final = drifted

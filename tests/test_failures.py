@@ -421,7 +421,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
 
 def slow_worker_exit(rank: int, world: int) -> bool:
     """finalize() on a host so busy that the idle background worker takes 2 s to end: is it joined?"""
-    from co2_zero import comm
+    from co2_zero.core import comm
 
     run = comm.BackgroundWorker._run
 

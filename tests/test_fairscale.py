@@ -339,7 +339,7 @@ def resume_run(rank: int, shards: int, sc: dict, workdir: str) -> dict:
     length = opt5.engine.layout.length
     result["plain_warnings"] = [str(w.message) for w in caught]
     live = opt5.engine.partition.chunks[0]  # this rank's OSS bucket, holding the shifted weights
-    result["plain_restart"] = (opt5.engine.inner_steps, bool(opt5.engine.start_point[:length].equal(live)))
+    result["plain_restart"] = (opt5.engine.inner_steps, bool(opt5.engine.state.start_point[:length].equal(live)))
     train(sc, shards, rank, model5, opt5, net5, range(sc["save_at"], sc["save_at"] + sc["config"]["tau"]), [])
     result["plain_rounds"] = opt5.engine.rounds
     opt5.finalize()

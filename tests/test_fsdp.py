@@ -264,14 +264,14 @@ def _run_scenario(rank: int, shards: int, mesh, sc: dict) -> dict:
     pieces = [(seg.tensor_id, seg.offset, flat[seg.start : seg.end].clone()) for seg in opt.engine.partition.segments]
     steps = [_full(model)]  # x_0, then after every inner step
     round_ended = []
-    shared = [opt.engine.start_point.clone()]  # the shared start point B at every round start
+    shared = [opt.engine.state.start_point.clone()]  # the shared start point B at every round start
 
     timings = []  # (wait_s, round_end_s) of every round end
 
     def after_step(optimizer, args, kwargs):
         round_ended.append(opt.round_ended)
         if opt.round_ended:
-            shared.append(opt.engine.start_point.clone())
+            shared.append(opt.engine.state.start_point.clone())
             timings.append((opt.last_round["wait_s"], opt.last_round["round_end_s"]))
 
     opt.register_step_post_hook(after_step)

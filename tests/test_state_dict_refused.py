@@ -111,11 +111,11 @@ def reload_before_the_delay_was_fixed(rank: int, world_size: int) -> dict:
     fixed = clone_state(state)
     fixed["co2"]["fixed_sync_delay"] = 1
     opt.load_state_dict(fixed)
-    after_fixed = (opt.engine.schedule.steps, opt.engine.delay_meter.fixed)
+    after_fixed = (opt.engine.state.schedule.steps, opt.engine.state.delay_meter.fixed)
     opt.load_state_dict(clone_state(state))
     out = {
         "after_fixed": after_fixed,
-        "after_unfixed": (opt.engine.schedule.steps, opt.engine.delay_meter.fixed),
+        "after_unfixed": (opt.engine.state.schedule.steps, opt.engine.state.delay_meter.fixed),
         "same": same(before, _snapshot(model, opt, opt.optimizer)),
     }
     opt.finalize()
@@ -157,3 +157,58 @@ def test_the_unaltered_state_dict_then_loads(results, form):
         pytest.skip("needs fairscale")
     for rank, result in enumerate(results):
         assert result[form, "the unaltered dict loads"] == (None, True), f"rank {rank}: {form}"
+
+
+# how a peer's state (`RoundEngine.state_for_peer`, an elastic heal) is altered: the field the error names
+PEER_CASES = {
+    "config_hash": lambda served: served.update(config_hash="another config"),
+    "momentum": lambda served: served.update(momentum=torch.zeros(5)),
+    "own_momentum": lambda served: served.update(own_momentum=torch.zeros(5)),
+    "rounds": lambda served: served.update(rounds=served["rounds"] + 2),
+    "fixed_sync_delay": lambda served: served.update(fixed_sync_delay=1),
+    "frozen": lambda served: served.update(frozen=[torch.zeros(3)]),
+}
+
+
+def adopt_from_a_peer(rank: int, world_size: int) -> dict:
+    """A peer's state taken after 2 rounds, then 2 more rounds trained: each altered form is refused and
+    changes nothing; the unaltered one is adopted whole (next start, outer momentum and local's copy of it,
+    this replica's stand-in start, gap norms, counters)."""
+    model = models.make_model("mlp")
+    config = {**CONFIG, "collective": "reduce_scatter", "stand_in": "local"}  # local keeps a momentum copy
+    opt = CO2Optimizer(torch.optim.Adam(model.parameters(), lr=0.01), CO2Config(**config), model=model)
+    models.train_steps(rank, model, opt, 0, 4)
+    opt.engine.state_dict()  # no round in flight: the state between two rounds
+    served = clone_state(opt.engine.state_for_peer())
+    models.train_steps(rank, model, opt, 4, 8)
+    before = clone_state(opt.engine.state_dict())
+    out = {}
+    for case, alter in PEER_CASES.items():
+        bad = clone_state(served)
+        alter(bad)
+        try:
+            opt.engine.adopt(bad, source="elastic heal")
+            error = None
+        except ValueError as refusal:
+            error = str(refusal)
+        out[case] = (error, same(before, clone_state(opt.engine.state_dict())))
+    opt.engine.adopt(clone_state(served), source="elastic heal")
+    after = opt.engine.state_dict()
+    kept = ("next_start", "momentum", "own_momentum", "previous_update_sq_norms", "rounds", "inner_steps")
+    out["adopted"] = [key for key in kept if not same(after[key], served[key])]
+    out["stand-in start"] = same(after["own_start"], served["next_start"])
+    out["changed"] = not same(before["momentum"], served["momentum"])
+    opt.finalize()
+    return out
+
+
+def test_a_peer_state_is_adopted_whole_or_not_at_all():
+    """`RoundEngine.adopt(source="elastic heal")` checks a peer's state as a checkpoint load does."""
+    for result in run_ranks(adopt_from_a_peer, 2):
+        assert result["changed"], "the peer's state must differ from the engine's for the test to mean anything"
+        for case in PEER_CASES:
+            error, unchanged = result[case]
+            assert error is not None and error.startswith(f"co2 elastic heal: {case}") or case == "frozen", result
+            assert error is not None and unchanged, (case, result[case])
+        assert "frozen parameters" in result["frozen"][0], result["frozen"]
+        assert result["adopted"] == [] and result["stand-in start"], result

@@ -125,7 +125,7 @@ def test_a_pipeline_counts_as_finished_once_its_device_work_has():
     for the event, not only for the future."""
     from concurrent.futures import Future
 
-    from co2_zero.core.engine import _finished
+    from co2_zero.core.in_flight import finished as _finished
 
     class Event:
         def __init__(self, ready: bool) -> None:
@@ -203,7 +203,7 @@ def _run(rank: int, sc: dict) -> dict:
             _train(rank, model, opt, 0, sc["steps"], steps)
     finally:
         unpatch()
-    delay, meter, reported = opt.engine.schedule.steps, opt.engine.delay_meter, opt.last_round["sync_delay"]
+    delay, meter, reported = opt.engine.state.schedule.steps, opt.engine.state.delay_meter, opt.last_round["sync_delay"]
     opt.finalize()
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     notes = [str(w.message) for w in caught if "sync_delay 'auto'" in str(w.message)]
@@ -232,7 +232,7 @@ def _resume(rank: int, directory: str) -> dict:
             _train(rank, model, opt, at, RESUME["steps"], resumed)
         finally:
             unpatch()
-        out[how] = {"resumed": resumed, "delay": opt.engine.schedule.steps}
+        out[how] = {"resumed": resumed, "delay": opt.engine.state.schedule.steps}
         opt.finalize()
     return out
 

@@ -269,7 +269,7 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
         engine.check_state_dict(state)
     except ValueError as error:
         raise Refused(f"{directory.name}: {error}") from error
-    cost = stand_in_cost(shares, state, keeps_copy=engine.own_momentum is not None)
+    cost = stand_in_cost(shares, state, keeps_copy=engine.keeps_own_momentum)
     module_state = module_for_here(framework, pieces, needed, name)
     same_framework = payload["identity"].get("integration") == framework.integration
     saved_framework = payload["framework"] if same_framework else None

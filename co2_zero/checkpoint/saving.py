@@ -120,7 +120,7 @@ def _agree_to_save(agreement: Agreement, root: Path, tag: str, engine: Any) -> s
         )
     raise_failed(agreement, [(r, row[0], row[5:]) for r, row in enumerate(table)])
     if engine.run_id is None:
-        engine.run_id = as_hex(table[0][4])
+        engine.name_run(as_hex(table[0][4]))
     return as_hex(table[0][3])
 
 

@@ -1,4 +1,4 @@
-"""Errors co2_zero raises at run time (bad configuration raises ValueError)."""
+"""Errors co2_zero raises, and warnings it gives, at run time (bad configuration raises ValueError)."""
 
 import re
 
@@ -53,3 +53,20 @@ def missing_extra(package: str, extra: str, error: ImportError) -> ImportError:
         f"import failed with: {error}"
     )
     return ImportError(message, name=getattr(error, "name", None))
+
+
+def skipped_round_warning(round_index: int, replicas: list[int], skipped_rounds: int) -> str:
+    """nonfinite "skip_round": the displacement of `replicas` held NaN or Inf in round `round_index`."""
+    return (
+        f"co2: round {round_index}: the displacement of replica(s) {replicas} held NaN or Inf; the round's outer "
+        f"update was skipped on every replica (skipped_rounds={skipped_rounds}). Every replica restarts from the "
+        f"agreed start point; a rank whose own displacement was non-finite reset its inner optimizer state"
+    )
+
+
+def inner_reset_warning(round_index: int, where: str) -> str:
+    """nonfinite "skip_round": this rank's own displacement (`where`: its rank and replica) held NaN or Inf."""
+    return (
+        f"co2: round {round_index}: this rank's displacement ({where}) holds NaN or Inf; its inner optimizer "
+        f"state is reset and it restarts from the agreed start point (nonfinite='skip_round')"
+    )

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CO2Error, CO2TimeoutError, is_timeout
-from .topology import collective_device, fingerprint, gather_fingerprints, text_words, words_text
+from .topology import Topology, collective_device, fingerprint, gather_fingerprints, text_words, words_text
 
 _NAME_WORDS = 32  # a parameter's name in a start-up error: 256 bytes of UTF-8
 _MAX_DIMS = 8  # dims of a shape printed in a start-up error (more are rare; the rest print as "...")
@@ -208,4 +208,23 @@ def steps_mismatch(
     return (
         f"co2 finalize: the ranks took different numbers of {what} ({counts}); every rank must call "
         f"finalize() after {same}.{note} (this is rank {rank}, at inner step {steps})"
+    )
+
+
+def announcement_failure(
+    error: CO2Error, where: str, topology: Topology, inner_steps: int, timeout_s: float
+) -> CO2Error:
+    """The engine's failure when collecting a step announcement failed (`error`: its deadline passed, or the
+    control group failed); `where` names the round end or finalize."""
+    finalizing = where == "co2 finalize"
+    here = f"rank {topology.rank} at inner step {inner_steps}"
+    if isinstance(error, CO2TimeoutError):
+        what = "called finalize()" if finalizing else "reached this round end"
+        return CO2TimeoutError(
+            f"{where}: not every rank of the {topology.describe_control()} {what} within timeout_s="
+            f"{timeout_s:g} ({here}); a rank died, is stuck{', or skipped finalize()' if finalizing else ''}"
+        )
+    return CO2Error(
+        f"{where}: the step announcement on the {topology.describe_control()} failed ({here}): "
+        f"{error}; a rank died or left"
     )

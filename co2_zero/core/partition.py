@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -114,6 +114,35 @@ class ParameterWatch:
     @property
     def frozen(self) -> list[tuple[str, torch.Tensor]]:
         return [(name, p) for (name, p), trainable in zip(self.named, self.flags) if not trainable]
+
+    def frozen_values(self) -> list[torch.Tensor]:
+        """The frozen parameters' local values (references): what an elastic peer that heals gets."""
+        return [local_values(p) for _, p in self.frozen]
+
+    def check_frozen(self, values: Any, source: str) -> None:
+        """Raise ValueError unless `values` fit the frozen parameters one by one (shape and dtype)."""
+        mine = self.frozen_values()
+        fits = isinstance(values, list) and len(values) == len(mine)
+        fits = fits and all(
+            isinstance(v, torch.Tensor) and (v.shape, v.dtype) == (m.shape, m.dtype) for v, m in zip(values, mine)
+        )
+        if not fits:
+            shapes = [tuple(m.shape) for m in mine]
+            raise ValueError(f"co2 {source}: the frozen parameters sent do not fit this model's {len(mine)} {shapes}")
+
+    def write_frozen(self, values: Sequence[torch.Tensor]) -> None:
+        """Frozen parameters <- `values` (checked by `check_frozen`)."""
+        for mine, value in zip(self.frozen_values(), values):
+            mine.copy_(value)
+
+    @staticmethod
+    def refusal(changes: list[str]) -> str:
+        """Why training cannot go on after `changes`, and what to do instead."""
+        return (
+            f"{'; '.join(changes)} since the CO2 optimizer was built. The CO2 partition and the set of frozen "
+            f"parameters cannot change during training: save a checkpoint, change requires_grad, build a new "
+            f"optimizer and load it with reshard=True"
+        )
 
     def changes(self) -> list[str]:
         """One phrase per parameter whose requires_grad differs from construction time."""

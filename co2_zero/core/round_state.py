@@ -1,199 +1,351 @@
-"""The engine's state as plain containers and tensors (loadable with torch.load(weights_only=True)).
+"""The round state: every tensor and counter a round needs, in one `RoundState` the engine holds.
 
-`state_dict`, `check_state_dict` and `load_state_dict` are functions over a `RoundEngine` (its
-methods call them): what a state holds, whether it fits this engine, and restoring it. Files,
-agreement across ranks and resharding are `co2_zero.checkpoint`'s business (docs/design.md §7).
+The engine is its only owner: integrations, checkpoints and elastic membership read values through the
+engine's read methods and hand it whole states to adopt (`RoundEngine.adopt`), which checks a state
+here (`check`: nothing is applied unless everything fits) and applies it (`RoundState.load` for a
+checkpoint, `RoundState.take_from_peer` for an elastic heal or join). As plain data (`to_dict`) the state
+loads with torch.load(weights_only=True). Files, agreement across ranks and resharding are
+`co2_zero.checkpoint`'s business (docs/design.md §7).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
 import torch
 
-from .schedule import ApplySchedule
-
-if TYPE_CHECKING:
-    from .engine import RoundEngine
+from .comm import Layout, OuterExchange, Residuals, RoundResult
+from .config import CO2Config
+from .partition import Partition
+from .plan import ResolvedPlan
+from .schedule import ApplySchedule, DelayMeter, RoundPlan, late_average_warning
+from .topology import Topology
 
 STATE_VERSION = 2
+COUNTERS = ("inner_steps", "rounds", "skipped_rounds")
+SOURCES = ("checkpoint", "elastic heal")  # where a state to adopt comes from (`RoundEngine.adopt`)
+Source = Literal["checkpoint", "elastic heal"]
+PEER_FIELDS = ("next_start", "momentum", "previous_update_sq_norms", *COUNTERS, "own_momentum")
 
 
-def geometry(engine: RoundEngine) -> dict[str, Any]:
+@dataclass
+class RoundState:
+    """One rank's round state. The two partition buffers trade roles every round (start point B; D, then
+    Nx); the momentum lives on this rank's slice. A stand-in (docs/design.md §3, "Stand-ins") adds this
+    replica's own round start and (with outer momentum) eager's momentum of its own shares, or local's
+    copy of the outer momentum where that is sharded (with all_reduce every rank holds it whole)."""
+
+    start_point: torch.Tensor
+    next_start: torch.Tensor
+    momentum: torch.Tensor
+    g_buffer: Optional[torch.Tensor]  # reduce_scatter: g on this rank's sub-shard
+    own_start: Optional[torch.Tensor]
+    own_momentum: Optional[torch.Tensor]
+    residuals: Optional[Residuals]  # comm_dtype int8/fp8/..., topk < 1: the exchange's error feedback
+    schedule: ApplySchedule  # where the average in flight is applied (sync_delay "auto": once fixed)
+    delay_meter: Optional[DelayMeter]  # sync_delay "auto": measures, then fixes, the delay
+    previous_update_sq_norms: Optional[torch.Tensor] = None  # the gap penalty's, per tensor
+    inner_steps: int = 0
+    rounds: int = 0
+    skipped_rounds: int = 0  # rounds whose outer update was skipped (nonfinite: "skip_round")
+    # a sync delay d < tau: the average launched at the last round end is still to be applied, d steps into
+    # this round (set at round ends, cleared at the apply point; a state without a next start has none)
+    average_unapplied: bool = False
+    applied_was_skipped: bool = False  # the last pipeline's update was skipped: nothing to track
+    run_id: Optional[str] = None  # set by the first checkpoint saved or loaded
+
+    @classmethod
+    def allocate(
+        cls, partition: Partition, exchange: OuterExchange, plan: ResolvedPlan, tau: int, device: torch.device
+    ) -> RoundState:
+        """A fresh state starting at the partition's live values, shaped by the plan (stand-in, apply point)."""
+        start_point = torch.zeros(exchange.layout.padded, dtype=torch.float32, device=device)
+        partition.gather_into(start_point)
+        momentum = torch.zeros(exchange.slice_length, dtype=torch.float32, device=device)
+        reduce_scatter = exchange.strategy == "reduce_scatter"
+        stand_in = plan.stand_in
+        keeps_copy = stand_in == "eager" or (stand_in == "local" and reduce_scatter)
+        return cls(
+            start_point=start_point,
+            next_start=start_point.clone(),
+            momentum=momentum,
+            g_buffer=torch.zeros_like(momentum) if reduce_scatter else None,
+            own_start=start_point.clone() if stand_in != "shared" else None,
+            own_momentum=torch.zeros_like(start_point) if keeps_copy and plan.config.outer_momentum else None,
+            residuals=exchange.residuals,
+            schedule=ApplySchedule(min(plan.steps_before_apply, tau), tau),
+            delay_meter=DelayMeter(plan.config.tau) if plan.sync_delay == "measured" else None,
+        )
+
+    def swap_buffers(self) -> None:
+        """The two partition buffers trade roles."""
+        self.start_point, self.next_start = self.next_start, self.start_point
+
+    @property
+    def round_start(self) -> torch.Tensor:
+        """Where this replica's current round started: the shared start point B, or its stand-in until the
+        average in flight is applied (docs/design.md §3)."""
+        return self.start_point if self.own_start is None else self.own_start
+
+    def take_next_as_start(self) -> torch.Tensor:
+        """The next start point becomes the shared start, and a stand-in's (this replica has trained nothing
+        since: an elastic joiner). Returns the start point."""
+        self.start_point.copy_(self.next_start)
+        if self.own_start is not None:
+            self.own_start.copy_(self.start_point)
+        return self.start_point
+
+    def apply_mid_round(self, partition: Partition) -> torch.Tensor:
+        """Sync delay d < tau, d steps into round t+1, pipeline t done: rebase, x_{t+1} - y + x (y the round
+        start: shared, or the stand-in), so the d steps' progress is kept on top of the new start point;
+        the buffers trade roles (the retiring start point is the scratch buffer). With a stand-in, y becomes
+        the new shared start (it is spent). Returns the buffer holding the new live values."""
+        retiring = self.start_point
+        partition.subtract_from(self.round_start, out=retiring)  # y - x
+        torch.sub(self.next_start, retiring, out=retiring)  # x_{t+1} - y + x
+        self.swap_buffers()  # the retiring start point is the next start's buffer now
+        if self.own_start is not None:
+            self.own_start.copy_(self.start_point)
+        self.average_unapplied = False
+        return retiring
+
+    def take_result(self, result: RoundResult) -> bool:
+        """A finished pipeline's outcome: its update norms (the next gap penalty's), and whether its outer
+        update was skipped (nonfinite "skip_round"; counted). Returns whether it was."""
+        self.previous_update_sq_norms = result.update_sq_norms
+        self.applied_was_skipped = result.skipped_replicas is not None
+        self.skipped_rounds += self.applied_was_skipped
+        return self.applied_was_skipped
+
+    def plan_round(self) -> RoundPlan:
+        """This round end's buffers and gap norms (`ApplySchedule.plan`)."""
+        return self.schedule.plan(self.start_point, self.next_start, self.previous_update_sq_norms)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held (for its bytes)."""
+        held = [self.start_point, self.next_start, self.momentum, self.g_buffer, self.previous_update_sq_norms]
+        held += [self.own_start, self.own_momentum, *(self.residuals or ())]
+        return [t for t in held if t is not None]
+
+    def to_dict(self, identity: dict[str, Any], stand_in: str) -> dict[str, Any]:
+        """The state as plain data, with no round in flight (the caller waited). Tensors are live references."""
+        return {
+            **identity,
+            "run_id": self.run_id,
+            **{key: getattr(self, key) for key in COUNTERS},
+            "start_point": self.start_point,
+            # None when no start point is pending: blocking mode, and a sync delay from its apply point to the
+            # round end (the buffer is scratch then); `applies_at` says when a pending one is applied
+            "next_start": self.schedule.carried_next_start(self.next_start, self.average_unapplied),
+            "applies_at": self.schedule.steps,  # the inner step of a round: 0 at once, tau the round end, else d
+            "momentum": self.momentum,
+            "previous_update_sq_norms": self.previous_update_sq_norms,
+            # comm_dtype int8/fp8, topk < 1: the error-feedback residuals (comm.Residuals), else None
+            "residuals": None if self.residuals is None else self.residuals._asdict(),
+            # a stand-in: this replica's own round start and its momentum (eager: of its own shares; local: a
+            # copy of the outer momentum where that is sharded; resharding makes it from the momentum), else None
+            "stand_in": stand_in,
+            "own_start": self.own_start,
+            "own_momentum": self.own_momentum,
+            # sync_delay "auto": the delay once fixed (None while it is measured, and for any other sync_delay)
+            "fixed_sync_delay": self.fixed_sync_delay,
+        }
+
+    @property
+    def fixed_sync_delay(self) -> Optional[int]:
+        """sync_delay "auto": the delay once fixed; else None."""
+        return None if self.delay_meter is None else self.delay_meter.fixed
+
+    def follow_delay_meter(self, tau: int) -> Optional[str]:
+        """sync_delay "auto", after a launch: note the pipeline; at the deciding round end, switch to the
+        fixed delay. The pipeline just launched is then the last applied at a round end; the next launch
+        (none in flight: applied mid-round) sets the gap's staleness to the new schedule's. Returns the
+        warning to give when the delay fixed is a whole round (`schedule.late_average_warning`)."""
+        self.delay_meter.launched(self.rounds)
+        delay = self.delay_meter.fixed_after_launch(self.rounds)
+        if delay is None:
+            return None
+        self.schedule = ApplySchedule(delay, tau)
+        return late_average_warning(self.delay_meter.most_steps, tau) if delay == tau else None
+
+    def for_peer(self) -> dict[str, Any]:
+        """What a peer that heals from this replica adopts, between two rounds (references: the caller
+        copies them when it serves them)."""
+        return {**{key: getattr(self, key) for key in PEER_FIELDS}, "fixed_sync_delay": self.fixed_sync_delay}
+
+    def load(self, saved: dict[str, Any], config: CO2Config, tau: int) -> None:
+        """Restore a checked checkpoint state `saved` (no round in flight)."""
+        self.inner_steps, self.rounds = saved["inner_steps"], saved["rounds"]
+        self.skipped_rounds, self.run_id = saved["skipped_rounds"], saved.get("run_id")
+        self.start_point.copy_(saved["start_point"])
+        if saved["next_start"] is not None:
+            self.next_start.copy_(saved["next_start"])
+        self.momentum.copy_(saved["momentum"])
+        self._load_sync_delay(saved.get("fixed_sync_delay"), config)
+        self.average_unapplied = self._pending_apply(saved, tau)
+        self._take_norms(saved["previous_update_sq_norms"])
+        if self.own_start is not None:  # a resharded state may carry none: the replica starts from the shared start
+            saved_start = saved.get("own_start")
+            self.own_start.copy_(saved_start if saved_start is not None else self.start_point)
+        self._take_own_momentum(saved.get("own_momentum"))
+        self._take_residuals(saved.get("residuals"))
+
+    def take_from_peer(self, served: dict[str, Any], config: CO2Config) -> None:
+        """Adopt a live peer's checked state (`for_peer`) at a round end: its next start point (the base of
+        the round's exchange; this replica's stand-in starts there too), outer state (with local's copy of
+        the momentum), counters and fixed delay. The start point is the round's work buffer then: left
+        alone. Error-feedback residuals are a rank's own unsent error: they restart at 0."""
+        self.next_start.copy_(served["next_start"])
+        self.momentum.copy_(served["momentum"])
+        if self.own_start is not None:  # its stand-in was made from the state it was behind on
+            self.own_start.copy_(served["next_start"])
+        self._take_own_momentum(served.get("own_momentum"))
+        self._take_residuals(None)
+        self._take_norms(served["previous_update_sq_norms"])
+        self.inner_steps, self.rounds = served["inner_steps"], served["rounds"]
+        self.skipped_rounds = served["skipped_rounds"]
+        self._load_sync_delay(served.get("fixed_sync_delay"), config)
+
+    def _take_norms(self, norms: Optional[torch.Tensor]) -> None:
+        self.previous_update_sq_norms = None if norms is None else norms.to(self.momentum.device).clone()
+
+    def _take_own_momentum(self, saved: Optional[torch.Tensor]) -> None:
+        if self.own_momentum is not None:
+            self.own_momentum.copy_(saved) if saved is not None else self.own_momentum.zero_()
+
+    def _take_residuals(self, saved: Optional[dict[str, torch.Tensor]]) -> None:
+        """A state without residuals (resharded) restarts the pending error at 0."""
+        if self.residuals is not None:
+            for name, residual in self.residuals._asdict().items():
+                residual.copy_(saved[name]) if saved is not None else residual.zero_()
+
+    def _pending_apply(self, saved: dict[str, Any], tau: int) -> bool:
+        """Whether the saved next start is still to be applied d steps into the round (a sync delay d < tau).
+        A state without `applies_at` carries the buffer whatever the phase (scratch after the apply point):
+        for it the step counter says whether its apply point has passed."""
+        steps = self.schedule.steps
+        pending = saved["next_start"] is not None and 0 < steps < tau
+        if "applies_at" not in saved:
+            pending = pending and saved["rounds"] > 0 and saved["inner_steps"] % tau < steps
+        return pending
+
+    def _load_sync_delay(self, fixed: Optional[int], config: CO2Config) -> None:
+        """sync_delay "auto": the saved delay and its schedule, or (not fixed when saved) measure anew."""
+        if self.delay_meter is None:
+            return
+        if fixed is None:  # measured anew, applying at the round end meanwhile (this engine may have fixed one)
+            self.delay_meter.restart(self.rounds)
+            self.schedule = ApplySchedule(config.steps_before_apply, config.tau)
+        else:
+            self.delay_meter.fix(fixed)
+            self.schedule = ApplySchedule(fixed, config.tau)
+
+
+def geometry(layout: Layout, exchange: OuterExchange, topology: Topology, config: CO2Config) -> dict[str, Any]:
     """Where this rank's state lives in the model: enough to re-cut it per parameter tensor
     (`co2_zero.checkpoint.consolidate`) and to check that a state fits this engine."""
-    layout, piece = engine.layout, engine.exchange.slice
+    piece = exchange.slice
     return {
         "length": layout.length,
         "padded": layout.padded,
         "num_tensors": layout.num_tensors,
         "segments": [list(seg) for seg in layout.segments],
-        "sub_shard": list(layout.sub_shard_range(engine.topology.replica_index)),
+        "sub_shard": list(layout.sub_shard_range(topology.replica_index)),
         "momentum_range": [piece.start, piece.stop],
-        "strategy": engine.exchange.strategy,
-        "overlap": engine.config.overlap,
-        "tau": engine.config.tau,
+        "strategy": exchange.strategy,
+        "overlap": config.overlap,
+        "tau": config.tau,
     }
 
 
-def identity(engine: RoundEngine) -> dict[str, Any]:
-    """What a state must agree on to be loaded here."""
-    topo = engine.topology
+def identity(config: CO2Config, topology: Topology, signature: Any, where: dict[str, Any]) -> dict[str, Any]:
+    """What a state must agree on to be adopted here (`where`: the `geometry`)."""
     return {
         "version": STATE_VERSION,
-        "config_hash": engine.config.math_hash(),
-        "grid": {"replicas": topo.replicas, "shards": topo.shards},
-        "rank": topo.rank,
-        "signature": engine.partition.signature,
-        "geometry": geometry(engine),
+        "config_hash": config.math_hash(),
+        "grid": {"replicas": topology.replicas, "shards": topology.shards},
+        "rank": topology.rank,
+        "signature": signature,
+        "geometry": where,
     }
 
 
-def state_dict(engine: RoundEngine) -> dict[str, Any]:
-    """The engine's state with no round in flight (the caller waited). Tensors are live references."""
-    return {
-        **identity(engine),
-        "run_id": engine.run_id,
-        "inner_steps": engine.inner_steps,
-        "rounds": engine.rounds,
-        "skipped_rounds": engine.skipped_rounds,
-        "start_point": engine.start_point,
-        # None when no start point is pending: blocking mode, and a sync delay from its apply point to the
-        # round end (the buffer is scratch then); `applies_at` says when a pending one is applied
-        "next_start": engine.schedule.carried_next_start(engine.next_start, engine.average_unapplied),
-        "applies_at": engine.schedule.steps,  # the inner step of a round: 0 at once, tau the round end, else d
-        "momentum": engine.momentum,
-        "previous_update_sq_norms": engine.previous_update_sq_norms,
-        # comm_dtype int8/fp8: the error-feedback residuals (comm.Residuals), else None
-        "residuals": None if engine.exchange.residuals is None else engine.exchange.residuals._asdict(),
-        # a stand-in: this replica's own round start and its momentum (eager: of its own shares; local: a
-        # copy of the outer momentum where that is sharded; resharding makes it from the momentum), else None
-        "stand_in": engine.config.effective_stand_in,
-        "own_start": engine.own_start,
-        "own_momentum": engine.own_momentum,
-        # sync_delay "auto": the delay once fixed (None while it is measured, and for any other sync_delay)
-        "fixed_sync_delay": None if engine.delay_meter is None else engine.delay_meter.fixed,
-    }
-
-
-def check_state_dict(engine: RoundEngine, state: Any) -> None:
-    """Raise ValueError naming the first field of `state` that does not fit `engine` (same config,
-    topology, model and partition); changes nothing."""
-    if not isinstance(state, dict):
-        raise ValueError(f"co2 checkpoint: the co2 state is a {type(state).__name__}, expected a dict")
-    for key, value in identity(engine).items():
-        if state.get(key) != value:
+def check(state: RoundState, saved: Any, expected: dict[str, Any], config: CO2Config, tau: int, source: Source) -> None:
+    """Raise ValueError naming the first field of `saved` (a checkpoint's state, or a peer's: `source`)
+    that does not fit `state` under `expected` (the identity) and `config`; changes nothing."""
+    if source not in SOURCES:
+        raise ValueError(f"co2: source={source!r} is not a source of state; accepted: {', '.join(SOURCES)}")
+    if not isinstance(saved, dict):
+        raise ValueError(f"co2 {source}: the co2 state is a {type(saved).__name__}, expected a dict")
+    for key, value in expected.items():
+        if saved.get(key) != value:
             raise ValueError(
-                f"co2 checkpoint: {key}={state.get(key)!r} does not match this run's {value!r}; "
+                f"co2 {source}: {key}={saved.get(key)!r} does not match this run's {value!r}; "
                 f"resume with the same co2 config, topology and model (or reshard)"
             )
-    _check_tensors(engine, state)
-    for key in ("inner_steps", "rounds", "skipped_rounds"):
-        if not isinstance(state.get(key), int) or state[key] < 0:
-            raise ValueError(f"co2 checkpoint: {key}={state.get(key)!r}; expected an integer >= 0")
-    if state["rounds"] != state["inner_steps"] // engine.tau:
+    _check_tensors(state, saved, config, source, expected["geometry"]["num_tensors"])
+    for key in COUNTERS:
+        if not isinstance(saved.get(key), int) or saved[key] < 0:
+            raise ValueError(f"co2 {source}: {key}={saved.get(key)!r}; expected an integer >= 0")
+    # a peer serves its state inside a round end, before it counts that round (at finalize, after)
+    behind = (0, 1) if source == "elastic heal" else (0,)
+    if saved["inner_steps"] // tau - saved["rounds"] not in behind:
         raise ValueError(
-            f"co2 checkpoint: rounds={state['rounds']} does not fit inner_steps={state['inner_steps']} "
-            f"at tau={engine.tau} (this replica's)"
+            f"co2 {source}: rounds={saved['rounds']} does not fit inner_steps={saved['inner_steps']} "
+            f"at tau={tau} (this replica's)"
         )
-    _check_fixed_sync_delay(engine, state.get("fixed_sync_delay"))
+    _check_fixed_sync_delay(state, saved.get("fixed_sync_delay"), config, source)
 
 
-def _check_fixed_sync_delay(engine: RoundEngine, fixed: Any) -> None:
+def _check_fixed_sync_delay(state: RoundState, fixed: Any, config: CO2Config, source: str) -> None:
     """A fixed delay only with sync_delay "auto" (the config hash says so too), an integer in [1, tau]."""
     if fixed is None:
         return
-    tau = engine.config.tau
-    if engine.delay_meter is None:
+    if state.delay_meter is None:
         raise ValueError(
-            f"co2 checkpoint: fixed_sync_delay={fixed!r} but this run's sync_delay is "
-            f"{engine.config.sync_delay!r}; accepted: null (only sync_delay 'auto' fixes one)"
+            f"co2 {source}: fixed_sync_delay={fixed!r} but this run's sync_delay is "
+            f"{config.sync_delay!r}; accepted: null (only sync_delay 'auto' fixes one)"
         )
-    if isinstance(fixed, bool) or not isinstance(fixed, int) or not 1 <= fixed <= tau:
-        raise ValueError(f"co2 checkpoint: fixed_sync_delay={fixed!r}; expected null or an integer in [1, tau={tau}]")
+    if isinstance(fixed, bool) or not isinstance(fixed, int) or not 1 <= fixed <= config.tau:
+        raise ValueError(
+            f"co2 {source}: fixed_sync_delay={fixed!r}; expected null or an integer in [1, tau={config.tau}]"
+        )
 
 
-def _check_tensors(engine: RoundEngine, state: dict[str, Any]) -> None:
-    """Every tensor of `state` has this engine's shape and dtype (and is present iff it has one)."""
-    pending = engine.config.overlap and state.get("next_start") is not None  # None: none pending (sync delay)
-    expected = {
-        "start_point": engine.start_point,
-        "next_start": engine.next_start if pending else None,
-        "momentum": engine.momentum,
-    }
+def _check_tensors(state: RoundState, saved: dict[str, Any], config: CO2Config, source: str, num_tensors: int) -> None:
+    """Every tensor of `saved` has this state's shape and dtype (and is present iff it has one). A peer's
+    state holds no start point (the round's work buffer at a heal)."""
+    pending = config.overlap and saved.get("next_start") is not None  # None: none pending (sync delay)
+    expected = {"next_start": state.next_start if pending else None, "momentum": state.momentum}
+    if source == "checkpoint":
+        expected["start_point"] = state.start_point
     for key, like in expected.items():
-        _check_tensor(key, state.get(key), like)
-    norms = state.get("previous_update_sq_norms")
+        _check_tensor(source, key, saved.get(key), like)
+    norms = saved.get("previous_update_sq_norms")
     if norms is not None:
-        _check_tensor("previous_update_sq_norms", norms, torch.zeros(engine.layout.num_tensors, dtype=torch.float64))
+        like = torch.zeros(num_tensors, dtype=torch.float64)
+        _check_tensor(source, "previous_update_sq_norms", norms, like)
     for key in ("own_start", "own_momentum"):  # a resharded state has no own_start (and eager's no own_momentum)
-        if key == "own_momentum" and engine.own_momentum is None and engine.config.effective_stand_in == "local":
+        if key == "own_momentum" and state.own_momentum is None and config.effective_stand_in == "local":
             continue  # local's copy of the momentum, offered by resharding; not kept here (all_reduce, or β = 0)
-        if state.get(key) is not None:
-            _check_tensor(key, state[key], getattr(engine, key))
-    residuals = state.get("residuals")
+        if saved.get(key) is not None:
+            _check_tensor(source, key, saved[key], getattr(state, key))
+    residuals = saved.get("residuals")
     if residuals is not None:
-        if engine.exchange.residuals is None or not isinstance(residuals, dict):
+        if state.residuals is None or not isinstance(residuals, dict):
             raise ValueError(
-                f"co2 checkpoint: it holds error-feedback residuals; comm_dtype here is {engine.config.comm_dtype!r}"
+                f"co2 {source}: it holds error-feedback residuals; comm_dtype here is {config.comm_dtype!r}"
             )
-        for name, like in engine.exchange.residuals._asdict().items():
-            _check_tensor(f"residuals.{name}", residuals.get(name), like)
+        for name, like in state.residuals._asdict().items():
+            _check_tensor(source, f"residuals.{name}", residuals.get(name), like)
 
 
-def _check_tensor(key: str, value: Any, like: Optional[torch.Tensor]) -> None:
+def _check_tensor(source: str, key: str, value: Any, like: Optional[torch.Tensor]) -> None:
     if like is None:
         if value is not None:
-            raise ValueError(f"co2 checkpoint: {key} is present but this run has none (overlap differs?)")
+            raise ValueError(f"co2 {source}: {key} is present but this run has none (overlap differs?)")
         return
     if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype:
         got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"co2 checkpoint: {key} is {got}; expected {like.dtype} {tuple(like.shape)}")
-
-
-def load_state_dict(engine: RoundEngine, state: dict[str, Any]) -> None:
-    """Restore a checked `state` (no round in flight: the caller waited)."""
-    engine.inner_steps, engine.rounds = state["inner_steps"], state["rounds"]
-    engine.skipped_rounds, engine.run_id = state["skipped_rounds"], state.get("run_id")
-    engine.start_point.copy_(state["start_point"])
-    if state["next_start"] is not None:
-        engine.next_start.copy_(state["next_start"])
-    engine.momentum.copy_(state["momentum"])
-    _load_sync_delay(engine, state.get("fixed_sync_delay"))
-    engine.average_unapplied = _pending_apply(engine, state)
-    engine.buffers.take_current_as_agreed()  # checkpoint.load wrote the module first
-    norms = state["previous_update_sq_norms"]
-    engine.previous_update_sq_norms = None if norms is None else norms.to(engine.momentum.device).clone()
-    if engine.own_start is not None:  # a resharded state may carry none: the replica starts from the shared start
-        saved = state.get("own_start")
-        engine.own_start.copy_(saved if saved is not None else engine.start_point)
-        if engine.own_momentum is not None:
-            saved = state.get("own_momentum")
-            engine.own_momentum.copy_(saved) if saved is not None else engine.own_momentum.zero_()
-    if engine.exchange.residuals is not None:  # a resharded state has none: the pending error restarts at 0
-        saved = state.get("residuals")
-        for name, residual in engine.exchange.residuals._asdict().items():
-            residual.copy_(saved[name]) if saved is not None else residual.zero_()
-
-
-def _pending_apply(engine: RoundEngine, state: dict[str, Any]) -> bool:
-    """Whether the state's next start is still to be applied d steps into the round (a sync delay d < tau).
-    A state without `applies_at` carries the buffer whatever the phase (scratch after the apply point):
-    for it the step counter says whether its apply point has passed."""
-    steps, tau = engine.schedule.steps, engine.tau
-    pending = state["next_start"] is not None and 0 < steps < tau
-    if "applies_at" not in state:
-        pending = pending and state["rounds"] > 0 and state["inner_steps"] % tau < steps
-    return pending
-
-
-def _load_sync_delay(engine: RoundEngine, fixed: Optional[int]) -> None:
-    """sync_delay "auto": the saved delay and its schedule, or (not fixed when saved) measure anew."""
-    if engine.delay_meter is None:
-        return
-    if fixed is None:  # measured anew, applying at the round end meanwhile (this engine may have fixed one)
-        engine.delay_meter.restart(engine.rounds)
-        engine.schedule = ApplySchedule(engine.config.steps_before_apply, engine.config.tau)
-    else:
-        engine.delay_meter.fix(fixed)
-        engine.schedule = ApplySchedule(fixed, engine.config.tau)
+        raise ValueError(f"co2 {source}: {key} is {got}; expected {like.dtype} {tuple(like.shape)}")

@@ -152,3 +152,13 @@ class DelayMeter:
     def fix(self, delay: int) -> None:
         """A checkpoint's fixed delay."""
         self.fixed, self._watching = delay, None
+
+
+def late_average_warning(most_steps: int, tau: int) -> str:
+    """sync_delay "auto" fixed the delay at tau: what that costs, and the tau that would avoid it."""
+    return (
+        f"co2: sync_delay 'auto': the exchange took {most_steps} of tau={tau} inner steps on the slowest rank "
+        f"(at least that many: the round end waited), so every average stays a whole round late, as with "
+        f"sync_delay null. A tau of at least {math.ceil(MARGIN * most_steps) + 1} would let it apply earlier, "
+        f"and one above the exchange's steps keeps the round end from waiting (docs/configuration.md)"
+    )

@@ -29,3 +29,13 @@ def step_budget_problem(max_steps: int, tau: int, steps: str = "max_steps", tau_
             f"{max_steps}"
         )
     return None
+
+
+def dropped_steps_warning(dropped: int, inner_steps: int, tau: int) -> str:
+    """finalize() with `dropped` inner steps since the last round end (`inner_steps` in all)."""
+    ended = inner_steps >= tau
+    where = "start point" if ended else f"model it started from: no round ended (tau={tau})"
+    return (
+        f"co2 finalize: the {dropped} inner step(s) since the last round end (step {inner_steps - dropped}) are "
+        f"dropped; every rank returns to the {where}. Train whole rounds: a number of steps that tau divides"
+    )

@@ -8,7 +8,7 @@ average leaves the base as the next start point. The membership itself lives in 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,6 @@ from ..core.topology import Topology
 from .agreement import FIELDS, HEAD, WORDS, ReplicaRefused, identity_fields, row, start_digest, verdict
 from .lighthouse import AbandonedCollective, wait_watched
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .membership import Membership
-
 
 class Peers(NamedTuple):
     """One round's quorum as this replica sees it."""
@@ -32,6 +29,24 @@ class Peers(NamedTuple):
     rank: int  # this replica's rank in the quorum
     contributes: bool  # False: joined at this round end; its displacement is not in the average
     members: tuple[str, ...] = ()  # torchft's replica group ids of the quorum ("<replica_id>:<uuid>")
+
+
+class Quorums(Protocol):
+    """What the exchange asks of this replica's membership (`membership.Membership`): each round's quorum
+    and commit vote, the engine's read methods, and the settings the quorum agrees on."""
+
+    engine: Any  # the RoundEngine (its identity, rounds, next start point and gap norms)
+    agree: dict[str, Any]
+    lighthouse: str
+    replica_id: int
+
+    def open_round(self, round_index: int) -> Peers: ...
+    def prepare_background_round(self, round_index: int) -> None: ...
+    def background_quorum(self, round_index: int) -> Peers: ...
+    def final_quorum(self, round_index: int) -> Peers: ...
+    def settle(self, peers: Peers, round_index: int, contributors: Optional[tuple[int, ...]], error: Any) -> bool: ...
+    def end(self, peers: Peers, error: Optional[Exception]) -> None: ...
+    def close(self) -> None: ...
 
 
 class _CutExchange(Exception):
@@ -49,10 +64,11 @@ class ElasticExchange(OuterExchange):
     """
 
     def __init__(
-        self, membership: Membership, plan: ResolvedPlan, topology: Topology, layout: Layout, device: torch.device
+        self, membership: Quorums, plan: ResolvedPlan, topology: Topology, layout: Layout, device: torch.device
     ) -> None:
         super().__init__(plan, topology, layout, device)
         self.membership = membership
+        self.device = device
         self.joined: Optional[Peers] = None  # the quorum `attach` joined, for the first round end
         self.peers: Optional[Peers] = None  # this round's (None until the background quorum); the worker's
         self.round_index = -1
@@ -180,8 +196,7 @@ class ElasticExchange(OuterExchange):
         try:
             self.peers, self.contributors = peers, self._who_contributes(peers)
             if self.contributors:
-                device = self.membership.engine.start_point.device
-                super()._average(torch.zeros(self.layout.padded, device=device), None)
+                super()._average(torch.zeros(self.layout.padded, device=self.device), None)
         except Exception as failure:
             error = _collective_error(failure)
             drop_group(peers.group)

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from ..core.comm import Layout
 from ..core.errors import CO2Error, missing_extra
-from ..core.partition import local_values
 from ..core.plan import ResolvedPlan
 from ..core.topology import Topology, collective_device
 from .exchange import ElasticExchange, Peers, drop_group
@@ -37,21 +36,6 @@ def _torchft() -> Any:
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise missing_extra("torchft", "elastic", error) from error
     return torchft
-
-
-@dataclass(frozen=True)
-class ServedState:
-    """What this replica sends a peer that heals from it: its state between two rounds, fixed when the
-    quorum is asked for. Tensors are references, cloned when served: none of them is written before
-    the quorum ends (the next start point is read-only during the round, the momentum is written by
-    the outer step, after the quorum, on the same thread); the counters are copies."""
-
-    next_start: torch.Tensor
-    momentum: torch.Tensor
-    previous_update_sq_norms: Optional[torch.Tensor]
-    rounds: int
-    inner_steps: int
-    skipped_rounds: int
 
 
 @dataclass
@@ -108,7 +92,7 @@ class Membership:
         self.engine: Optional[RoundEngine] = None
         self.timeout_s = 0.0
         self._received: Optional[int] = None  # inner_steps of the state a peer sent this replica
-        self._served: Optional[ServedState] = None  # what a healing peer gets from this replica now
+        self._served: Optional[dict[str, Any]] = None  # what a healing peer gets now (`RoundEngine.state_for_peer`)
         self._background_round: Optional[int] = None  # the round whose quorum runs on the exchange's worker
         self._round_in_place: Optional[int] = None  # the round whose quorum runs on the main thread, mid-job
 
@@ -144,8 +128,7 @@ class Membership:
             peers = self._quorum(round_index=0, joining=True)
             received, self._received = self._received, None
             if received is not None:  # live = the peer's start point (for a joiner: a zero displacement)
-                engine.start_point.copy_(engine.next_start)
-                engine.restart_from_start_point()
+                engine.restart_from_next_start()
             if received:  # the job is running: take part in the exchange of the round that just ended
                 self.exchange.joined = peers._replace(contributes=False)
                 return True
@@ -210,7 +193,7 @@ class Membership:
         """At the round end, on the main thread: the checks and the state to serve for a quorum that
         `background_quorum` then asks for on the exchange's worker."""
         self._check_replica_whole(round_index)
-        self._served = self._between_rounds()
+        self._served = self.engine.state_for_peer()
 
     def background_quorum(self, round_index: int) -> Peers:
         """The quorum for round `round_index`'s exchange, asked for by its pipeline while the next round
@@ -290,7 +273,7 @@ class Membership:
         """serve_now: a peer that heals from this replica gets its state as of now (main thread, between
         rounds); False: as `prepare_background_round` fixed it."""
         if serve_now:
-            self._served = self._between_rounds()
+            self._served = self.engine.state_for_peer()
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.timeout_s))
         except CO2Error:
@@ -344,36 +327,14 @@ class Membership:
 
     # ---- healing: what a live peer sends a replica that is behind ------------------------------------
 
-    def _between_rounds(self) -> ServedState:
-        """The engine's state between two rounds, as the main thread holds it at a round end."""
-        engine = self.engine
-        return ServedState(
-            engine.next_start,
-            engine.momentum,
-            engine.previous_update_sq_norms,
-            engine.rounds,
-            engine.inner_steps,
-            engine.skipped_rounds,
-        )
-
     def _state_dict(self) -> dict[str, Any]:
         """What a healing peer receives (called on torchft's quorum thread, inside this replica's quorum):
-        the state fixed when the quorum was asked for. Copies: the transport serves them later."""
-        served, engine = self._served, self.engine
-        norms = served.previous_update_sq_norms
-        return {
-            "identity": _portable(engine.identity()),
-            "next_start": served.next_start.clone(),
-            "momentum": served.momentum.clone(),
-            "previous_update_sq_norms": None if norms is None else norms.clone(),
-            "rounds": served.rounds,
-            "inner_steps": served.inner_steps,
-            "skipped_rounds": served.skipped_rounds,
-            "frozen": [local_values(p).clone() for _, p in engine.watch.frozen],
-        }
+        the state fixed when the quorum was asked for (`RoundEngine.state_for_peer`). Copies: the transport
+        serves them later."""
+        return {key: _copied(value) for key, value in self._served.items()}
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a live peer's state (main thread, inside start_quorum)."""
+        """Take a live peer's state (main thread, inside start_quorum) through `RoundEngine.adopt`."""
         engine = self.engine
         if self._background_round is not None:
             raise CO2Error(
@@ -383,20 +344,10 @@ class Membership:
                 f"already computing from its own start point; it leaves the job: restart it to rejoin from a "
                 f"live peer"
             )
-        if state["identity"] != _portable(engine.identity()):
+        if any(state.get(key) != value for key, value in engine.identity().items()):
             return  # another config or model: the quorum's meeting names the fields on every replica
         self._check_in_step(state)
-        with torch.no_grad():
-            engine.next_start.copy_(state["next_start"])
-            engine.momentum.copy_(state["momentum"])
-            if engine.own_start is not None:  # its stand-in was made from the state it was behind on
-                engine.own_start.copy_(state["next_start"])
-            for (_, p), value in zip(engine.watch.frozen, state["frozen"]):
-                local_values(p).copy_(value)
-        norms = state["previous_update_sq_norms"]
-        engine.previous_update_sq_norms = None if norms is None else norms.to(engine.momentum.device)
-        engine.rounds, engine.inner_steps = state["rounds"], state["inner_steps"]
-        engine.skipped_rounds = state["skipped_rounds"]
+        engine.adopt(state, source="elastic heal")
         self._received = state["inner_steps"]
 
     def _check_in_step(self, state: dict[str, Any]) -> None:
@@ -424,6 +375,8 @@ class Membership:
             self.manager = None
 
 
-def _portable(identity: dict[str, Any]) -> dict[str, Any]:
-    """The parts of an engine's identity a peer must share (the rank inside the replica included)."""
-    return {key: identity[key] for key in ("version", "config_hash", "grid", "rank", "signature", "geometry")}
+def _copied(value: Any) -> Any:
+    """`value` with its tensors (also in a list) cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return [_copied(v) for v in value] if isinstance(value, list) else value

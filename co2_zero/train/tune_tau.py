@@ -210,7 +210,7 @@ def verify(args, tau: int, rounds: int, t_step: float) -> dict:
         waits, books = waits[1:], books[1:]
         opt.finalize()
     opt.topology.destroy()
-    steps = opt.engine.delay_meter.most_steps if opt.engine.delay_meter is not None else 0
+    steps = opt.engine.exchange_steps
     base_round = _slowest(statistics.mean(base))
     co2_round = _slowest(statistics.mean(co2))
     return {
