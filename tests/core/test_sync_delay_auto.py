@@ -25,9 +25,8 @@ from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks
 from tests.reference import simulate
+from tests.scenarios import HEAVY_BALL, NESTEROV
 
-NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
-HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
 TAU, GATE = 6, 2  # the gated exchange takes 2 steps: the delay is ceil(1.5 x 2) = 3
 SWITCH = 5  # the first round whose average is applied mid-round: measured 1-2, announced 2-3, fixed at 4
 SCENARIOS = {

@@ -21,14 +21,12 @@ import torch
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.reference import resolve_config, simulate
+from tests.scenarios import co2
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, here and in the children
 co2_deepspeed = pytest.importorskip("co2_zero.deepspeed")
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-ADAPTIVE = {"mode": "adaptive", "strength": 1.5}
-HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
-NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 
 
 # The defaults of the co2 section as the README's Configuration table documents them, spelled out for the
@@ -92,14 +90,7 @@ def _scenarios(shards: int) -> dict:
         "z1-overlap": dict(
             config=ds_config(
                 "ds_zero1_co2",
-                {
-                    **s,
-                    **HEAVY_BALL,
-                    "tau": 3,
-                    "gap_penalty": ADAPTIVE,
-                    "collective": "reduce_scatter",
-                    "stand_in": "shared",
-                },
+                {**s, **co2("overlap-shared-heavyball-adaptive-reducescatter-t3")},
                 gradient_clipping=0.05,
                 train_batch_size=8 * 2 * shards,
             ),
@@ -110,7 +101,7 @@ def _scenarios(shards: int) -> dict:
         "z1-blocking": dict(
             config=ds_config(
                 "ds_zero1_co2",
-                {**s, **NESTEROV, "overlap": False, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce"},
+                {**s, **co2("blocking-nesterov-adaptive-allreduce-t2")},
                 drop=("scheduler",),
                 gradient_clipping=0.0,
             ),
@@ -123,14 +114,7 @@ def _scenarios(shards: int) -> dict:
         "z2-overlap-accum": dict(
             config=ds_config(
                 "ds_zero2_co2",
-                {
-                    **s,
-                    **HEAVY_BALL,
-                    "tau": 2,
-                    "gap_penalty": ADAPTIVE,
-                    "clip": {"mode": "norm", "threshold": 0.1},
-                    "stand_in": "shared",
-                },
+                {**s, **co2("overlap-shared-heavyball-adaptive-clipnorm-t2")},
                 zero={"round_robin_gradients": True, "parameter_alignment": True},
                 gradient_clipping=0.05,
             ),
@@ -142,14 +126,7 @@ def _scenarios(shards: int) -> dict:
         "z2-blocking": dict(
             config=ds_config(
                 "ds_zero2_co2",
-                {
-                    **s,
-                    **HEAVY_BALL,
-                    "overlap": False,
-                    "tau": 3,
-                    "gap_penalty": ADAPTIVE,
-                    "collective": "reduce_scatter",
-                },
+                {**s, **co2("blocking-heavyball-adaptive-reducescatter-t3")},
                 gradient_accumulation_steps=1,
                 gradient_clipping=0.0,
             ),
@@ -158,7 +135,7 @@ def _scenarios(shards: int) -> dict:
         # ZeRO-2 with a sync delay and the (default) local stand-in: the average is applied one optimizer step
         # into the next round, the rebased masters spread by DeepSpeed's own all-gather mid-round (design §3)
         "z2-sync-delay": dict(
-            config=ds_config("ds_zero2_co2", {**s, **HEAVY_BALL, "tau": 3, "sync_delay": 1, "gap_penalty": ADAPTIVE}),
+            config=ds_config("ds_zero2_co2", {**s, **co2("overlap-heavyball-adaptive-t3-d1")}),
             steps=8,
         ),
         # ZeRO-2, the default co2 section, no gradient_clipping key, no LR scheduler.
@@ -171,15 +148,13 @@ def _scenarios(shards: int) -> dict:
 
 def _resume_scenario(shards: int) -> dict:
     return dict(
-        config=ds_config(
-            "ds_zero1_co2", {"shards_per_replica": shards, **HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE}
-        ),
+        config=ds_config("ds_zero1_co2", {"shards_per_replica": shards, **co2("overlap-heavyball-adaptive-t3")}),
         steps=8,
         save_at=4,  # one round ended at 3, its exchange in flight
     )
 
 
-BF16 = dict(config=ds_config("ds_zero2_co2_bf16", {"shards_per_replica": 2, "tau": 4}), steps=32)
+BF16 = dict(config=ds_config("ds_zero2_co2_bf16", {"shards_per_replica": 2, **co2("defaults-t4")}), steps=32)
 BF16["config"]["optimizer"]["params"]["lr"] = BF16["config"]["scheduler"]["params"]["warmup_max_lr"] = 0.05
 # Plain DeepSpeed through co2_zero's initialize, without a gradient_clipping key (DeepSpeed 0.19.8 would
 # clip at 1.0); data of replica 1 (targets offset by 1) gives gradient norms above 1.

@@ -21,30 +21,21 @@ from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks
 from tests.reference import replica_round_starts, resolve_config, simulate, stand_in_words
+from tests.scenarios import co2
 
 co2_fairscale = pytest.importorskip("co2_zero.fairscale")
 CO2OSS = co2_fairscale.CO2OSS
 FairScaleSDP = pytest.importorskip("fairscale.nn.data_parallel").ShardedDataParallel
 
-HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
-NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
-ADAPTIVE = {"mode": "adaptive", "strength": 1.5}
 
-OVERLAP_SGD = dict(config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce"}, steps=7)
+OVERLAP_SGD = dict(config=co2("overlap-heavyball-adaptive-allreduce-t2"), steps=7)
 
 # S = 2 x R = 2 on 4 ranks.
 SHARDED = {
     # uneven OSS partitions (262 / 265 elements, different tensor mixes); a train/eval switch mid-round
     # makes ShardedDataParallel rebuild the OSS buckets (the partition's storage moves)
     "sdp-overlap-adam-uneven-clipnorm-reducescatter": dict(
-        config={
-            **NESTEROV,
-            "tau": 2,
-            "gap_penalty": ADAPTIVE,
-            "clip": {"mode": "norm", "threshold": 0.1},
-            "stand_in": "shared",
-            "collective": "reduce_scatter",
-        },
+        config=co2("overlap-shared-nesterov-adaptive-clipnorm-reducescatter-t2"),
         steps=9,
         model="uneven",
         optimizer="adam",
@@ -53,39 +44,33 @@ SHARDED = {
     ),
     "sdp-overlap-sgd": OVERLAP_SGD,
     "sdp-blocking-slowmo-reducescatter": dict(
-        config={
-            **HEAVY_BALL,
-            "overlap": False,
-            "tau": 3,
-            "gap_penalty": {"mode": "constant", "value": 1.5},
-            "collective": "reduce_scatter",
-        },
+        config=co2("blocking-heavyball-constant1.5-reducescatter-t3"),
         steps=9,
         model="uneven",
     ),
     # plain torch DDP inside the replica, on a replica group the user built and passed in
     "ddp-overlap-user-group": dict(
-        config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+        config=co2("overlap-heavyball-adaptive-reducescatter-t3"),
         steps=7,
         wrapper="ddp",
         user_group=True,
     ),
     # one parameter tensor: the second shard of each replica owns nothing
     "sdp-overlap-empty-partition": dict(
-        config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+        config=co2("overlap-heavyball-adaptive-reducescatter-t2"),
         steps=6,
         model="single",
     ),
     # a sync delay: the rebased partition is broadcast by OSS mid-round
     "sdp-syncdelay-reducescatter": dict(
-        config={**NESTEROV, "tau": 3, "sync_delay": 1, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+        config=co2("overlap-nesterov-adaptive-reducescatter-t3-d1"),
         steps=8,
         model="uneven",
         optimizer="adam",
     ),
     # built by wrap(); BatchNorm statistics of every rank are averaged at round ends
     "wrap-overlap-batchnorm-buffers": dict(
-        config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce"},
+        config=co2("overlap-heavyball-adaptive-allreduce-t2"),
         steps=6,
         model="bn",
         wrapper="wrap",
@@ -96,7 +81,7 @@ SHARDED = {
     "sdp-overlap-broadcast-fp16": {**OVERLAP_SGD, "broadcast_fp16": True},
     # FairScale's own ShardedDataParallel on a replica group: the unbucketed gradient is dropped
     "fairscale-sdp-overlap-empty-partition": dict(
-        config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+        config=co2("overlap-heavyball-adaptive-reducescatter-t2"),
         steps=6,
         model="single",
         wrapper="fairscale-sdp",
@@ -109,7 +94,7 @@ BUGGY = {
 }
 LOSSY = {"sdp-overlap-broadcast-fp16"}  # fp16 broadcasts: close to the reference, not to 1e-5
 RESUME_SHARDED = dict(
-    config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+    config=co2("overlap-nesterov-adaptive-reducescatter-t2"),
     steps=9,
     model="uneven",
     optimizer="adam",
@@ -120,26 +105,19 @@ RESUME_SHARDED = dict(
 # S = 1 x R = 2 on 2 ranks.
 ONE_SHARD = {
     "s1-sdp-overlap-adam-clipnorm-reducescatter": dict(
-        config={
-            **NESTEROV,
-            "tau": 2,
-            "gap_penalty": ADAPTIVE,
-            "clip": {"mode": "norm", "threshold": 0.1},
-            "stand_in": "shared",
-            "collective": "reduce_scatter",
-        },
+        config=co2("overlap-shared-nesterov-adaptive-clipnorm-reducescatter-t2"),
         steps=8,
         model="uneven",
         optimizer="adam",
     ),
     "s1-bare-blocking-allreduce": dict(
-        config={**HEAVY_BALL, "overlap": False, "tau": 3, "gap_penalty": {"mode": "none"}, "collective": "all_reduce"},
+        config=co2("blocking-heavyball-nopenalty-allreduce-t3"),
         steps=9,
         wrapper="none",
     ),
 }
 RESUME_ONE_SHARD = dict(
-    config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "collective": "all_reduce"},
+    config=co2("overlap-heavyball-adaptive-allreduce-t3"),
     steps=10,
     save_at=4,
     recipient=-1,

@@ -21,15 +21,12 @@ from co2_zero.fsdp import replica_mesh
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.reference import resolve_config, simulate, stand_in_words
-
-HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
-NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
-ADAPTIVE = {"mode": "adaptive", "strength": 1.5}
+from tests.scenarios import co2
 
 SCENARIOS = {
     # replica 1 starts from another init: CO2 must start every replica from replica 0's
     "overlap-heavyball-reducescatter-adamw": dict(
-        config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+        config=co2("overlap-heavyball-adaptive-reducescatter-t3"),
         steps=10,
         optimizer="adamw",
         perturb=True,
@@ -37,45 +34,32 @@ SCENARIOS = {
     # uneven shards (dim 0 of 5, 1 and 3 over S = 2: padding rows, and a shard that is empty) and a
     # frozen parameter (not in the partition; stays where it started)
     "overlap-nesterov-allreduce-uneven-frozen": dict(
-        config={
-            **NESTEROV,
-            "tau": 2,
-            "gap_penalty": ADAPTIVE,
-            "clip": {"mode": "norm", "threshold": 0.1},
-            "stand_in": "shared",
-            "collective": "all_reduce",
-        },
+        config=co2("overlap-shared-nesterov-adaptive-clipnorm-allreduce-t2"),
         steps=7,
         model="uneven",
         frozen=("0.bias",),
     ),
     "blocking-heavyball-reducescatter-uneven": dict(
-        config={**HEAVY_BALL, "overlap": False, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+        config=co2("blocking-heavyball-adaptive-reducescatter-t2"),
         steps=6,
         model="uneven",
         optimizer="adam",
     ),
     # CPUOffloadPolicy on a CPU mesh is FSDP2's no-op case: accepted
     "blocking-diloco-allreduce-cpu-offload": dict(
-        config={**NESTEROV, "overlap": False, "tau": 3, "gap_penalty": {"mode": "none"}, "collective": "all_reduce"},
+        config=co2("blocking-nesterov-nopenalty-allreduce-t3"),
         steps=7,
         offload=True,
     ),
     # eager updates (docs/design.md §3): replicas start rounds from the shared start plus their own
     # correction; with the gap penalty (Nesterov) and without it (heavy ball)
     "eager-nesterov-adaptive-allreduce": dict(
-        config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce", "stand_in": "eager"},
+        config=co2("overlap-eager-nesterov-adaptive-allreduce-t2"),
         steps=8,
         model="uneven",
     ),
     "eager-heavyball-none-reducescatter": dict(
-        config={
-            **HEAVY_BALL,
-            "tau": 3,
-            "gap_penalty": {"mode": "none"},
-            "collective": "reduce_scatter",
-            "stand_in": "eager",
-        },
+        config=co2("overlap-eager-heavyball-nopenalty-reducescatter-t3"),
         steps=9,
         optimizer="adam",
     ),
@@ -83,58 +67,30 @@ SCENARIOS = {
     # progress rebased on it; with eager and the gap penalty, and without either. 13 steps end before the
     # last average is applied (finalize applies it), 11 after
     "syncdelay-eager-nesterov-adaptive-allreduce": dict(
-        config={
-            **NESTEROV,
-            "tau": 4,
-            "sync_delay": 2,
-            "gap_penalty": ADAPTIVE,
-            "collective": "all_reduce",
-            "stand_in": "eager",
-        },
+        config=co2("overlap-eager-nesterov-adaptive-allreduce-t4-d2"),
         steps=13,
         model="uneven",
     ),
     "syncdelay-eager-heavyball-none-reducescatter": dict(
-        config={
-            **HEAVY_BALL,
-            "tau": 3,
-            "sync_delay": 1,
-            "gap_penalty": {"mode": "none"},
-            "collective": "reduce_scatter",
-            "stand_in": "eager",
-        },
+        config=co2("overlap-eager-heavyball-nopenalty-reducescatter-t3-d1"),
         steps=11,
         optimizer="adam",
     ),
     # the local stand-in: the outer step on the replica's own displacement, with the outer momentum that
     # each rank follows from the applied steps (sharded with reduce_scatter); at the round end and mid-round
     "local-nesterov-adaptive-reducescatter": dict(
-        config={**NESTEROV, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter", "stand_in": "local"},
+        config=co2("overlap-local-nesterov-adaptive-reducescatter-t2"),
         steps=9,
         model="uneven",
     ),
     "syncdelay-local-nesterov-none-reducescatter": dict(
-        config={
-            **NESTEROV,
-            "tau": 4,
-            "sync_delay": 1,
-            "gap_penalty": {"mode": "none"},
-            "stand_in": "local",
-            "collective": "reduce_scatter",
-        },
+        config=co2("overlap-local-nesterov-nopenalty-reducescatter-t4-d1"),
         steps=13,
         optimizer="adam",
     ),
     # the local stand-in's norm clip spans the replica's model: its S shards add up their partial norms
     "local-nesterov-adaptive-clipnorm-allreduce-uneven": dict(
-        config={
-            **NESTEROV,
-            "tau": 2,
-            "gap_penalty": ADAPTIVE,
-            "clip": {"mode": "norm", "threshold": 0.1},
-            "stand_in": "local",
-            "collective": "all_reduce",
-        },
+        config=co2("overlap-local-nesterov-adaptive-clipnorm-allreduce-t2"),
         steps=7,
         model="uneven",
     ),
@@ -143,37 +99,23 @@ SCENARIOS = {
     # start (none takes the clip's collective alone), the other replica from its stand-in; round 1 skipped.
     # The inner SGD keeps no state: a reset clears only the rank that saw the NaN
     "skip-local-clipnorm-allreduce": dict(
-        config={
-            **NESTEROV,
-            "tau": 2,
-            "clip": {"mode": "norm", "threshold": 0.1},
-            "stand_in": "local",
-            "collective": "all_reduce",
-            "nonfinite": "skip_round",
-        },
+        config=co2("overlap-local-nesterov-clipnorm-allreduce-t2-skipround"),
         steps=8,
         optimizer="sgd_no_state",
         poison_step=3,
         reference={"schedule": [{0, 1}, None, {0, 1}, {0, 1}], "restarts": [(1, 2)]},
     ),
     "syncdelay-local-heavyball-adaptive-allreduce": dict(
-        config={
-            **HEAVY_BALL,
-            "tau": 3,
-            "sync_delay": 2,
-            "gap_penalty": ADAPTIVE,
-            "stand_in": "local",
-            "collective": "all_reduce",
-        },
+        config=co2("overlap-local-heavyball-adaptive-allreduce-t3-d2"),
         steps=11,
     ),
     "syncdelay-heavyball-adaptive-reducescatter": dict(
-        config={**HEAVY_BALL, "tau": 3, "sync_delay": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"},
+        config=co2("overlap-heavyball-adaptive-reducescatter-t3-d2"),
         steps=11,
     ),
 }
-RESUME = dict(config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE}, steps=8, save_at=4, model="uneven")
-MIXED = dict(config={"tau": 4}, steps=32)
+RESUME = dict(config=co2("overlap-heavyball-adaptive-t3"), steps=8, save_at=4, model="uneven")
+MIXED = dict(config=co2("defaults-t4"), steps=32)
 
 
 # ---- models, shared by the children and the reference ----------------------------------------------------

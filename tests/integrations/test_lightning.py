@@ -23,26 +23,20 @@ from tests.compare import assert_close  # noqa: E402
 from tests.dist_utils import run_ranks  # noqa: E402
 from tests.lightning_app import Lit, Recorder, as_torchrun, loader, params, trainer  # noqa: E402
 from tests.reference import simulate  # noqa: E402
+from tests.scenarios import co2  # noqa: E402
 
-HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
 SCENARIOS = {
     # CO2Config's defaults but tau; 13 steps: the last one is dropped by finalize (and warned about)
-    "defaults": dict(config={"tau": 3}, steps=13),
+    "defaults": dict(config=co2("defaults-t3"), steps=13),
     "heavyball-adaptive-shared-reducescatter": dict(
-        config={
-            **HEAVY_BALL,
-            "tau": 2,
-            "gap_penalty": {"mode": "adaptive", "strength": 1.5},
-            "stand_in": "shared",
-            "collective": "reduce_scatter",
-        },
+        config=co2("overlap-shared-heavyball-adaptive-reducescatter-t2"),
         steps=8,
         optimizer="adam",
     ),
     # Trainer(accumulate_grad_batches=2): tau counts optimizer steps, each the mean of 2 micro-batches
-    "accumulate-2": dict(config={**HEAVY_BALL, "tau": 2}, steps=6, accumulate=2),
+    "accumulate-2": dict(config=co2("overlap-heavyball-t2"), steps=6, accumulate=2),
 }
-RESUME = dict(config={"tau": 3}, steps=12)  # checkpoints every 2 steps; resumed from steps 4 and 8, mid-round
+RESUME = dict(config=co2("defaults-t3"), steps=12)  # checkpoints every 2 steps; resumed from steps 4 and 8, mid-round
 WORLD = 2
 
 

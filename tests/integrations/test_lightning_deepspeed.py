@@ -21,11 +21,12 @@ pytest.importorskip("co2_zero.deepspeed")
 from co2_zero.lightning import CO2DeepSpeedStrategy  # noqa: E402
 from tests import models  # noqa: E402
 from tests.dist_utils import run_ranks  # noqa: E402
-from tests.integrations.test_deepspeed import ADAPTIVE, HEAVY_BALL, ds_config, reference  # noqa: E402
+from tests.integrations.test_deepspeed import ds_config, reference  # noqa: E402
 from tests.lightning_app import Lit, Recorder, as_torchrun, loader, params, trainer  # noqa: E402
+from tests.scenarios import co2  # noqa: E402
 
 WORLD, SHARDS = 4, 2
-CO2 = {"shards_per_replica": SHARDS, **HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE}
+CO2 = {"shards_per_replica": SHARDS, **co2("overlap-heavyball-adaptive-t3")}
 # the shipped ZeRO-2 config (AdamW, WarmupDecayLR, clipping); Lightning sets the accumulation itself
 SCENARIO = dict(config=ds_config("ds_zero2_co2", CO2, drop=("gradient_accumulation_steps",)), steps=8)
 

@@ -22,117 +22,63 @@ from tests import models
 from tests.compare import assert_close
 from tests.dist_utils import run_ranks
 from tests.reference import replica_round_starts, resolve_config, simulate, stand_in_words
-
-HEAVY_BALL = {"outer_lr": 0.8, "outer_momentum": 0.5, "nesterov": False}
-NESTEROV = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
-ADAPTIVE = {"mode": "adaptive", "strength": 1.5}
+from tests.scenarios import co2
 
 SCENARIOS_R2 = {
-    "overlap-heavyball-adaptive-allreduce": dict(
-        config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "collective": "all_reduce"}, steps=13
-    ),
+    "overlap-heavyball-adaptive-allreduce": dict(config=co2("overlap-heavyball-adaptive-allreduce-t3"), steps=13),
     "overlap-heavyball-adaptive-reducescatter": dict(
-        config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter"}, steps=13
+        config=co2("overlap-heavyball-adaptive-reducescatter-t3"), steps=13
     ),
     "overlap-nesterov-constant-clipvalue": dict(
-        config={
-            **NESTEROV,
-            "tau": 2,
-            "gap_penalty": {"mode": "constant", "value": 2.0},
-            "clip": {"mode": "value", "threshold": 0.02},
-            "stand_in": "shared",
-            "collective": "reduce_scatter",
-        },
+        config=co2("overlap-shared-nesterov-constant2.0-clipvalue-reducescatter-t2"),
         steps=10,
         optimizer="adam",
     ),
     "overlap-tau1-none-clipnorm-perturbed-init": dict(
-        config={
-            "outer_lr": 1.0,
-            "outer_momentum": 0.3,
-            "tau": 1,
-            "gap_penalty": {"mode": "none"},
-            "clip": {"mode": "norm", "threshold": 0.05},
-            "stand_in": "shared",
-            "collective": "all_reduce",
-        },
+        config=co2("overlap-shared-lr1.0-m0.3-nopenalty-clipnorm-allreduce-t1"),
         steps=7,
         perturbed_init=True,
     ),
     "overlap-adaptive-clipnorm-uneven": dict(
-        config={
-            **NESTEROV,
-            "tau": 2,
-            "gap_penalty": ADAPTIVE,
-            "clip": {"mode": "norm", "threshold": 0.1},
-            "stand_in": "shared",
-            "collective": "reduce_scatter",
-        },
+        config=co2("overlap-shared-nesterov-adaptive-clipnorm-reducescatter-t2"),
         steps=9,
         model="uneven",
     ),
     "blocking-heavyball-adaptive-clipnorm": dict(
-        config={
-            **HEAVY_BALL,
-            "overlap": False,
-            "tau": 3,
-            "gap_penalty": ADAPTIVE,
-            "clip": {"mode": "norm", "threshold": 0.05},
-            "stand_in": "shared",
-            "collective": "reduce_scatter",
-        },
+        config=co2("blocking-shared-heavyball-adaptive-clipnorm-reducescatter-t3"),
         steps=12,
     ),
     "blocking-diloco-allreduce": dict(
-        config={**NESTEROV, "overlap": False, "tau": 2, "gap_penalty": {"mode": "none"}, "collective": "all_reduce"},
+        config=co2("blocking-nesterov-nopenalty-allreduce-t2"),
         steps=8,
         optimizer="adam",
     ),
     "localsgd": dict(
-        config={
-            "outer_lr": 1.0,
-            "outer_momentum": 0.0,
-            "overlap": False,
-            "tau": 3,
-            "gap_penalty": {"mode": "none"},
-            "collective": "reduce_scatter",
-        },
+        config=co2("blocking-localsgd-nopenalty-reducescatter-t3"),
         steps=9,
     ),
     "overlap-batchnorm-buffers": dict(
-        config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce"},
+        config=co2("overlap-heavyball-adaptive-allreduce-t2"),
         steps=6,
         model="bn",
     ),
     "overlap-slow-collective": dict(
-        config={**HEAVY_BALL, "tau": 2, "gap_penalty": ADAPTIVE, "collective": "all_reduce"},
+        config=co2("overlap-heavyball-adaptive-allreduce-t2"),
         steps=8,
         slow=0.3,
     ),
     # CO2Config's defaults but tau (the local stand-in, Nesterov 0.9, outer lr 0.5, no penalty; "auto"
     # measures in rounds 0-4, applying at the round end: 4 rounds here)
-    "defaults": dict(config={"tau": 3}, steps=13),
+    "defaults": dict(config=co2("defaults-t3"), steps=13),
     # the local stand-in clips its own step as the outer step clips m (all_reduce: gloo's `auto`)
-    "defaults-clipnorm": dict(config={"tau": 3, "clip": {"mode": "norm", "threshold": 0.05}}, steps=13),
+    "defaults-clipnorm": dict(config=co2("defaults-clipnorm-t3"), steps=13),
     "local-nesterov-constant-clipvalue-allreduce": dict(
-        config={
-            **NESTEROV,
-            "tau": 2,
-            "gap_penalty": {"mode": "constant", "value": 2.0},
-            "clip": {"mode": "value", "threshold": 0.02},
-            "collective": "all_reduce",
-        },
+        config=co2("overlap-nesterov-constant2.0-clipvalue-allreduce-t2"),
         steps=10,
         optimizer="adam",
     ),
     "local-heavyball-adaptive-clipnorm-allreduce-uneven": dict(
-        config={
-            **HEAVY_BALL,
-            "tau": 2,
-            "gap_penalty": ADAPTIVE,
-            "clip": {"mode": "norm", "threshold": 0.1},
-            "collective": "all_reduce",
-        },
+        config=co2("overlap-heavyball-adaptive-clipnorm-allreduce-t2"),
         steps=9,
         model="uneven",
     ),
@@ -140,40 +86,20 @@ SCENARIOS_R2 = {
 
 SCENARIOS_R4 = {
     "r4-overlap-nesterov-adaptive-clipnorm-reducescatter": dict(
-        config={
-            **NESTEROV,
-            "tau": 2,
-            "gap_penalty": ADAPTIVE,
-            "clip": {"mode": "norm", "threshold": 0.1},
-            "stand_in": "shared",
-            "collective": "reduce_scatter",
-        },
+        config=co2("overlap-shared-nesterov-adaptive-clipnorm-reducescatter-t2"),
         steps=8,
         model="uneven",
     ),
     "r4-overlap-heavyball-clipvalue-allreduce": dict(
-        config={
-            **HEAVY_BALL,
-            "tau": 3,
-            "gap_penalty": ADAPTIVE,
-            "clip": {"mode": "value", "threshold": 0.02},
-            "stand_in": "shared",
-            "collective": "all_reduce",
-        },
+        config=co2("overlap-shared-heavyball-adaptive-clipvalue-allreduce-t3"),
         steps=9,
     ),
     "r4-local-heavyball-adaptive-clipvalue": dict(
-        config={**HEAVY_BALL, "tau": 3, "gap_penalty": ADAPTIVE, "clip": {"mode": "value", "threshold": 0.02}},
+        config=co2("overlap-heavyball-adaptive-clipvalue-t3"),
         steps=9,
     ),
     "r4-blocking-slowmo": dict(
-        config={
-            **HEAVY_BALL,
-            "overlap": False,
-            "tau": 2,
-            "gap_penalty": {"mode": "constant", "value": 1.5},
-            "collective": "reduce_scatter",
-        },
+        config=co2("blocking-heavyball-constant1.5-reducescatter-t2"),
         steps=6,
     ),
 }
