@@ -516,8 +516,8 @@ def test_a_killed_replica_is_survived_then_rejoins(job_factory, tmp_path, replic
     torch.testing.assert_close(results[0][0]["final"], expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["round", "exchange"])
+# the default run's killed replica (the other kills: `-m slow`)
+@pytest.mark.parametrize("where", ["round", pytest.param("exchange", marks=pytest.mark.slow)])
 def test_the_defaults_survive_a_killed_replica_that_rejoins(job_factory, tmp_path, where):
     """The defaults (the local stand-in: each replica starts a round from the outer step the average will
     take, on its own displacement) in elastic mode. Replica 2 is SIGKILLed mid-round 4, or as its exchange

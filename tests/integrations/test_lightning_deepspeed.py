@@ -83,7 +83,6 @@ def _close(actual: dict, expected: dict, what: str) -> None:
         torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{what}/{k}: {m}")
 
 
-@pytest.mark.slow  # 4 ranks, DeepSpeed and Lightning: about 40 s of 2 idle cores
 def test_every_step_matches_the_reference(results):
     _, steps, finals = reference(SCENARIO, SHARDS)
     for rank, per_rank in enumerate(results):
@@ -94,7 +93,6 @@ def test_every_step_matches_the_reference(results):
         _close(got["final"], finals[rank // SHARDS], f"rank {rank} final")
 
 
-@pytest.mark.slow  # 4 ranks, DeepSpeed and Lightning: about 40 s of 2 idle cores
 def test_resume_mid_round_continues_bit_for_bit(results):
     for rank, per_rank in enumerate(results):
         whole, resumed = per_rank[None], per_rank["epoch=0-step=4.ckpt"]
@@ -104,7 +102,6 @@ def test_resume_mid_round_continues_bit_for_bit(results):
         assert all(torch.equal(whole["final"][k], v) for k, v in resumed["final"].items()), rank
 
 
-@pytest.mark.slow  # 4 ranks, DeepSpeed and Lightning: about 40 s of 2 idle cores
 def test_every_rank_ends_with_the_model_the_file_after_fit_holds(results):
     final = results[0][None]["final"]
     for per_rank in results:

@@ -16,7 +16,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs tests/gpu itself, on the GPU")
 def test_the_gpu_suite_passes_with_cpu_tensors():
     env = dict(os.environ, CO2_TEST_GPU_DEVICE="cpu")
