@@ -98,8 +98,7 @@ def _by_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records if not r.get("summary")}
 
 
-@pytest.mark.slow
-def test_two_replicas_train_together_and_end_on_one_model(replicas):
+def test_two_replicas_train_together_and_end_on_one_model(replicas):  # the default run's elastic job
     """Two replicas of the job, each its own launch, start together (--start_replicas 2), read their own
     data (their inner losses differ) and end on one model: the same final val loss, no membership change."""
     job = replicas()
