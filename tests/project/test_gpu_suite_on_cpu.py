@@ -16,6 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the test suite's own drift check, not the library's: about 100 s of 2 idle cores
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs tests/gpu itself, on the GPU")
 def test_the_gpu_suite_passes_with_cpu_tensors():
     env = dict(os.environ, CO2_TEST_GPU_DEVICE="cpu")
