@@ -49,7 +49,7 @@ from scripts import torchft_peer
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = {  # label -> the module every replica runs, and its own flags ({P}: the number of nodes)
     # CO2 as published, as the committed results were measured (the membership's waits do not depend on the
-    # stand-in; the defaults run elastically since, tests/test_elastic.py)
+    # stand-in; the defaults run elastically since, tests/elastic/test_elastic.py)
     "co2": ("co2_zero.train", ["--method", "co2_published", "--start_replicas", "{P}"]),
     "torchft-diloco": ("scripts.torchft_peer", ["--peer", "diloco"]),
     "torchft-streaming": ("scripts.torchft_peer", ["--peer", "streaming"]),

@@ -1,5 +1,5 @@
 """A tiny LightningModule over tests.models and a Trainer launched inside tests.dist_utils ranks, shared
-by the Lightning suites (tests/test_lightning.py, tests/test_lightning_deepspeed.py).
+by the Lightning suites (tests/integrations/test_lightning.py, tests/integrations/test_lightning_deepspeed.py).
 
 `as_torchrun(rank, world)` makes a spawned rank look like a torchrun worker (Lightning then joins the
 rank's existing process group instead of launching processes). `Recorder` keeps the parameters after

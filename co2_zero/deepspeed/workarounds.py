@@ -19,7 +19,7 @@ from .mpu import ReplicaMPU
 # Everything co2_zero.deepspeed does only because of how DeepSpeed 0.19.8 behaves lives here, one function
 # per upstream behaviour, each saying what upstream does and when to delete it. `initialize` applies all
 # of them, with a `co2` section and without one (plain DeepSpeed through our `initialize`).
-# tests/test_deepspeed_upstream.py pins each behaviour on plain DeepSpeed: when one of its tests turns
+# tests/integrations/test_deepspeed_upstream.py pins each behaviour on plain DeepSpeed: when one of its tests turns
 # red (an expected failure that passes, or a pinned behaviour that changed), revisit the entry here.
 
 
@@ -94,7 +94,7 @@ def _quiet_renamed_collectives() -> None:
     `get_reduce_scatter_function` (deepspeed/comm/torch.py) still bind the old ones, so every run whose ZeRO
     group has more than one rank printed it on every rank, about code the script does not call. Ignored by
     category and by that message only (a script's own call of the old names is not told either). Delete
-    when DeepSpeed binds the new names (tests/test_deepspeed_upstream.py turns red then).
+    when DeepSpeed binds the new names (tests/integrations/test_deepspeed_upstream.py turns red then).
     """
     warnings.filterwarnings("ignore", message=RENAMED_COLLECTIVES, category=FutureWarning)
 

@@ -2,7 +2,7 @@
 
 A page includes a table with a marker line `<!-- benchmark: NAME -->` (NAME in `TABLES`). The README
 carries a copy of `throughput` (it is the package's long description, so nothing renders it);
-tests/test_docs.py checks that the copy equals what this module generates. The images under
+tests/project/test_docs.py checks that the copy equals what this module generates. The images under
 benchmarks/ are added to the site at their repository paths, so a page links them as
 `benchmarks/compression/headline.png`.
 """
@@ -108,7 +108,7 @@ def convergence() -> str:
 def elastic() -> str:
     """Step efficiency and recoveries under failures (benchmarks/elastic/, scripts/bench_elastic.py): the
     repetitions combined (elastic_runs.json) where there are, else the one run, once measured. The
-    README carries a copy (tests/test_docs.py)."""
+    README carries a copy (tests/project/test_docs.py)."""
     runs, one = BENCH / "elastic" / "elastic_runs.json", BENCH / "elastic" / "elastic.json"
     if not runs.exists() and not one.exists():
         return "*Not measured yet: benchmarks/elastic/elastic.json is written by `python -m scripts.bench_elastic`.*"

@@ -1,7 +1,7 @@
 """The three integrations on CUDA against the independent reference (tests/reference.py).
 
 Two layouts (tests/gpu/devices.py): two ranks sharing one GPU over gloo with CUDA tensors (R = 2 on any
-GPU machine), and NCCL with one rank per GPU. The scenarios are the CPU suite's own (tests/test_optim.py,
+GPU machine), and NCCL with one rank per GPU. The scenarios are the CPU suite's own (tests/integrations/test_optim.py,
 test_fairscale.py, test_deepspeed.py), run in ranks whose tests.models build on the GPU; the reference
 runs here, on the CPU. Includes FairScale and DeepSpeed checkpoints saved and loaded on the GPU
 (per rank, consolidated, resharded into CO2Optimizer) and bf16 ZeRO-2.
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from tests import compare
-from tests import test_deepspeed as cpu_deepspeed
-from tests import test_fairscale as cpu_fairscale
-from tests import test_optim as cpu_optim
 from tests.dist_utils import run_ranks
 from tests.gpu.devices import ATOL, DEVICE, LAYOUTS, ON_GPU, RTOL, environment
+from tests.integrations import test_deepspeed as cpu_deepspeed
+from tests.integrations import test_fairscale as cpu_fairscale
+from tests.integrations import test_optim as cpu_optim
 from tests.reference import resolve_config
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from tests.gpu.devices import DEVICE, ON_GPU, nccl_world
-from tests.test_train_lm_smoke import TINY, TOKENS, by_step, launch, write_tokens
+from tests.tools.test_train_lm_smoke import TINY, TOKENS, by_step, launch, write_tokens
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ Imports co2_zero, builds a CO2Optimizer on every rank, trains two rounds, saves 
 checkpoint, finalizes, and checks that the replicas end identical. numpy is hidden from the process
 before torch is imported, so anything that needs it (pickling collectives such as
 `all_gather_object`, `tensor.numpy()`) fails here as it would on a fresh machine. CI runs this in the
-venv of the README's first command; tests/test_base_install.py runs it in the test venv.
+venv of the README's first command; tests/project/test_base_install.py runs it in the test venv.
 """
 
 import sys

@@ -4,7 +4,8 @@ scope and no garbage collection. Writes OUT_DIR/rank<R>.json: the gloo threads s
     torchrun --nproc_per_node 2 tests/workers/groups_after_finalize.py OUT_DIR
 
 finalize() (and close()) release the CO2 groups: none of their threads may outlive it, or they end
-with the interpreter, where they can abort the process (docs/design.md §8). tests/test_optim.py expects none.
+with the interpreter, where they can abort the process (docs/design.md §8).
+tests/integrations/test_optim.py expects none.
 """
 
 import gc

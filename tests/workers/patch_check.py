@@ -6,7 +6,7 @@
 `deepspeed.initialize` is looked up before co2_zero is imported (as a script doing `from deepspeed import
 initialize` would). Prints one JSON line: for each moment, whether the function object runs DeepSpeed's
 original code object (`is`) with its original defaults and attributes ("original"), or not ("changed").
-tests/test_deepspeed.py and tests/test_hf.py check the line.
+tests/integrations/test_deepspeed.py and tests/integrations/test_hf.py check the line.
 """
 
 import json

@@ -5,7 +5,7 @@
 Runs `co2_zero.train.main` with the job flags and writes `OUT_DIR/rank<R>.json`: the names of this
 process's native threads that belong to a gloo process group (its run loops and transport loops). A
 group alive after the job lives until interpreter shutdown, where its threads can abort the process
-(docs/design.md §8); tests/test_train_lm_smoke.py expects none.
+(docs/design.md §8); tests/tools/test_train_lm_smoke.py expects none.
 """
 
 import json

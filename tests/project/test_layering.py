@@ -1,0 +1,152 @@
+"""The layers of co2_zero, read from the source (ast), not from a running import: the checkpoint package
+knows no integration (each passes its `FrameworkState`), so the core never depends on an adapter."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKPOINT = ROOT / "co2_zero" / "checkpoint"
+PACKAGE = ["co2_zero", "checkpoint"]
+INTEGRATIONS = (
+    "fsdp",
+    "fairscale",
+    "deepspeed",
+    "hf",
+    "lightning",
+    "optim",
+    "integration",
+    "elastic",
+    "train",
+)
+FRAMEWORKS = (
+    "fairscale",
+    "deepspeed",
+    "transformers",
+    "accelerate",
+    "lightning",
+    "torchft",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+)
+
+
+def imported_modules(source: str, package: Sequence[str]) -> set[str]:
+    """Every module `source` (a module of `package`, e.g. ["co2_zero", "checkpoint"]) imports, as absolute
+    dotted names (relative imports resolved), wherever the import is (module level or in a function)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from . import fsdp`
+    return found
+
+
+def forbidden(name: str) -> bool:
+    banned = [f"co2_zero.{m}" for m in INTEGRATIONS] + list(FRAMEWORKS)
+    return any(name == b or name.startswith(b + ".") for b in banned)
+
+
+def test_checkpoint_package_imports_no_integration():
+    files = sorted(CHECKPOINT.glob("*.py"))
+    assert len(files) > 1, "co2_zero/checkpoint is a package of several files"
+    offenders = {
+        path.name: sorted(n for n in imported_modules(path.read_text(), PACKAGE) if forbidden(n)) for path in files
+    }
+    offenders = {path: names for path, names in offenders.items() if names}
+    assert not offenders, f"co2_zero/checkpoint imports integrations or frameworks: {offenders}"
+
+
+def test_the_import_reader_sees_relative_and_nested_imports():
+    """The reader itself: relative imports inside a function are resolved and caught."""
+    names = imported_modules("def f():\n    from .. import fsdp\n    from ..optim import CO2Optimizer\n", PACKAGE)
+    assert {"co2_zero.fsdp", "co2_zero.optim"} <= names
+    assert all(forbidden(n) for n in ("co2_zero.fsdp", "co2_zero.optim.CO2Optimizer", "deepspeed.runtime"))
+    assert not forbidden("co2_zero.core.topology") and not forbidden("co2_zero.optimizer_math")
+
+
+def import_graph(packages: Sequence[str]) -> dict[str, set[str]]:
+    """Module -> the modules it imports (type-only imports included), over the modules of `packages`
+    (subfolders of co2_zero), read from the source."""
+    modules = {}
+    for folder in packages:
+        for path in sorted((ROOT / "co2_zero" / folder).glob("*.py")):
+            parts = ["co2_zero", folder] + ([] if path.stem == "__init__" else [path.stem])
+            modules[".".join(parts)] = (path, parts if path.stem == "__init__" else parts[:-1])
+    return {
+        name: {m for m in imported_modules(path.read_text(), package) if m in modules and m != name}
+        for name, (path, package) in modules.items()
+    }
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle of `graph`, each as the path that closes it (depth-first)."""
+    found, state = [], {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                found.append(path[path.index(other) :] + [other])
+            elif other not in state:
+                visit(other, [*path, other])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    return found
+
+
+def test_the_core_elastic_and_checkpoint_modules_import_in_no_cycle():
+    """One direction between any two modules of the core, elastic mode and checkpoints, type-only imports
+    included (the round state does not import the engine that owns it; the elastic exchange asks its
+    membership through a Protocol)."""
+    graph = import_graph(["core", "elastic", "checkpoint"])
+    assert "co2_zero.core.engine" in graph and graph["co2_zero.core.engine"], graph
+    assert cycles(graph) == [], cycles(graph)
+
+
+def test_the_cycle_finder_finds_a_type_only_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_old_module_paths_import_the_moved_modules_with_a_warning_naming_the_new_path():
+    """Every entry of co2_zero.moved.MOVED: the old name is the new module object, with a DeprecationWarning
+    naming the new path; the new module keeps its own name and spec."""
+    import importlib
+    import sys
+    import warnings
+
+    from co2_zero.moved import MOVED
+
+    for old, new in MOVED.items():
+        assert not (ROOT / Path(*old.split("."))).with_suffix(".py").exists(), f"{old} is still a file"
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new), old
+        assert module.__spec__.name == new and module.__name__ == new, old
+        assert any(f"import {new} instead" in str(w.message) for w in caught), (old, [str(w.message) for w in caught])
+        sys.modules.pop(old)
+
+
+def test_an_unknown_module_of_the_package_is_still_an_import_error():
+    import importlib
+
+    import co2_zero  # noqa: F401  installs the finder
+
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("co2_zero.no_such_module")
