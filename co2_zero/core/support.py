@@ -128,6 +128,10 @@ _SPARSE, _DENSE, _SET = besides(1.0), one_of(1.0), besides(None)
 _EAGER, _STEP = one_of("eager"), besides(None, "auto")
 _UNTESTED = "the token-weighted average is built and tested without it"
 _ELASTIC = one_of(True)
+_FIXED_OWNERS = (
+    "the compressed exchanges run on the job's fixed set of replicas (each owns pieces of the average), not on "
+    "each round's quorum"
+)
 
 TABLE: tuple[Refusal, ...] = (
     # the exchange
@@ -168,10 +172,8 @@ TABLE: tuple[Refusal, ...] = (
     # elastic replicas (docs/elastic.md)
     _row("elastic", _ELASTIC, ELASTIC_ONES, "elastic training runs on CO2Optimizer only",
          integration=one_of("fairscale", "deepspeed")),
-    _row("topk", _SPARSE, "1.0", "a joiner or a healed replica has no error-feedback residual of its own to adopt",
-         elastic=_ELASTIC),
-    _row("comm_dtype", besides("fp32", "bf16"), "'fp32' or 'bf16'",
-         "a joiner or a healed replica has no error-feedback residual of its own to adopt", elastic=_ELASTIC),
+    _row("topk", _SPARSE, "1.0", _FIXED_OWNERS, elastic=_ELASTIC),
+    _row("comm_dtype", besides("fp32", "bf16"), "'fp32' or 'bf16'", _FIXED_OWNERS, elastic=_ELASTIC),
     _row("plan.collective", besides("all_reduce"), "collective: 'all_reduce' (or 'auto' on gloo)",
          "every replica keeps the whole partition's outer state, so a lost replica takes nothing with it",
          elastic=_ELASTIC),

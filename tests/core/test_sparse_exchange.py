@@ -257,7 +257,7 @@ def test_a_deepspeed_co2_section_takes_topk():
 
 
 def test_elastic_membership_refuses_the_sparse_exchange():
-    """A joiner or healed replica would have no error-feedback residual of its own to adopt."""
+    """The compressed exchanges run on the job's fixed set of replicas, not on each round's quorum."""
     from co2_zero.core.plan import resolve
 
     topology = SimpleNamespace(replicas=1, shards=1, outer_group=None)
