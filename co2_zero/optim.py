@@ -129,11 +129,9 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
     def find_partition(self) -> Partition:
         """FSDP2: the local shards (`fsdp.find_partition`); plain: the parameters flattened into one buffer."""
         if self.integration == Integration.FSDP2:
-            from . import fsdp
+            from .fsdp import find_partition
 
-            partition, self._replica_group, self._check_shards = fsdp.find_partition(
-                self._params, self.config, self._model
-            )
+            partition, self._replica_group, self._check_shards = find_partition(self._params, self.config, self._model)
             return partition
         return self._flat_partition(self._params, self.config, self._model)
 
@@ -229,9 +227,9 @@ class CO2Optimizer(CO2Steps, torch.optim.Optimizer):
         state dict, which holds no module."""
         rows = WHOLE
         if self.integration == Integration.FSDP2:
-            from . import fsdp
+            from .fsdp import DTENSOR_ROWS
 
-            rows = fsdp.DTENSOR_ROWS
+            rows = DTENSOR_ROWS
         return InnerOptimizerState(
             self.integration, self.engine, model, self.optimizer, after_load=self._share_inner_state, rows=rows
         )

@@ -21,8 +21,8 @@ import torch._dynamo  # noqa: F401  before any process group (below)
 import torch.distributed as dist
 
 from ..core.plan import check_given
-from . import checkpoints
 from .args import CO2_METHODS, co2_config, get_args
+from .checkpoints import load, restore_data_position, resume_directory, rng_state, save, save_root, write_latest
 from .data import Batches, elastic_stream
 from .engines import Trainer, autocast, build_trainer
 from .events import Events, parameter_digest, stop_step
@@ -167,10 +167,10 @@ def joined_step(args, trainer: Trainer, console: Console) -> Optional[int]:
 
 def resume(args, trainer: Trainer, batches: Batches, console: Console) -> int:
     """Load the --resume checkpoint into the trainer and the data sampler; returns the step to go on from."""
-    directory = checkpoints.resume_directory(args)
-    extra = checkpoints.load(trainer, directory, reshard=args.reshard)
+    directory = resume_directory(args)
+    extra = load(trainer, directory, reshard=args.reshard)
     step = trainer.opt.engine.inner_steps if args.reshard else extra["step"]  # resharded: the last round start
-    checkpoints.restore_data_position(batches, extra["rng"], step, resharded=args.reshard)
+    restore_data_position(batches, extra["rng"], step, resharded=args.reshard)
     console.line(f"resumed from {directory} at step {step}" + (" (resharded)" if args.reshard else ""))
     return step
 
@@ -257,7 +257,7 @@ def train(job: Job, clock: Clock, tally: Tally) -> int:
         step += 1
         job.console.advance()
         if a.save_every and step % a.save_every == 0:
-            save(job, clock, step)
+            save_job(job, clock, step)
         end = round_end(job, step)
         report_membership(job, tally)
         if job.events.on:
@@ -310,16 +310,16 @@ def round_end(job: Job, step: int) -> Optional[RoundEnd]:
     return RoundEnd(0.0 if a.method == "none" else None, None)  # ddp: overlapped inside backward, unmeasured
 
 
-def save(job: Job, clock: Clock, step: int) -> None:
+def save_job(job: Job, clock: Clock, step: int) -> None:
     """A checkpoint of every rank, then DIR/latest names it."""
     with clock.paused():
         t = time.perf_counter()
-        save_dir = checkpoints.save_root(job.args)  # elastic: this replica's own subdirectory
-        extra = {"step": step, "rng": checkpoints.rng_state(job.batches.gen)}
-        directory = checkpoints.save(job.trainer, save_dir, step, extra)
+        save_dir = save_root(job.args)  # elastic: this replica's own subdirectory
+        extra = {"step": step, "rng": rng_state(job.batches.gen)}
+        directory = save(job.trainer, save_dir, step, extra)
         job.barrier()  # every rank's part is written before `latest` names it
         if job.master:
-            checkpoints.write_latest(save_dir, directory)
+            write_latest(save_dir, directory)
         job.console.line(f"step {step} | checkpoint {directory} ({time.perf_counter() - t:.1f}s)")
 
 

@@ -320,77 +320,59 @@ def test_replica_tau_of_another_length_is_refused_at_build(results):
         assert "replica_tau=[4, 2, 2] is invalid for this job of R=2 replicas" in got["wrong_length"]
 
 
-# ---- S x R = 2 x 2 on FSDP2 -------------------------------------------------------------------------------
+# ---- S x R = 2 x 2 on FSDP2 and FairScale OSS -------------------------------------------------------------
+
+SHARDS = 2
 
 
-def _fsdp_child(rank: int, world: int) -> dict:
+def _fsdp2(config: dict):
+    """FSDP2's model, CO2Optimizer, the network to call and how to read the whole parameters."""
     from co2_zero.fsdp import replica_mesh
     from tests.integrations.test_fsdp import _full, make_inner, make_model, shard
 
-    shards = 2
-    config = {**SCENARIOS["defaults"], "shards_per_replica": shards}
-    mesh = replica_mesh(config)
-    replica, shard_index = divmod(rank, shards)
-    model = shard(make_model("mlp"), mesh)
+    model = shard(make_model("mlp"), replica_mesh(config))
     opt = CO2Optimizer(make_inner("sgd", model.parameters()), config, model=model)
-    record: list = []
-    for _ in range(ROUNDS * opt.steps_per_round + EXTRA[replica]):
-        x, y = models.shard_batch(replica, shard_index, opt.engine.inner_steps, shards)
-        opt.zero_grad()
-        models.loss_fn(model(x).float(), y).backward()
-        opt.step()
-        record.append(_full(model))
-    _finalize(opt, EXTRA[replica])
-    out = {"steps": record, "final": _full(model), "grid": (opt.topology.replicas, opt.topology.shards)}
-    dist.barrier()
-    return out
+    return opt, lambda x: model(x).float(), lambda: _full(model)
 
 
-def test_fsdp2_two_by_two_matches_the_reference_at_every_step():
-    results = run_ranks(_fsdp_child, 4, timeout=300)
-    per_step, finals = _reference(SCENARIOS["defaults"], shards=2)
-    for rank, got in enumerate(results):
-        replica = rank // 2
-        assert got["grid"] == (2, 2)
-        assert len(got["steps"]) == len(per_step[replica])
-        for k, (actual, expected) in enumerate(zip(got["steps"], per_step[replica])):
-            _assert_close(actual, expected, f"fsdp2 rank {rank} after its step {k + 1}")
-        _assert_close(got["final"], finals[replica], f"fsdp2 rank {rank} final")
-
-
-# ---- S x R = 2 x 2 on FairScale OSS -----------------------------------------------------------------------
-
-
-def _fairscale_child(rank: int, world: int) -> dict:
+def _fairscale(config: dict):
+    """CO2OSS with FairScale's ShardedDataParallel (the fixed one) around the model."""
     from co2_zero.fairscale import CO2OSS, ShardedDataParallel
 
-    shards = 2
-    config = {**SCENARIOS["defaults"], "shards_per_replica": shards}
-    replica, shard_index = divmod(rank, shards)
     model = models.make_model("mlp")
     probe = models.make_optimizer("sgd", [torch.zeros(1, requires_grad=True)])
     opt = CO2OSS(model.parameters(), optim=type(probe), co2=config, **probe.defaults)
     net = ShardedDataParallel(model, opt, process_group=opt.group, broadcast_buffers=False)
+    return opt, net, lambda: _params(model)
+
+
+SHARDED = {"fsdp2": _fsdp2, "fairscale": _fairscale}
+
+
+def _sharded_child(rank: int, world: int, integration: str) -> dict:
+    replica, shard_index = divmod(rank, SHARDS)
+    opt, net, whole = SHARDED[integration]({**SCENARIOS["defaults"], "shards_per_replica": SHARDS})
     record: list = []
     for _ in range(ROUNDS * opt.steps_per_round + EXTRA[replica]):
-        x, y = models.shard_batch(replica, shard_index, opt.engine.inner_steps, shards)
+        x, y = models.shard_batch(replica, shard_index, opt.engine.inner_steps, SHARDS)
         opt.zero_grad()
         models.loss_fn(net(x), y).backward()
         opt.step()
-        record.append(_params(model))
+        record.append(whole())
     _finalize(opt, EXTRA[replica])
-    out = {"steps": record, "final": _params(model), "grid": (opt.topology.replicas, opt.topology.shards)}
+    out = {"steps": record, "final": whole(), "grid": (opt.topology.replicas, opt.topology.shards)}
     dist.barrier()
     return out
 
 
-def test_fairscale_two_by_two_matches_the_reference_at_every_step():
-    results = run_ranks(_fairscale_child, 4, timeout=300)
-    per_step, finals = _reference(SCENARIOS["defaults"], shards=2)
+@pytest.mark.parametrize("integration", list(SHARDED))
+def test_two_by_two_matches_the_reference_at_every_step(integration):
+    results = run_ranks(_sharded_child, 4, integration, timeout=300)
+    per_step, finals = _reference(SCENARIOS["defaults"], shards=SHARDS)
     for rank, got in enumerate(results):
-        replica = rank // 2
-        assert got["grid"] == (2, 2)
+        replica = rank // SHARDS
+        assert got["grid"] == (2, SHARDS)
         assert len(got["steps"]) == len(per_step[replica])
         for k, (actual, expected) in enumerate(zip(got["steps"], per_step[replica])):
-            _assert_close(actual, expected, f"fairscale rank {rank} after its step {k + 1}")
-        _assert_close(got["final"], finals[replica], f"fairscale rank {rank} final")
+            _assert_close(actual, expected, f"{integration} rank {rank} after its step {k + 1}")
+        _assert_close(got["final"], finals[replica], f"{integration} rank {rank} final")
