@@ -52,9 +52,7 @@ def _cpu_copy(obj: Any) -> Any:
     """Detached CPU copies of the tensors in a (nested) state dict; a snapshot, never a live view."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    return obj
+    return {k: _cpu_copy(v) for k, v in obj.items()} if isinstance(obj, dict) else obj
 
 
 class CO2OSS(CO2Steps, OSS):
@@ -103,8 +101,8 @@ class CO2OSS(CO2Steps, OSS):
     ) -> None:
         contract.refuse_membership(Integration.FAIRSCALE, defaults)
         config = CO2Config.coerce(co2)
-        check_given(config, integration=Integration.FAIRSCALE)  # before OSS talks on its group
-        # OSS talks on its group inside __init__, so the replica's group must exist first.
+        check_given(config, integration=Integration.FAIRSCALE)
+        # OSS talks on its group inside __init__: refusals first, then the replica's group.
         topology = Topology.build(config, inner_group=group)
         super().__init__(
             params,
@@ -115,9 +113,7 @@ class CO2OSS(CO2Steps, OSS):
             force_broadcast_object=force_broadcast_object,
             **defaults,
         )
-        self.config = config
-        self.topology = topology
-        self._model = model
+        self.config, self.topology, self._model = config, topology, model
         self._partition = self.find_partition()
         self.engine = self._new_engine()
         self._co2_states: list[Optional[dict[str, Any]]] = []

@@ -150,3 +150,12 @@ def test_an_unknown_module_of_the_package_is_still_an_import_error():
 
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("co2_zero.no_such_module")
+
+
+MAX_MODULE_LINES = 450  # a module longer than this wants a piece given its own home (docs/design.md §10)
+
+
+def test_no_module_is_longer_than_the_limit():
+    lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "co2_zero").rglob("*.py")}
+    assert len(lengths) > 40, lengths
+    assert {p: n for p, n in lengths.items() if n > MAX_MODULE_LINES} == {}
