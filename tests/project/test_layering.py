@@ -10,7 +10,6 @@ from typing import Sequence
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKPOINT = ROOT / "co2_zero" / "checkpoint"
 PACKAGE = ["co2_zero", "checkpoint"]
 INTEGRATIONS = (
     "fsdp",
@@ -56,14 +55,16 @@ def forbidden(name: str) -> bool:
     return any(name == b or name.startswith(b + ".") for b in banned)
 
 
-def test_checkpoint_package_imports_no_integration():
-    files = sorted(CHECKPOINT.glob("*.py"))
-    assert len(files) > 1, "co2_zero/checkpoint is a package of several files"
+@pytest.mark.parametrize("layer", ["checkpoint", "core"])
+def test_the_core_and_checkpoint_packages_import_no_integration(layer):
+    files = sorted((ROOT / "co2_zero" / layer).glob("*.py"))
+    assert len(files) > 1, f"co2_zero/{layer} is a package of several files"
+    package = ["co2_zero", layer]
     offenders = {
-        path.name: sorted(n for n in imported_modules(path.read_text(), PACKAGE) if forbidden(n)) for path in files
+        path.name: sorted(n for n in imported_modules(path.read_text(), package) if forbidden(n)) for path in files
     }
     offenders = {path: names for path, names in offenders.items() if names}
-    assert not offenders, f"co2_zero/checkpoint imports integrations or frameworks: {offenders}"
+    assert not offenders, f"co2_zero/{layer} imports integrations or frameworks: {offenders}"
 
 
 def test_the_import_reader_sees_relative_and_nested_imports():
