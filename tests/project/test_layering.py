@@ -1,5 +1,6 @@
-"""The layers of co2_zero, read from the source (ast), not from a running import: the checkpoint package
-knows no integration (each passes its `FrameworkState`), so the core never depends on an adapter."""
+"""The layers of co2_zero, read from the source (ast), not from a running import: the core and the
+checkpoint package know no integration (each adapter passes its `FrameworkState`), no module imports
+itself back, no module outgrows the limit, and the old module paths still import (docs/design.md §10)."""
 
 from __future__ import annotations
 
