@@ -53,6 +53,13 @@ def test_co2_train_rounds_up_to_whole_rounds_and_says_so():
 
 def test_hf_callback_warns_when_max_steps_is_not_whole_rounds(monkeypatch):
     hf = pytest.importorskip("co2_zero.hf")
+    import co2_zero.deepspeed as co2_deepspeed
+
+    with co2_deepspeed.patch():  # CO2Callback() patches DeepSpeed; leaving the block puts it back as it was
+        _warns_on_train_begin(hf, monkeypatch)
+
+
+def _warns_on_train_begin(hf, monkeypatch) -> None:
     callback = hf.CO2Callback()
     stub = types.SimpleNamespace(config=types.SimpleNamespace(tau=6))
     monkeypatch.setattr(hf, "_co2_optimizer", lambda optimizer: stub)

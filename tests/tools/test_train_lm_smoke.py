@@ -102,10 +102,12 @@ def test_train_lm_co2_two_ranks(tmp_path):
     assert summary[0]["co2_state_bytes"] > 0
     assert summary[0]["args"]["model"] == "tiny" and summary[0]["args"]["vocab_size"] == 256
     # what it printed: no progress bar into a pipe, the R x S the plain engine really uses (S = 1 although
-    # torchrun's LOCAL_WORLD_SIZE = 2 is what the config's shards_per_replica="node" means), the summary
+    # torchrun's LOCAL_WORLD_SIZE = 2 is what the config's shards_per_replica="node" means) and the resolved
+    # plan (every auto resolved), the summary
     assert "\r" not in stderr and "it/s" not in stderr, stderr[-2000:]
     head = next(line for line in stderr.splitlines() if line.startswith("method=co2"))
-    assert "R x S = 2 x 1" in head and "shards_per_replica=1" in head and "'node'" not in head, head
+    assert "R x S = 2 x 1" in head and "replicas=2, shards=1" in head, head
+    assert "stand_in='local'" in head and "sync_delay='measured'" in head and "collective='all_reduce'" in head, head
     pattern = (r"final val loss [0-9.]+ \(initial [0-9.]+\) \| 40 steps in [0-9.]+s \| [0-9,]+ tok/s \| "
                r"R x S = 2 x 1 \| 20 rounds \| rank 0: [0-9.]+ [kMG]?B sent, [0-9.]+s blocked")  # fmt: skip
     assert re.fullmatch(pattern, summary_line(stderr)), summary_line(stderr)
