@@ -163,19 +163,18 @@ class OuterExchange:
         self.topology = topology
         self.layout = layout
         self.strategy = plan.collective
-        self.comm_dtype = _COMM_DTYPES.get(config.comm_dtype)
+        self.comm_dtype = _COMM_DTYPES.get(plan.comm_dtype)
         # None: fp32/bf16 travel as plain tensors; with topk < 1 the values' format of `sparse_layout`
-        self.wire_format = None if config.sparse else FORMATS.get(config.comm_dtype)
+        self.wire_format = None if plan.sparse else FORMATS.get(plan.comm_dtype)
         self.sparse_layout = (
-            sparse.SparseLayout.for_length(layout.padded, config.topk, config.comm_dtype) if config.sparse else None
+            sparse.SparseLayout.for_length(layout.padded, plan.topk, plan.comm_dtype) if plan.sparse else None
         )
-        compressed = self.wire_format is not None or config.sparse
         self.residuals = (
             Residuals(
                 torch.zeros(layout.padded, dtype=torch.float32, device=device),
-                torch.zeros(0 if config.sparse else layout.sub_shard, dtype=torch.float32, device=device),
+                torch.zeros(0 if plan.sparse else layout.sub_shard, dtype=torch.float32, device=device),
             )
-            if compressed
+            if plan.compressed
             else None
         )
         self.bytes_sent = 0  # by this rank's pipelines so far (`wire_bytes`); written by the worker only
