@@ -222,7 +222,7 @@ def test_the_default_config_keeps_its_identity():
         ({"replica_tau": [4, 2.0]}, "replica_tau=[4, 2.0]"),
         ({"replica_tau": []}, "replica_tau=[]"),
         ({"replica_tau": [4, 2], "sync_delay": 2}, "sync_delay=2"),
-        ({"replica_tau": [4, 2], "comm_dtype": "int8"}, "comm_dtype='int8'"),
+        ({"replica_tau": [4, 2], "comm_dtype": "bf16"}, "comm_dtype='bf16'"),
         ({"replica_tau": [4, 2], "nonfinite": "skip_round"}, "nonfinite='skip_round'"),
         ({"replica_tau": [4, 2], "stand_in": "eager"}, "stand_in='eager'"),
     ],

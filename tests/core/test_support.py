@@ -49,8 +49,7 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
         {"clip": {"mode": "norm"}, "collective": "reduce_scatter"},
     ),
     "sync_delay: not null, 'auto' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "sync_delay": 1}),
-    "comm_dtype: not 'fp32' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "comm_dtype": "bf16"}),
-    "topk: not 1.0 with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "topk": 0.5}),
+    "comm_dtype: 'bf16' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "comm_dtype": "bf16"}),
     "nonfinite: 'skip_round' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "nonfinite": "skip_round"}),
     "stand_in: 'eager' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "stand_in": "eager"}),
     "replica_tau: not null with integration: 'deepspeed'": (DEEPSPEED, {"replica_tau": [2, 1]}),
@@ -82,6 +81,7 @@ GRID = [
     {"clip": {"mode": "norm"}, "collective": "all_reduce"},
     {"nonfinite": "skip_round", "sync_delay": 1},
     {"replica_tau": [2, 1]},
+    {"replica_tau": [2, 1], "comm_dtype": "int4", "topk": 0.5},
     {"collective": "reduce_scatter", "comm_dtype": "int4"},
 ]
 
