@@ -52,8 +52,7 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     "comm_dtype: 'bf16' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "comm_dtype": "bf16"}),
     "nonfinite: 'skip_round' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "nonfinite": "skip_round"}),
     "stand_in: 'eager' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "stand_in": "eager"}),
-    "replica_tau: not null with integration: 'deepspeed'": (DEEPSPEED, {"replica_tau": [2, 1]}),
-    "replica_tau: not null with driver: 'lightning', 'co2-train'": (LIGHTNING, {"replica_tau": [2, 1]}),
+    "replica_tau: not null with driver: 'lightning', 'co2-train', 'hf-trainer'": (LIGHTNING, {"replica_tau": [2, 1]}),
     "replica_tau: not null with elastic: true": (ELASTIC, {"replica_tau": [2, 1]}),
     "shards_per_replica: not 'node', 1 with integration: 'plain'": (PLAIN, {"shards_per_replica": 2}),
     "elastic: true with integration: 'fairscale', 'deepspeed'": (FAIRSCALE + "+" + ELASTIC, {}),
@@ -69,7 +68,7 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
 # Also refused: the deepspeed entry point with a membership (the same row as FairScale's), co2-train's driver row.
 EXTRA_WITNESSES = [
     ("elastic: true with integration: 'fairscale', 'deepspeed'", DEEPSPEED + "+" + ELASTIC, {}),
-    ("replica_tau: not null with driver: 'lightning', 'co2-train'", TRAIN, {"replica_tau": [2, 1]}),
+    ("replica_tau: not null with driver: 'lightning', 'co2-train', 'hf-trainer'", TRAIN, {"replica_tau": [2, 1]}),
 ]
 
 # Allowed: every stand-in with overlap and without, each wire format, and a few more; each runs a round.
