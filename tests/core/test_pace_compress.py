@@ -2,11 +2,12 @@
 different speeds", and §5): replica r quantizes or sparsifies its scaled displacement R·w_r·D_r plus its
 residual, and the residual keeps what was not sent of that scaled value.
 
-CO2Optimizer (R = 2) and FairScale OSS (S x R = 2 x 2) on real gloo processes against the independent
-reference (`reference.simulate_paced` with `reference_compress.CompressedExchange`, each replica's
-displacement weighted) at every inner step of every replica: int8 with the defaults, int4 with
-reduce_scatter (the local stand-in's momentum copy follows the quantized starts), int2, fp8 in blocking
-rounds, and top-k with int2 and with fp32 values and a feedback decay.
+CO2Optimizer (R = 2), FairScale OSS and FSDP2 (S x R = 2 x 2) on real gloo processes against the
+independent reference (`reference.simulate_paced` with `reference_compress.CompressedExchange`, each
+replica's displacement weighted) at every inner step of every replica: at R = 2 int8 with the defaults,
+int4 with reduce_scatter (the local stand-in's momentum copy follows the quantized starts), int2, fp8 in
+blocking rounds, and top-k with int2 and with fp32 values and a feedback decay; int8 and top-k int2 on
+FairScale OSS; int8 on FSDP2.
 """
 
 from __future__ import annotations
@@ -55,14 +56,16 @@ def results():
     return run_ranks(_children, 2, timeout=300)
 
 
-def _reference(config: dict, strategy: str, partitions: list | None = None, shards: int = 1) -> tuple[list, list]:
+def _reference(
+    config: dict, strategy: str, partitions: list | None = None, shards: int = 1, kind: str = MODEL
+) -> tuple[list, list]:
     """Per replica, its parameters after each of its inner steps; and after finalize(); the exchange the
     reference's, on the library's resolved collective and (S > 1) its partitions."""
     taus = config["replica_tau"]
     exchange = CompressedExchange(config.get("comm_dtype", "fp32"), strategy, len(taus), partitions,
                                   topk=config.get("topk", 1.0), decay=config.get("feedback_decay", 1.0))  # fmt: skip
     per_step: list = []
-    finals = simulate_paced(lambda: models.make_model(MODEL), lambda p: models.make_optimizer("sgd", p),
+    finals = simulate_paced(lambda: models.make_model(kind), lambda p: models.make_optimizer("sgd", p),
                             models.batch, models.loss_fn, config, taus, ROUNDS, _extra(config), shards=shards,
                             shard_batch=lambda r, s, k: models.shard_batch(r, s, k, shards), step_record=per_step,
                             exchange=exchange)  # fmt: skip
@@ -144,10 +147,10 @@ def results_sharded():
     return run_ranks(_fairscale_child, 4, timeout=300)
 
 
-def _partitions(results_sharded: list, name: str) -> list:
+def _partitions(results_sharded: list, name: str, kind: str = MODEL) -> list:
     """Replica 0's ranks' partitions as (parameter name, first, last + 1) pieces, in partition order (every
     replica lays its partition out alike)."""
-    names = [n for n, _ in models.make_model(MODEL).named_parameters()]
+    names = [n for n, _ in models.make_model(kind).named_parameters()]
     return [
         [
             (names[tensor_id], offset, offset + end - start)
@@ -164,3 +167,39 @@ def test_fairscale_two_by_two_matches_the_reference_at_every_step(results_sharde
     for rank, got in enumerate(results_sharded):
         assert got[name]["grid"] == (2, SHARDS) and got[name]["strategy"] == strategy
         _check(got[name], per_step, finals, rank // SHARDS, f"fairscale {name} rank {rank}")
+
+
+# ---- S x R = 2 x 2 on FSDP2 (the mlp: FSDP2's tests' "uneven" model is another one) ----------------------
+
+
+def _fsdp_child(rank: int, world: int) -> dict:
+    from co2_zero.fsdp import replica_mesh
+    from tests.integrations.test_fsdp import _full, make_inner, make_model, shard
+
+    config = {**SCENARIOS["int8-defaults"], "shards_per_replica": SHARDS}
+    mesh = replica_mesh(config)
+    replica, shard_index = divmod(rank, SHARDS)
+    model = shard(make_model("mlp"), mesh)
+    opt = CO2Optimizer(make_inner("sgd", model.parameters()), config, model=model)
+    record: list = []
+    for _ in range(ROUNDS * opt.steps_per_round + EXTRA[replica] % PACED[replica]):
+        x, y = models.shard_batch(replica, shard_index, opt.engine.inner_steps, SHARDS)
+        opt.zero_grad()
+        models.loss_fn(model(x).float(), y).backward()
+        opt.step()
+        record.append(_full(model))
+    got = {"steps": record, "strategy": opt.engine.exchange.strategy}
+    got["segments"] = [tuple(s) for s in opt.engine.layout.segments]
+    _finalize(opt, EXTRA[replica] % PACED[replica])
+    out = {"int8-defaults": {**got, "final": _full(model)}}
+    dist.barrier()
+    return out
+
+
+def test_fsdp2_two_by_two_matches_the_reference_at_every_step():
+    results_fsdp = run_ranks(_fsdp_child, 2 * SHARDS, timeout=300)
+    strategy = results_fsdp[0]["int8-defaults"]["strategy"]
+    partitions = _partitions(results_fsdp, "int8-defaults", "mlp")
+    per_step, finals = _reference(SCENARIOS["int8-defaults"], strategy, partitions, SHARDS, "mlp")
+    for rank, got in enumerate(results_fsdp):
+        _check(got["int8-defaults"], per_step, finals, rank // SHARDS, f"fsdp2 int8-defaults rank {rank}")
