@@ -7,7 +7,7 @@ independent reference (`reference.simulate_paced` with `reference_compress.Compr
 replica's displacement weighted) at every inner step of every replica: at R = 2 int8 with the defaults,
 int4 with reduce_scatter (the local stand-in's momentum copy follows the quantized starts), int2, fp8 in
 blocking rounds, and top-k with int2 and with fp32 values and a feedback decay; int8 and top-k int2 on
-FairScale OSS; int8 on FSDP2.
+FairScale OSS; int8 on FSDP2. A mid-round checkpoint resumes each replica's count and residuals bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from co2_zero import CO2Optimizer
+from co2_zero import CO2Optimizer, checkpoint
 from tests import models
 from tests.core.test_pace import EXTRA, PACED, ROUNDS, TAU, _assert_close, _extra, _finalize, _params, _train
 from tests.dist_utils import run_ranks
@@ -32,13 +32,18 @@ SCENARIOS = {
     "topk-int2-defaults": {"tau": TAU, "replica_tau": PACED, "topk": 0.1, "comm_dtype": "int2"},
     "topk-fp32-decay": {"tau": TAU, "replica_tau": PACED, "topk": 0.25, "feedback_decay": 0.8},
 }
+RESUMED = "int4-reduce-scatter"
 SHARDED = ("int8-defaults", "topk-int2-defaults")  # S x R = 2 x 2 on FairScale OSS
 SHARDS = 2
 
 
-def _run(rank: int, config: dict) -> dict:
+def _build(config: dict) -> tuple[torch.nn.Module, CO2Optimizer]:
     model = models.make_model(MODEL)
-    opt = CO2Optimizer(models.make_optimizer("sgd", model.parameters()), config, model=model)
+    return model, CO2Optimizer(models.make_optimizer("sgd", model.parameters()), config, model=model)
+
+
+def _run(rank: int, config: dict) -> dict:
+    model, opt = _build(config)
     steps: list = []
     extra = _extra(config)[rank]
     _train(rank, model, opt, ROUNDS * opt.steps_per_round + extra, steps)
@@ -47,13 +52,31 @@ def _run(rank: int, config: dict) -> dict:
     return {**out, "final": _params(model)}
 
 
-def _children(rank: int, world: int) -> dict:
-    return {name: _run(rank, config) for name, config in SCENARIOS.items()}
+def _resume(rank: int, directory: str) -> dict:
+    """int4 with reduce_scatter (both residuals) saved mid-round (replica 0 after 6 steps, replica 1 after 3),
+    loaded into a fresh run that goes on."""
+    config = SCENARIOS[RESUMED]
+    model, opt = _build(config)
+    _train(rank, model, opt, opt.steps_per_round + opt.steps_per_round // 2, [])
+    checkpoint.save(directory, model, opt)
+    opt.engine.close()
+    model, opt = _build(config)
+    checkpoint.load(directory, model, opt)
+    loaded_at, resumed, extra = opt.engine.inner_steps, [], _extra(config)[rank]
+    _train(rank, model, opt, ROUNDS * opt.steps_per_round + extra - loaded_at, resumed)
+    _finalize(opt, extra)
+    return {"loaded_at": loaded_at, "resumed": resumed, "final": _params(model)}
+
+
+def _children(rank: int, world: int, directory: str) -> dict:
+    out = {name: _run(rank, config) for name, config in SCENARIOS.items()}
+    out["resume"] = _resume(rank, directory)
+    return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(_children, 2, timeout=300)
+def results(tmp_path_factory):
+    return run_ranks(_children, 2, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
 
 
 def _reference(
@@ -89,6 +112,16 @@ def test_every_inner_step_matches_the_reference(results, name):
         assert got[name]["rounds"] == ROUNDS
         _check(got[name], per_step, finals, rank, f"{name} replica {rank}")
     torch.testing.assert_close(results[0][name]["final"], results[1][name]["final"], rtol=0, atol=0)
+
+
+def test_a_checkpoint_resumes_each_replica_and_its_residuals_bit_for_bit(results):
+    for rank, got in enumerate(results):
+        run, straight = got["resume"], got[RESUMED]
+        assert run["loaded_at"] == PACED[rank] + PACED[rank] // 2  # its own count
+        assert len(run["resumed"]) == len(straight["steps"]) - run["loaded_at"]
+        for k, (a, b) in enumerate(zip(run["resumed"], straight["steps"][run["loaded_at"] :])):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, w=f"rank {rank} step {k}": f"{w}: {m}")
+        torch.testing.assert_close(run["final"], straight["final"], rtol=0, atol=0)
 
 
 def test_the_comparison_tells_an_unweighted_exchange_apart(results):
