@@ -35,6 +35,7 @@ except ImportError as error:
 
 from . import checkpoint
 from .core.errors import CO2Error
+from .core.plan import check_given
 from .core.step_budget import step_budget_problem
 
 __all__ = ["CO2Callback", "check_co2_section"]
@@ -122,6 +123,7 @@ class CO2Callback(transformers.TrainerCallback):
                 f'TrainingArguments(deepspeed=<config with "co2": {{...}}>), got deepspeed={args.deepspeed!r}'
             )
         check_co2_section(ds_config)
+        check_given(co2_deepspeed.split_config(ds_config)[1], driver="hf-trainer")
         _check_world_size(args)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:

@@ -111,6 +111,29 @@ def follow_applied_step(copy: Params, before: Params, after: Params, cfg: dict[s
         copy[n] = (u + beta * copy[n]) / (1 + beta) if cfg["nesterov"] else u
 
 
+class Publisher:
+    """What the round end makes of the outer step's result with ``exchange`` (None: the exact one): the next
+    start point it publishes, and the momentum the `local` stand-in reads. Where the exchange publishes
+    another start than the result (a compressed ``reduce_scatter``), local's copy of the momentum follows
+    the published moves (:func:`follow_applied_step`); otherwise it reads the outer momentum itself."""
+
+    def __init__(self, exchange: Any, cfg: dict[str, Any], like: Params) -> None:
+        self.exchange, self.cfg = exchange, cfg
+        follows = cfg["stand_in"] == "local" and getattr(exchange, "strategy", None) == "reduce_scatter"
+        self.momentum_copy = {n: torch.zeros_like(v) for n, v in like.items()} if follows else None
+
+    def stand_in_momentum(self, m: Params) -> Params:
+        return m if self.momentum_copy is None else self.momentum_copy
+
+    def publish(self, base: Params, result: Params) -> Params:
+        if self.exchange is None:
+            return result
+        published = self.exchange.publish(base, result)
+        if self.momentum_copy is not None:
+            follow_applied_step(self.momentum_copy, base, published, self.cfg)
+        return published
+
+
 def clip_momentum(m: Params, cfg: dict[str, Any]) -> None:
     """Outer momentum clipping (docs/design.md §3 e), in place: every element to [-φ, φ] ("value"), or
     the whole momentum scaled to norm φ when its global norm is above it ("norm")."""
@@ -362,8 +385,7 @@ def simulate(
     u_prev: Params | None = None
     owns = [start] * replicas  # where each replica's round started (eager: its own start)
     own_momenta = [{n: torch.zeros_like(v) for n, v in start.items()} for _ in range(replicas)]
-    follows_steps = cfg["stand_in"] == "local" and getattr(exchange, "strategy", None) == "reduce_scatter"
-    momentum_copy = {n: torch.zeros_like(v) for n, v in start.items()}  # local's, where it follows the steps
+    publisher = Publisher(exchange, cfg, start)
     if record is not None:
         record.append({n: v.clone() for n, v in start.items()})
 
@@ -403,7 +425,7 @@ def simulate(
                 joining = {r for r, first_round in joins if first_round == (k + 1) // tau}
                 # a replica that joins here took the shared start from a peer: its displacement is zero
                 ends = [owns[r] if r in joining else x for r, x in enumerate(xs)]
-                local_starts(base, owns, ends, momentum_copy if follows_steps else m, cfg)
+                local_starts(base, owns, ends, publisher.stand_in_momentum(m), cfg)
                 # a restart: its round will be skipped everywhere; a heal: the shared start it received;
                 # either way the next shared start, not its stand-in
                 for r, first_round in (*restarts, *heals):
@@ -414,10 +436,8 @@ def simulate(
                 u, lam = {n: torch.zeros_like(v) for n, v in base.items()}, {}
             else:
                 result, u, lam = outer_step(base, g, gap, m, cfg)
-            if exchange is not None and g is not None:
-                result = exchange.publish(base, result)
-                if follows_steps:
-                    follow_applied_step(momentum_copy, base, result, cfg)
+            if g is not None:
+                result = publisher.publish(base, result)
             if trace is not None:
                 trace.append(
                     {
@@ -588,6 +608,7 @@ def simulate_paced(
     shard_batch: Callable[[int, int, int], Batch] | None = None,
     *,
     step_record: list[list[Params]] | None = None,
+    exchange: Any = None,
 ) -> list[Params]:
     """CO2 with replicas of different speeds (docs/design.md §3, "Replicas of different speeds").
 
@@ -598,8 +619,10 @@ def simulate_paced(
     stand-in, local from the replica's own unweighted displacement). Then replica r runs
     ``extra_steps[r]`` more steps (a partial round; ``finalize`` drops them). ``step_record`` (if given)
     receives, per replica, its fp32 parameters after each of its own inner steps (after the round end when
-    the step ends a round). The sync delay is the round end; eager, joins and compressed exchanges are
-    not simulated here.
+    the step ends a round). ``exchange`` (if given) replaces the exact exchange as in :func:`simulate`, its
+    ``average(owns, xs, weights)`` weighing the displacements (tests/reference_compress.py: replica r sends
+    R·w_r·D_r with its error feedback). The sync delay is the round end; eager and joins are not
+    simulated here.
     """
     cfg = resolve_config({**config, "tau": max(replica_tau)})
     if cfg["sync_delay"] not in (None, cfg["tau"]) or cfg["stand_in"] == "eager":
@@ -614,6 +637,7 @@ def simulate_paced(
     m = {n: torch.zeros_like(v) for n, v in start.items()}
     u_prev: Params | None = None
     owns = [start] * replicas
+    publisher = Publisher(exchange, cfg, start)
     steps_taken = [0] * replicas
     records: list[list[Params]] = [[] for _ in range(replicas)]
 
@@ -629,15 +653,19 @@ def simulate_paced(
         for r in range(replicas):
             train(r, replica_tau[r])
         xs = [_params(model) for model in models]
-        g = {n: sum(weights[r] * (owns[r][n] - xs[r][n]) for r in range(replicas)) for n in start}
+        if exchange is None:
+            g = {n: sum(weights[r] * (owns[r][n] - xs[r][n]) for r in range(replicas)) for n in start}
+        else:
+            g = exchange.average(owns, xs, weights)
         if overlap and u_prev is not None:
             gap = {n: alpha * torch.linalg.vector_norm(u_prev[n]) for n in start}
         else:
             gap = {n: torch.tensor(0.0) for n in start}
         base = pending if overlap else start
         if cfg["stand_in"] == "local":
-            local_starts(base, owns, xs, m, cfg)
+            local_starts(base, owns, xs, publisher.stand_in_momentum(m), cfg)
         result, u_prev, _ = outer_step(base, g, gap, m, cfg)
+        result = publisher.publish(base, result)
         if overlap:
             start, pending = pending, result
         else:

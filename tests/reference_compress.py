@@ -21,6 +21,10 @@ not from the library (nothing here imports co2_zero):
   fp32 / rounded to bf16); e_r keeps the rest; every replica averages the R arrivals in replica order
   and runs the outer step on the whole partition; the new start is its result, for every replica.
   With `feedback_decay` β < 1 replica r sends D_r + β·e_r instead (what was not sent fades).
+- replicas of different speeds (`replica_tau`, `reference.simulate_paced`): replica r's displacement
+  counts with its share of the round's tokens w_r = τ_r / Στ. It sends R·w_r·D_r + e_r (top-k:
+  R·w_r·D_r + β·e_r), e_r keeps what was not sent of that scaled value, and the owners' plain mean
+  over R is then Σ_r w_r·D_r, as the exact exchange's weighted average.
 """
 
 from __future__ import annotations
@@ -131,14 +135,17 @@ class CompressedExchange:
 
     # ---- the two hooks of reference.simulate -------------------------------------------------------
 
-    def average(self, starts: list[Params], xs: list[Params]) -> Params:
+    def average(self, starts: list[Params], xs: list[Params], weights: list[float] | None = None) -> Params:
         """The replicas' mean displacement, replica r's from its own round start `starts[r]` to `xs[r]`, as
-        the owners compute it from the quantized pieces."""
+        the owners compute it from the quantized pieces; with `weights` (w_r, summing to 1) the weighted
+        mean Σ w_r·D_r, replica r sending R·w_r·D_r."""
         means = []
         for s, pieces in enumerate(self._pieces(starts[0])):
             arrived = []
             for r, (own, x) in enumerate(zip(starts, xs)):
                 displacement = self._flatten(own, pieces) - self._flatten(x, pieces)
+                if weights is not None:
+                    displacement = displacement * (self.replicas * weights[r])
                 residual = self.sent.get((r, s), torch.zeros_like(displacement))
                 piece, self.sent[(r, s)] = self._send(displacement, residual)
                 arrived.append(piece)

@@ -179,7 +179,8 @@ class OuterExchange:
         )
         self.bytes_sent = 0  # by this rank's pipelines so far (`wire_bytes`); written by the worker only
         r = topology.replica_index
-        # replica_tau: R·w_r, so that the plain mean over R below is the token-weighted average (`pace`)
+        # replica_tau: R·w_r, so that the plain mean over R below is the token-weighted average (`pace`);
+        # compressed, the scaled D is what is sent and the residual keeps what it could not send of it
         self.displacement_scale = plan.pace.displacement_scale(r)
         start, end = layout.sub_shard_range(r)
         self.sub_shard = slice(start, end)

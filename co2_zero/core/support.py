@@ -87,6 +87,7 @@ INTEGRATIONS = {
 DRIVERS = {
     "lightning": "Lightning's CO2Strategy (its Trainer runs the same steps on every replica)",
     "co2-train": "co2-train (it runs the same steps on every replica)",
+    "hf-trainer": "Hugging Face Trainer with CO2Callback (it runs the same steps on every replica)",
 }
 ELASTIC_ONES = (
     "CO2Optimizer over plain parameters (one rank per replica launch) or CO2Optimizer over FSDP2 (fully_shard on "
@@ -156,14 +157,12 @@ TABLE: tuple[Refusal, ...] = (
          clip__mode=besides("none"), plan__stand_in=one_of("local")),
     # replicas of different speeds (docs/design.md §3)
     _row("sync_delay", _STEP, "null or 'auto' (the round end: rounds differ in length)", _UNTESTED, replica_tau=_SET),
-    _row("comm_dtype", besides("fp32"), "'fp32'", _UNTESTED, replica_tau=_SET),
-    _row("topk", _SPARSE, "1.0", _UNTESTED, replica_tau=_SET),
+    _row("comm_dtype", one_of("bf16"), "'fp32', 'int8', 'fp8', 'int4' or 'int2'", _UNTESTED, replica_tau=_SET),
     _row("nonfinite", one_of("skip_round"), "'raise'", _UNTESTED, replica_tau=_SET),
     _row("stand_in", _EAGER, "'auto', 'shared' or 'local'", "eager's share would be 1/R, not the replica's weight",
          replica_tau=_SET),
-    _row("replica_tau", _SET, "null", "its engine counts steps for every replica alike",
-         integration=one_of("deepspeed")),
-    _row("replica_tau", _SET, "null", "not tested there", driver=one_of("lightning", "co2-train")),
+    _row("replica_tau", _SET, "null", "each replica has to run rounds x its own steps_per_round steps; a loop "
+         "of your own runs it", driver=one_of("lightning", "co2-train", "hf-trainer")),
     _row("replica_tau", _SET, "null", "its quorums change who is averaged every round", elastic=_ELASTIC),
     # where the config runs
     _row("shards_per_replica", besides("node", 1), "1 or 'node' (read as 1); shard a replica with FSDP2 "

@@ -118,14 +118,15 @@ def save_checkpoint(
     save_latest: bool = True,
 ) -> Path:
     """Save every rank's state as one complete checkpoint `save_dir/tag` (collective; see
-    `co2_zero.checkpoint`). `tag` defaults to `global_step<N>`; `client_state` must be plain data. With
+    `co2_zero.checkpoint`). `tag` defaults to `global_step<N>` (with replica_tau N on the fastest replica's
+    clock); `client_state` must be plain data. With
     `save_latest`, `save_dir/latest_co2` names it once it is complete. Call it after an `engine.step()`
     at a gradient accumulation boundary.
 
     Args:
         engine: the engine `initialize` returned.
         save_dir: the checkpoint root, on a file system every rank sees.
-        tag: the checkpoint's directory name; defaults to `global_step<N>`.
+        tag: the checkpoint's directory name; defaults to `global_step<N>` (N on the fastest replica's clock).
         client_state: plain data saved with the checkpoint.
         save_latest: write `save_dir/latest_co2` once the checkpoint is complete.
 
@@ -143,11 +144,17 @@ def save_checkpoint(
             f"window of {engine.gradient_accumulation_steps()}; save right after an engine.step() that "
             f"stepped the optimizer"
         )
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     state = ZeroCheckpointState(engine)
+    tag = f"global_step{_agreed_global_step(state.zero, engine.global_steps)}" if tag is None else str(tag)
     return checkpoint.save_checkpoint(
         save_dir, state, extra=dict(client_state or {}), tag=tag, write_latest=save_latest
     )
+
+
+def _agreed_global_step(zero: CO2ZeroOptimizer, global_steps: int) -> int:
+    """DeepSpeed's step count as every replica names it: its own, or with replica_tau its own on the fastest
+    replica's clock (`Pace.agreed_step`), so that the replicas' default tags agree at a round end."""
+    return zero.engine.pace.agreed_step(zero.topology.replica_index, global_steps)
 
 
 def load_checkpoint(

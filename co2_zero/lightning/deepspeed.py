@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from .. import deepspeed as co2_deepspeed
 from ..core.errors import CO2Error
+from ..core.plan import check_given
 from .common import TAG, CO2Hooks
 
 
@@ -53,6 +54,7 @@ class CO2DeepSpeedStrategy(CO2Hooks, DeepSpeedStrategy):
                 f'{sorted(self.config)}. Add "co2": {{...}} (docs/configuration.md), or use Lightning\'s '
                 f"DeepSpeedStrategy for plain ZeRO"
             )
+        check_given(self.co2, driver="lightning")
 
     @property
     def co2_optimizer(self) -> Optional[co2_deepspeed.CO2ZeroOptimizer]:

@@ -222,7 +222,7 @@ def test_the_default_config_keeps_its_identity():
         ({"replica_tau": [4, 2.0]}, "replica_tau=[4, 2.0]"),
         ({"replica_tau": []}, "replica_tau=[]"),
         ({"replica_tau": [4, 2], "sync_delay": 2}, "sync_delay=2"),
-        ({"replica_tau": [4, 2], "comm_dtype": "int8"}, "comm_dtype='int8'"),
+        ({"replica_tau": [4, 2], "comm_dtype": "bf16"}, "comm_dtype='bf16'"),
         ({"replica_tau": [4, 2], "nonfinite": "skip_round"}, "nonfinite='skip_round'"),
         ({"replica_tau": [4, 2], "stand_in": "eager"}, "stand_in='eager'"),
     ],
@@ -232,21 +232,25 @@ def test_bad_or_untested_settings_are_refused_naming_the_field(fields, named):
         CO2Config(tau=TAU, **fields)
 
 
-def test_integrations_it_was_not_tested_with_refuse_it():
-    with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with DeepSpeed"):
-        check_given(CO2Config(tau=TAU, replica_tau=[4, 2]), integration="deepspeed")
-    check_given(CO2Config(tau=TAU), integration="deepspeed")  # null: nothing to refuse
-    check_given(CO2Config(tau=TAU, replica_tau=[4, 2]), integration="fairscale")  # runs there (tested below)
+def test_drivers_that_run_the_same_steps_on_every_replica_refuse_it():
+    with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with Hugging Face Trainer"):
+        check_given(CO2Config(tau=TAU, replica_tau=[4, 2]), driver="hf-trainer")
+    check_given(CO2Config(tau=TAU), driver="hf-trainer")  # null: nothing to refuse
+    for integration in ("fairscale", "deepspeed"):  # it runs there (below; tests/integrations/test_deepspeed_pace.py)
+        check_given(CO2Config(tau=TAU, replica_tau=[4, 2]), integration=integration)
 
 
 def test_lightning_refuses_it_when_built():
-    """Before any process group is touched (DeepSpeed's adapter calls the same `refuse`)."""
-    from co2_zero.lightning import CO2Strategy
+    """Both of its strategies, before any process group is touched."""
+    from co2_zero.lightning import CO2DeepSpeedStrategy, CO2Strategy
+    from tests.integrations.test_deepspeed import ds_config
 
     paced = {"tau": TAU, "replica_tau": [4, 2]}
 
     with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with Lightning"):
         CO2Strategy(co2=paced)
+    with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with Lightning"):
+        CO2DeepSpeedStrategy(config=ds_config("ds_zero2_co2", paced))
 
 
 def test_an_elastic_membership_is_refused_before_anything_is_built():

@@ -49,12 +49,10 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
         {"clip": {"mode": "norm"}, "collective": "reduce_scatter"},
     ),
     "sync_delay: not null, 'auto' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "sync_delay": 1}),
-    "comm_dtype: not 'fp32' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "comm_dtype": "bf16"}),
-    "topk: not 1.0 with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "topk": 0.5}),
+    "comm_dtype: 'bf16' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "comm_dtype": "bf16"}),
     "nonfinite: 'skip_round' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "nonfinite": "skip_round"}),
     "stand_in: 'eager' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "stand_in": "eager"}),
-    "replica_tau: not null with integration: 'deepspeed'": (DEEPSPEED, {"replica_tau": [2, 1]}),
-    "replica_tau: not null with driver: 'lightning', 'co2-train'": (LIGHTNING, {"replica_tau": [2, 1]}),
+    "replica_tau: not null with driver: 'lightning', 'co2-train', 'hf-trainer'": (LIGHTNING, {"replica_tau": [2, 1]}),
     "replica_tau: not null with elastic: true": (ELASTIC, {"replica_tau": [2, 1]}),
     "shards_per_replica: not 'node', 1 with integration: 'plain'": (PLAIN, {"shards_per_replica": 2}),
     "elastic: true with integration: 'fairscale', 'deepspeed'": (FAIRSCALE + "+" + ELASTIC, {}),
@@ -70,7 +68,7 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
 # Also refused: the deepspeed entry point with a membership (the same row as FairScale's), co2-train's driver row.
 EXTRA_WITNESSES = [
     ("elastic: true with integration: 'fairscale', 'deepspeed'", DEEPSPEED + "+" + ELASTIC, {}),
-    ("replica_tau: not null with driver: 'lightning', 'co2-train'", TRAIN, {"replica_tau": [2, 1]}),
+    ("replica_tau: not null with driver: 'lightning', 'co2-train', 'hf-trainer'", TRAIN, {"replica_tau": [2, 1]}),
 ]
 
 # Allowed: every stand-in with overlap and without, each wire format, and a few more; each runs a round.
@@ -82,6 +80,7 @@ GRID = [
     {"clip": {"mode": "norm"}, "collective": "all_reduce"},
     {"nonfinite": "skip_round", "sync_delay": 1},
     {"replica_tau": [2, 1]},
+    {"replica_tau": [2, 1], "comm_dtype": "int4", "topk": 0.5},
     {"collective": "reduce_scatter", "comm_dtype": "int4"},
 ]
 
