@@ -90,7 +90,7 @@ class RoundEngine:
         self.announcements = StepAnnouncements(topology.control_group)
         self._at_exit = weakref.finalize(self, shutdown, self.exchange, topology, self.announcements)
         self.state = RoundState.allocate(partition, self.exchange, self.plan, self.tau, device)
-        self.stand_in = StandIn(config, topology, self.exchange) if self.plan.stand_in != "shared" else None
+        self.stand_in = StandIn(self.plan, topology, self.exchange) if self.plan.stand_in != "shared" else None
         self.phase = Phase.IDLE
         self._pending: Optional[Future] = None
         self._pending_index = -1  # the round whose pipeline `_pending` runs

@@ -16,20 +16,20 @@ import torch
 import torch.distributed as dist
 
 from .comm import OuterExchange
-from .config import CO2Config
 from .errors import collective_error
 from .outer import eager_start, local_start, track_momentum
+from .plan import ResolvedPlan
 from .round_state import RoundState
 from .schedule import RoundPlan
 from .topology import Topology
 
 
 class StandIn:
-    """The `eager` or `local` stand-in of one rank (`config.effective_stand_in`, never "shared")."""
+    """The `eager` or `local` stand-in of one rank (`plan.stand_in`, never "shared")."""
 
-    def __init__(self, config: CO2Config, topology: Topology, exchange: OuterExchange) -> None:
-        self.kind = config.effective_stand_in
-        self.config, self.topology, self.exchange = config, topology, exchange
+    def __init__(self, plan: ResolvedPlan, topology: Topology, exchange: OuterExchange) -> None:
+        self.kind = plan.stand_in
+        self.config, self.topology, self.exchange = plan.config, topology, exchange
 
     def next_start(self, state: RoundState, plan: RoundPlan, reset_inner: bool) -> None:
         """At a round end, from D in `plan.work` (before the pipeline consumes it): this replica's next own
