@@ -134,8 +134,9 @@ class CO2Steps:
     @property
     def steps_per_round(self) -> int:
         """This replica's inner steps per round: `tau`, or its own with `replica_tau` (docs/configuration.md,
-        "Replicas of different speeds"); a training loop runs rounds x this many steps."""
-        return self.engine.tau
+        "Replicas of different speeds"); a training loop runs rounds x this many steps. In elastic mode with
+        `replica_tau: "auto"`, the current round's (measured each round): a loop runs until `engine.rounds`."""
+        return self.engine.round_steps
 
     @property
     def clock_step(self) -> float:

@@ -292,6 +292,11 @@ class OuterExchange:
         outer group, where every rank applied that exchange alike. The elastic exchange meets its quorum
         once more here, so that a replica that cut the last round heals (`co2_zero.elastic`)."""
 
+    def steps_next_round(self, tau: int) -> int:
+        """The inner steps this replica trains in its next round, asked after each launch: `tau` (this
+        replica's). The elastic exchange with `replica_tau: "auto"` returns what its measured speed gives."""
+        return tau
+
     def outer_peers(self) -> tuple[Any, int]:
         """The group this round's displacement is averaged over, and the number of displacements in
         the average: the fixed outer group and R. The seam of elastic membership (`co2_zero.elastic`),

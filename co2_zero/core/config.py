@@ -284,7 +284,7 @@ class CO2Config:
         default=600.0,
         metadata={"doc": "Deadline of every wait on the exchange, and timeout of the CO2 process groups."},
     )
-    replica_tau: Optional[tuple[int, ...]] = field(
+    replica_tau: Optional[tuple[int, ...] | str] = field(
         default=None,
         metadata={
             "doc": "Replicas of different speeds: per replica, its own inner steps per round (replica r, the "
@@ -293,8 +293,11 @@ class CO2Config:
             'share of the tokens, τ_r / Στ (docs/design.md §3, "Replicas of different speeds"). `null` (the '
             "default): every replica runs `tau`. A list of R integers in [1, tau] whose largest is `tau`; it "
             "needs `sync_delay` null or `auto` (both: the round end), `comm_dtype: fp32`, `nonfinite: raise` "
-            "and a stand-in other than `eager`.",
-            "accepted": "null, or a list of one integer in [1, tau] per replica, the largest equal to tau",
+            "and a stand-in other than `eager`. `auto`, with an elastic membership only: each replica measures "
+            "its step time every round and runs round(tau x the quorum's fastest step time / its own) steps "
+            '(docs/elastic.md, "Replicas of different speeds").',
+            "accepted": "null, 'auto' (elastic), or a list of one integer in [1, tau] per replica, the largest equal "
+            "to tau",
             "neutral": None,
         },
     )
@@ -376,8 +379,13 @@ class CO2Config:
     def _check_replica_tau(self) -> None:
         """`replica_tau`: one integer in [1, tau] per replica, the largest tau (docs/design.md §3, "Replicas of
         different speeds"); stored as a tuple. What it combines with is the support table's."""
-        accepted = f"null, or a list of one integer in [1, tau={self.tau}] per replica, the largest equal to tau"
+        accepted = (
+            f"null, 'auto' (elastic), or a list of one integer in [1, tau={self.tau}] per replica, the largest equal "
+            f"to tau"
+        )
         value = self.replica_tau
+        if value == "auto":
+            return
         if not isinstance(value, (list, tuple)) or not value:
             _fail("replica_tau", value, accepted)
         for tau in value:

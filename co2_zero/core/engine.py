@@ -1,22 +1,21 @@
 """The round engine shared by every integration (docs/design.md §3).
 
-An integration hands the engine its `Partition` (views of the live fp32 master parameters it owns)
-and a `refresh` callback that spreads a rewritten partition to the rest of its replica. It then calls
-`inner_step_done()` after every applied inner optimizer step; every `tau`-th call ends a round:
+An integration hands the engine its `Partition` (views of the live fp32 master parameters it owns) and a `refresh`
+callback that spreads a rewritten partition to the rest of its replica. It then calls `inner_step_done()` after every
+applied inner optimizer step; every `tau`-th call ends a round:
 
 1. wait for the pipeline in flight (it produced the next start point),
 2. D = start point - live parameters, computed in the retiring buffer; launch the pipeline on it,
 3. live parameters <- next start point; refresh; the two partition buffers trade roles.
 
-With a sync delay d < tau the average is applied d steps into the next round instead (the
-replica's progress since the round start kept on top of it, `_apply_mid_round`); step 3 and that
-apply are the only writes of the live parameters. `sync_delay: "auto"` measures d on the job first
-(`schedule.DelayMeter`) and switches the schedule once, at a round end. What `overlap` and the sync
-delay change is decided in one place, `ApplySchedule`. The engine holds every tensor and counter of
-the round in one `round_state.RoundState` and is its only owner: others read values through its read
-methods and hand it whole states to `adopt` (a checkpoint's, or an elastic peer's). Start-up lives in
-`startup`, the module buffers in `buffers`, a stand-in's arithmetic in `stand_in`, the pipeline in
-flight (the lifecycle `Phase`, waits with a deadline) in `in_flight`.
+With a sync delay d < tau the average is applied d steps into the next round instead (the replica's progress since the
+round start kept on top of it, `_apply_mid_round`); step 3 and that apply are the only writes of the live parameters.
+`sync_delay: "auto"` measures d on the job first (`schedule.DelayMeter`) and switches the schedule once, at a round end.
+What `overlap` and the sync delay change is decided in one place, `ApplySchedule`. The engine holds every tensor and
+counter of the round in one `round_state.RoundState` and is its only owner: others read values through its read methods
+and hand it whole states to `adopt` (a checkpoint's, or an elastic peer's). Start-up lives in `startup`, the module
+buffers in `buffers`, a stand-in's arithmetic in `stand_in`, the pipeline in flight (the lifecycle `Phase`, waits with a
+deadline) in `in_flight`.
 """
 
 from __future__ import annotations
@@ -48,15 +47,13 @@ from .topology import Topology
 class RoundEngine:
     """CO2's per-rank state and round ends. See the module docstring.
 
-    `module` (optional): its float buffers are averaged over all ranks at every round end, and its
-    parameters are watched (see `ParameterWatch`) together with `params` (the inner optimizer's).
-    `membership` (optional, `co2_zero.elastic.Membership`): replicas that come and go; it makes the
-    exchange (which averages over each round's quorum) and, via `attach`, joins the job: True means
-    this replica joined a running job at a round end and takes part in that round's exchange with a
-    zero displacement (docs/design.md §12). `integration`: the adapter's name
-    (`co2_zero.integration.Integration`), which the support table reads. The engine resolves its plan
-    first (`co2_zero.core.plan`, `self.plan`): a combination the table refuses raises before any collective.
-    """
+    `module` (optional): its float buffers are averaged over all ranks at every round end, and its parameters are
+    watched (see `ParameterWatch`) together with `params` (the inner optimizer's). `membership` (optional,
+    `co2_zero.elastic.Membership`): replicas that come and go; it makes the exchange (which averages over each
+    round's quorum) and, via `attach`, joins the job: True means this replica joined a running job at a round end and
+    takes part in that round's exchange with a zero displacement (docs/design.md §12). `integration`: the adapter's
+    name (`co2_zero.integration.Integration`), which the support table reads. The engine resolves its plan first
+    (`co2_zero.core.plan`, `self.plan`): a combination the table refuses raises before any collective."""
 
     def __init__(
         self,
@@ -77,7 +74,9 @@ class RoundEngine:
         config = self.plan.config  # with an elastic membership's rewrite
         self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
         self.pace = self.plan.pace
-        self.tau = self.pace.tau(topology.replica_index)  # this replica's inner steps per round
+        self.tau = self.pace.tau(topology.replica_index)  # this replica's inner steps per round, on its clock
+        # this round's steps (fewer where the exchange measures them), the seconds the last round trained (waits out)
+        self.round_steps, self.round_train_s, self._round_done_at = self.tau, None, None
         self.buffers = ModuleBuffers(module_buffers, topology, config)
         self.watch = ParameterWatch.collect(params, module)
         device = startup.state_device(partition, topology)
@@ -134,13 +133,12 @@ class RoundEngine:
         raise error from (cause if cause is not None else error.__cause__)
 
     def close(self, join_s: float = 1.0) -> None:
-        """Stop the background worker and release the CO2 process groups (not the inner group,
-        which the integration's framework keeps using). Also runs at interpreter exit. join_s: how
-        long to wait for a busy worker to end; short by default, as a failed engine's worker may be stuck
-        in a collective (an idle worker gets timeout_s: it ends as soon as it is scheduled). After
-        `finalize()` the groups' last references go too, so their threads end now (docs/design.md §8);
-        a failed engine keeps them open, as its peers may still be learning why (a closed connection
-        would answer them with a bare "Connection closed by peer")."""
+        """Stop the background worker and release the CO2 process groups (not the inner group, which the
+        integration's framework keeps using). Also runs at interpreter exit. join_s: how long to wait for a busy
+        worker to end; short by default, as a failed engine's worker may be stuck in a collective (an idle worker
+        gets timeout_s: it ends as soon as it is scheduled). After `finalize()` the groups' last references go too,
+        so their threads end now (docs/design.md §8); a failed engine keeps them open, as its peers may still be
+        learning why (a closed connection would answer them with a bare "Connection closed by peer")."""
         shutdown = self._at_exit.detach()  # None: closed already
         if shutdown is not None:
             _, function, args, _ = shutdown
@@ -153,12 +151,14 @@ class RoundEngine:
         self.check_usable()
         state = self.state
         state.inner_steps += 1
-        if state.inner_steps % self.tau:
+        into_round = state.inner_steps - state.rounds * self.tau
+        if into_round < min(self.round_steps, self.tau):
             if state.delay_meter is not None and state.delay_meter.watching:  # a few steps of rounds 2 and 3 only
                 state.delay_meter.saw(state.inner_steps % self.tau, finished(self._pending))
             if state.average_unapplied and state.schedule.applies_mid_round(state.inner_steps):
                 self._apply_mid_round()
             return False
+        state.inner_steps += self.tau - into_round  # a shorter round counts as a whole one on the clock
         self._round_end()
         return True
 
@@ -174,6 +174,7 @@ class RoundEngine:
     def _round_end(self) -> None:
         """Steps 1-3 of the module docstring, then the module buffers; fills `last_round`."""
         began = time.perf_counter()
+        self.round_train_s = None if self._round_done_at is None else began - self._round_done_at
         self._check_parameters_unchanged()
         wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
         if self.state.schedule.steps == self.tau:  # the average in flight is applied at this round end
@@ -185,6 +186,7 @@ class RoundEngine:
         sent = self._exchange_bytes_since_last_report()
         plan = self.state.plan_round()
         reset_inner = self._launch(plan)  # step 2
+        self.round_steps = self.exchange.steps_next_round(self.tau)
         if self.state.delay_meter is not None:
             self._follow_delay_meter()
         self.state.average_unapplied = 0 < self.state.schedule.steps < self.tau  # applied d steps into the next round
@@ -214,6 +216,7 @@ class RoundEngine:
             "bytes_sent": sent + buffer_bytes,
             "sync_delay": self.state.schedule.steps,  # where the next average is applied (sync_delay "auto": fixed)
         }
+        self._round_done_at = time.perf_counter()
 
     def _follow_delay_meter(self) -> None:
         """sync_delay "auto", after a launch (`RoundState.follow_delay_meter`); warns if the delay is tau."""
@@ -257,10 +260,9 @@ class RoundEngine:
     def finalize(self) -> None:
         """End training with one model on every rank (docs/design.md §3): the last start point produced.
 
-        The ranks first agree that they took the same number of inner steps (a rank that took more
-        would wait forever for a round its peers never run); otherwise every rank raises CO2Error
-        naming the counts, also a rank that trained on past a round end (`agreement.StepAnnouncements`).
-        """
+        The ranks first agree that they took the same number of inner steps (a rank that took more would wait
+        forever for a round its peers never run); otherwise every rank raises CO2Error naming the counts, also a
+        rank that trained on past a round end (`agreement.StepAnnouncements`)."""
         self.check_usable()
         self._check_steps()
         self.announcements.post(self.state.inner_steps, finalizing=True)
@@ -441,8 +443,8 @@ class RoundEngine:
         self._set_live(self.state.take_next_as_start())
 
     def state_bytes(self) -> int:
-        """Bytes of CO2 state this rank holds (docs/design.md §4: 2Ψ/S + 2Ψ/N fp32 words with
-        reduce_scatter, 3Ψ/S with all_reduce, plus one float64 norm per tensor), and the outer step's segment
-        index (`outer.SegmentIndex`, about 2·√(elements · segments) ids); int8/fp8 add the error-feedback
-        residuals, Ψ/S + Ψ/N; a stand-in its own start and momentum, up to 2Ψ/S."""
+        """Bytes of CO2 state this rank holds (docs/design.md §4: 2Ψ/S + 2Ψ/N fp32 words with reduce_scatter, 3Ψ/S
+        with all_reduce, plus one float64 norm per tensor), and the outer step's segment index (`outer.SegmentIndex`,
+        about 2·√(elements · segments) ids); int8/fp8 add the error-feedback residuals, Ψ/S + Ψ/N; a stand-in its
+        own start and momentum, up to 2Ψ/S."""
         return sum(t.numel() * t.element_size() for t in self.state.tensors()) + self.exchange.index_bytes

@@ -25,8 +25,9 @@ class Pace:
     @classmethod
     def of(cls, config: CO2Config, replicas: int) -> Pace:
         """The pace `config` sets for `replicas` replicas; ValueError naming `replica_tau` when its length
-        is not R."""
-        if config.replica_tau is None:
+        is not R. `"auto"` (elastic) starts every replica at `tau`; its exchange sets each round's steps
+        (`co2_zero.elastic.speeds`)."""
+        if config.replica_tau in (None, "auto"):
             return cls((config.tau,) * replicas)
         if len(config.replica_tau) != replicas:
             raise ValueError(

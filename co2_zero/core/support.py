@@ -163,7 +163,15 @@ TABLE: tuple[Refusal, ...] = (
          replica_tau=_SET),
     _row("replica_tau", _SET, "null", "each replica has to run rounds x its own steps_per_round steps; a loop "
          "of your own runs it", driver=one_of("lightning", "co2-train", "hf-trainer")),
-    _row("replica_tau", _SET, "null", "its quorums change who is averaged every round", elastic=_ELASTIC),
+    _row("replica_tau", besides(None, "auto"), "null or 'auto' (each replica measures its own steps per round)",
+         "a list is keyed by the replica's place in a fixed grid, and each round's quorum changes who is averaged",
+         elastic=_ELASTIC),
+    _row("replica_tau", one_of("auto"), "null, or a list of one integer in [1, tau={tau}] per replica",
+         "'auto' re-measures each replica's steps per round over each round's quorum: built for an elastic "
+         "membership (membership=)", elastic=one_of(False)),
+    _row("replica_tau", one_of("auto"), "null, or one rank per replica launch (plain CO2Optimizer)",
+         "the S shards of a replica would each measure their own step time; untested", elastic=_ELASTIC,
+         plan__shards=besides(1)),
     # where the config runs
     _row("shards_per_replica", besides("node", 1), "1 or 'node' (read as 1); shard a replica with FSDP2 "
          "(co2_zero.fsdp.replica_mesh), co2_zero.fairscale.CO2OSS or co2_zero.deepspeed",

@@ -1,7 +1,8 @@
 """What the replicas of a quorum must agree on, checked at every meeting (docs/design.md §12).
 
 Each replica sends one fixed-size int64 row in the small all-reduce that starts every exchange (and
-the start-up meeting): whether it contributes, whether it has trained, then two words per field: the
+the start-up meeting): its weight in the average (the inner steps it trained this round; 0: it does not
+contribute), whether it has trained, its step time (`speeds.py`), then two words per field: the
 co2 config's fields, its ranks, its model (tensor count, trainable parameters, names and shapes), the
 state version, what the job asks to agree on (`Membership(agree=...)`: e.g. its dtype and seed), and
 a digest of the shared start point the exchange applies to (at `finalize()`: the final model), so
@@ -24,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 WORDS = 2  # per field: a number's float64 bits, up to 16 bytes of text, or a hash marked HASHED
 HASHED = -1  # second word of a value too long to travel as text
 FIELDS = 64  # fields per row (padded): the row has a fixed size whatever the config holds
-HEAD = 2  # the row's first words: contributes, has trained
+HEAD = 3  # the row's first words: weight (0: not contributing), has trained, step time in microseconds
 
 
 def identity_fields(engine: RoundEngine, agree: Mapping[str, Any]) -> dict[str, Any]:
@@ -71,10 +72,11 @@ def decode(words: list[int], like: Any) -> str:
     return repr(words_text(words))
 
 
-def row(contributes: bool, trained: bool, fields: Mapping[str, Any]) -> list[int]:
-    """This replica's row of the meeting's all-reduce."""
+def row(weight: int, trained: bool, step_us: int, fields: Mapping[str, Any]) -> list[int]:
+    """This replica's row of the meeting's all-reduce: `weight` the inner steps its displacement holds (0:
+    it does not contribute), `step_us` its last round's step time (0: not measured)."""
     words = [w for value in fields.values() for w in encode(value)]
-    return [int(contributes), int(trained), *words, *[0] * (WORDS * FIELDS - len(words))]
+    return [weight, int(trained), step_us, *words, *[0] * (WORDS * FIELDS - len(words))]
 
 
 def mismatch(fields: Mapping[str, Any], mine: list[int], theirs: list[int]) -> Optional[str]:

@@ -19,6 +19,7 @@ from ..core.plan import ResolvedPlan
 from ..core.topology import Topology
 from .agreement import FIELDS, HEAD, WORDS, ReplicaRefused, identity_fields, row, start_digest, verdict
 from .lighthouse import AbandonedCollective, wait_watched
+from .speeds import displacement_scale, steps_for
 
 
 class Peers(NamedTuple):
@@ -56,8 +57,9 @@ class _CutExchange(Exception):
 class ElasticExchange(OuterExchange):
     """The outer exchange over each round's quorum (docs/design.md §12).
 
-    Per round, in the background: the quorum, one small all-reduce of who contributes, the average
-    of the contributors' displacements, the commit vote, then the outer step. The quorum is asked for
+    Per round, in the background: the quorum, one small all-reduce of who contributes (with the inner
+    steps each trained, its weight, and its step time: `speeds.py`), the average of the contributors'
+    displacements weighted by their steps, the commit vote, then the outer step. The quorum is asked for
     on the main thread instead (in `launch`, where healing may rewrite the start point) after an
     exchange this replica cut: it may be behind its peers. A cut exchange leaves the base as the next
     start point and the outer state untouched.
@@ -73,6 +75,11 @@ class ElasticExchange(OuterExchange):
         self.peers: Optional[Peers] = None  # this round's (None until the background quorum); the worker's
         self.round_index = -1
         self.contributors: tuple[int, ...] = ()
+        self.weights: tuple[int, ...] = ()  # the inner steps each contributor trained in this round (the worker's)
+        self.measures_speed = plan.config.replica_tau == "auto"  # each round's steps from the quorum's speeds
+        self._weight, self._step_us = 0, 0  # this replica's for the round in flight: its steps, its step time
+        self._chosen: Optional[int] = None  # the steps the last exchange's speeds give (written by the worker)
+        self._next_steps: Optional[int] = None  # ... as of the last launch: the next round's (`steps_next_round`)
         self.cut = False  # the last exchange was cut on this replica (set by the worker)
         self._abandoned: list[tuple[Any, Any]] = []  # (group, collective) given up on, until it ends
         self._fields: Optional[dict[str, Any]] = None  # what the quorum agrees on (agreement.py), made once
@@ -90,7 +97,21 @@ class ElasticExchange(OuterExchange):
         # A replica that healed in the quorum holds its peer's gap norms now.
         job = job._replace(previous_update_sq_norms=membership.engine.previous_update_sq_norms)
         self.round_index = job.round_index
+        self._take_round_steps(membership.engine)
         return super().launch(job)
+
+    def _take_round_steps(self, engine: Any) -> None:
+        """At the launch (main thread, no pipeline in flight): the steps this replica trained in the round
+        that ended (its weight), its step time over them, and the steps the last exchange chose for it."""
+        self._weight, trained_s = engine.round_steps, engine.round_train_s
+        measured = self.measures_speed and trained_s is not None and self._weight > 0
+        self._step_us = max(1, round(1e6 * trained_s / self._weight)) if measured else 0
+        self._next_steps = self._chosen
+
+    def steps_next_round(self, tau: int) -> int:
+        """`replica_tau: "auto"`: what this replica's speed against the quorum's fastest gives (`speeds.py`), from
+        the exchange before the one just launched; `tau` until measured, and without "auto"."""
+        return tau if self._next_steps is None else self._next_steps
 
     def outer_peers(self) -> tuple[Any, int]:
         return self.peers.group, len(self.contributors)
@@ -115,6 +136,9 @@ class ElasticExchange(OuterExchange):
             self.contributors = self._who_contributes(peers)
             if not self.contributors:
                 raise CO2Error(f"co2 elastic: no replica of the quorum {list(peers.replicas)} contributes")
+            scale = displacement_scale(self._weight, self.weights) if peers.contributes else 1.0
+            if scale != 1.0:  # the weighted average over the plain mean's collective (`speeds.py`)
+                work.mul_(scale)
             g = super()._average(work, g_buffer)
         except Exception as failure:  # a peer died or the group broke: the average is incomplete
             error = _collective_error(failure)
@@ -126,20 +150,26 @@ class ElasticExchange(OuterExchange):
         return g
 
     def _who_contributes(self, peers: Peers) -> tuple[int, ...]:
-        """One small all-reduce over the quorum: which replicas' displacements are in the average, and
-        whether every replica runs the same config, model and job settings (`agreement.py`)."""
+        """One small all-reduce over the quorum: which replicas' displacements are in the average and with
+        how many inner steps each (`weights`), and whether every replica runs the same config, model and
+        job settings (`agreement.py`). With `replica_tau: "auto"`, the steps the speeds give (`_chosen`)."""
         engine = self.membership.engine
         if self._fields is None:
             self._fields = identity_fields(engine, self.membership.agree)
         rows = torch.zeros((len(peers.replicas), HEAD + WORDS * FIELDS), dtype=torch.int64)
         fields = {**self._fields, "shared start point (digest)": self._start}
-        rows[peers.rank] = torch.tensor(row(peers.contributes, engine.rounds > 0, fields))
+        weight = self._weight if peers.contributes else 0
+        rows[peers.rank] = torch.tensor(row(weight, engine.rounds > 0, self._step_us, fields))
         self._all_reduce(rows, peers.group)
         table = rows.tolist()
         refused = verdict(table, peers.replicas, peers.rank, fields, self.round_index)
         if refused is not None:
             raise refused
-        return tuple(r for r, line in zip(peers.replicas, table) if line[0] > 0)
+        contributing = [(r, line[0]) for r, line in zip(peers.replicas, table) if line[0] > 0]
+        self.weights = tuple(w for _, w in contributing)
+        chosen = steps_for(self.config.tau, self._step_us, [line[2] for line in table]) if peers.contributes else None
+        self._chosen = chosen if self.measures_speed and chosen is not None else self._chosen
+        return tuple(r for r, _ in contributing)
 
     def meet(self, peers: Peers) -> Optional[Exception]:
         """A start-up meeting of the quorum (`Membership.attach`): the agreement, nobody contributing.

@@ -46,6 +46,7 @@ class RoundRecord:
     replicas: tuple[int, ...]  # the quorum
     contributors: Optional[tuple[int, ...]]  # replicas whose displacement was averaged (None: unknown, cut early)
     committed: bool  # False: the exchange was cut and every survivor skipped the round
+    weights: Optional[tuple[int, ...]] = None  # the inner steps each contributor trained (its weight), in order
 
 
 class Membership:
@@ -315,7 +316,8 @@ class Membership:
     def settle(self, peers: Peers, round_index: int, contributors: Optional[tuple[int, ...]], error: Any) -> bool:
         """After the average (background worker): commit it, or cut the round on this replica."""
         committed = self._vote(error)
-        self._record(RoundRecord(round_index, peers.replicas, contributors, committed))
+        weights = self.exchange.weights if contributors else None
+        self._record(RoundRecord(round_index, peers.replicas, contributors, committed, weights))
         if not committed:
             warnings.warn(
                 f"co2 elastic: round {round_index}: the exchange over replicas {list(peers.replicas)} was cut "
