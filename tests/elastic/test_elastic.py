@@ -301,6 +301,7 @@ class Job:
         self.lighthouse, self.address = _lighthouse(join_timeout_ms)
         self.processes: list[Any] = []
         self.ctx = torch.multiprocessing.get_context("spawn")
+        self.target = replica_main  # what each rank runs: (replica, rank, port, lighthouse, out, steps, plan)
 
     def start(self, replica: int, tag: str = "", **plan: Any) -> list[Any]:
         """Launch replica `replica`: plan["shards"] processes (1 by default), its own world."""
@@ -309,7 +310,7 @@ class Job:
         for rank in range(shards):
             out = str(self.tmp / f"replica{replica}{tag}_rank{rank}.pt")
             args = (replica, rank, port, self.address, out, self.steps, plan)
-            processes.append(self.ctx.Process(target=replica_main, args=args))
+            processes.append(self.ctx.Process(target=self.target, args=args))
             processes[-1].start()
         self.processes += processes
         return processes

@@ -1,0 +1,180 @@
+"""Elastic replicas of different speeds (`replica_tau: "auto"` with a membership; docs/elastic.md, "Replicas of
+different speeds"): each round's average weighs its contributors by the inner steps they trained, and each
+replica sets its steps per round from its step time against the quorum's fastest, every round.
+
+Real processes, as tests/elastic/test_elastic.py runs them (its Job: a torchft Lighthouse and one process per
+replica), with a busy loop beside them. Each replica's steps are paced by a sleep, so its speed is known; the
+test counts the steps each replica's own loop trained in every round, records every displacement it sent and
+the average it received, and computes the weighted average from them itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from co2_zero.elastic.speeds import displacement_scale, steps_for
+from tests import models
+from tests.elastic.test_elastic import job_factory  # noqa: F401  (the fixture)
+from tests.elastic.test_elastic_faults import documented_join_timeout_ms
+
+pytest.importorskip("torchft", reason="the elastic extra (torchft) is not installed")
+
+TAU = 4
+CONFIG = {"tau": TAU, "replica_tau": "auto", "timeout_s": 90.0}  # the defaults otherwise
+FIRST_MEASURED = 3  # rounds 0-2 run tau: round 0 is not timed, round 1's speeds reach the exchange of round 1,
+# whose result the round end 2 takes for round 3
+
+
+def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, rounds: int, plan: dict) -> None:
+    """One replica (one rank, its own world): train until `rounds` rounds ended, each step followed by a sleep
+    of plan["step_s"] (plan["slow_s"] on replica plan["slow"] from round plan["slow_from"]); record the steps its
+    loop trained per round, every displacement it sent and average it received, its history, its final model."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from co2_zero import CO2Optimizer
+    from co2_zero.elastic import Membership
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(port)
+    dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    Path(plan["pid_files"][rank]).write_text(str(os.getpid()))
+    averages = _record_averages()
+    model = models.make_model("mlp")
+    membership = Membership(lighthouse, replica, start_replicas=2)
+    opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), CONFIG, model, membership=membership)
+    trained, in_round, step = {}, 0, 0
+    while opt.engine.rounds < rounds:
+        slow = replica == plan.get("slow") and opt.engine.rounds >= plan.get("slow_from", 0)
+        x, y = models.batch(replica, step)
+        opt.zero_grad()
+        models.loss_fn(model(x), y).backward()
+        opt.step()
+        step, in_round = step + 1, in_round + 1
+        if opt.round_ended:
+            trained[opt.engine.rounds - 1], in_round = in_round, 0
+        time.sleep(plan["slow_s"] if slow else plan["step_s"])
+    opt.finalize()
+    result = {
+        "trained": trained,
+        "averages": averages,
+        "history": [(r.round, r.replicas, r.contributors, r.committed, r.weights) for r in membership.history],
+        "inner_steps": opt.engine.inner_steps,
+        "final": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+    }
+    torch.save(result, f"{out}.tmp")
+    os.replace(f"{out}.tmp", out)
+    dist.destroy_process_group()
+
+
+def _record_averages() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Wrap the exchange's average: per round, the displacement this replica sent (as it entered the
+    exchange) and the average it received."""
+    from co2_zero import elastic
+
+    recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    original = elastic.ElasticExchange._average
+
+    def recording(self, work, g_buffer):
+        sent = work[: self.layout.length].clone()
+        g = original(self, work, g_buffer)
+        recorded[self.round_index] = (sent, g[: self.layout.length].clone())
+        return g
+
+    elastic.ElasticExchange._average = recording
+    return recorded
+
+
+def _run(job_factory, rounds: int, **plan: Any) -> list[dict]:  # noqa: F811
+    """Replicas 0 and 1 beside a busy loop, under the documented Lighthouse settings; both exit 0."""
+    job = job_factory(rounds, join_timeout_ms=documented_join_timeout_ms())
+    job.target = paced_main
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        processes = [p for r in range(2) for p in job.start(r, **plan)]
+        job.wait(processes, timeout=300)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert [p.exitcode for p in processes] == [0, 0]
+    return [job.result(r) for r in range(2)]
+
+
+def _assert_every_round_averaged_both(results: list[dict], rounds: int) -> None:
+    """Every round's quorum held both replicas, both contributed, the round was committed, and the weights
+    each recorded are the steps the replicas' own loops counted; one model at the end."""
+    for result in results:
+        assert [t for t, *_ in result["history"]] == list(range(rounds)), result["history"]
+        for t, replicas, contributors, committed, weights in result["history"]:
+            assert (replicas, contributors, committed) == ((0, 1), (0, 1), True), result["history"]
+            assert weights == (results[0]["trained"][t], results[1]["trained"][t]), (t, weights)
+        assert result["inner_steps"] == rounds * TAU  # the job's clock: a short round counts as tau steps
+    assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def test_a_replica_at_half_speed_keeps_its_place_with_half_the_steps_and_a_weighted_average(job_factory):  # noqa: F811
+    """Replica 1 steps at half replica 0's speed from the start, under CPU load. From the first round its
+    speed is known, it trains 2 steps per round against replica 0's 4 and stays in every quorum; each
+    round's average is Σ τ_r·D_r / Σ τ_r of the displacements the replicas sent (computed here), and the
+    rounds both trained 4 steps average to the plain mean bit for bit; the run ends with one model."""
+    rounds = 7
+    results = _run(job_factory, rounds, step_s=0.1, slow=1, slow_s=0.2)
+    _assert_every_round_averaged_both(results, rounds)
+    fast, slow = (results[r]["trained"] for r in range(2))
+    assert [fast[t] for t in range(rounds)] == [TAU] * rounds, fast
+    assert [slow[t] for t in range(rounds)] == [TAU] * FIRST_MEASURED + [TAU // 2] * (rounds - FIRST_MEASURED), slow
+    for t in range(rounds):
+        (d0, g), (d1, g1) = results[0]["averages"][t], results[1]["averages"][t]
+        assert torch.equal(g, g1), t
+        if fast[t] == slow[t]:
+            assert torch.equal(g, (d0 + d1) / 2), f"round {t}: equal weights, not the plain mean bit for bit"
+        else:
+            w0, w1 = fast[t], slow[t]
+            expected = (w0 * d0.double() + w1 * d1.double()) / (w0 + w1)
+            torch.testing.assert_close(g.double(), expected, rtol=1e-6, atol=1e-9)
+
+
+def test_a_replica_that_slows_mid_run_is_absorbed(job_factory):  # noqa: F811
+    """Both replicas at one speed; replica 1 steps 2.5 times slower from round 3. Its steps per round drop
+    (to round(4 / 2.5) = 2) two rounds later, it never misses a quorum, and replica 0 keeps 4."""
+    rounds, slow_from = 9, 3
+    results = _run(job_factory, rounds, step_s=0.1, slow=1, slow_from=slow_from, slow_s=0.25)
+    _assert_every_round_averaged_both(results, rounds)
+    fast, slow = (results[r]["trained"] for r in range(2))
+    assert [slow[t] for t in range(FIRST_MEASURED)] == [TAU] * FIRST_MEASURED, slow
+    absorbed = slow_from + 2  # its slow round is measured in its exchange, which the next round end takes
+    assert [slow[t] for t in range(absorbed, rounds)] == [2] * (rounds - absorbed), slow
+    assert [fast[t] for t in range(absorbed, rounds)] == [TAU] * (rounds - absorbed), fast
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4, 7])
+@pytest.mark.parametrize("tau", [1, 3, 4, 32])
+def test_equal_weights_scale_by_exactly_one(replicas, tau):
+    """Equal steps everywhere: the factor is 1.0 exactly, so the exchange sends the plain mean's values."""
+    assert displacement_scale(tau, [tau] * replicas) == 1.0
+
+
+def test_the_weights_give_the_weighted_average():
+    """n·τ_r / Σ τ over the plain mean: Σ_r (n·τ_r/Στ)·D_r / n = Σ τ_r·D_r / Σ τ."""
+    weights, d = [4, 2, 1], torch.tensor([1.0, 10.0, 100.0], dtype=torch.float64)
+    mean = sum(displacement_scale(w, weights) * d[r] for r, w in enumerate(weights)) / len(weights)
+    assert float(mean) == pytest.approx((4 * 1 + 2 * 10 + 1 * 100) / 7)
+    assert displacement_scale(0, weights) == 0.0  # a zero displacement (a joiner) stays zero
+
+
+def test_steps_follow_the_speed_against_the_quorums_fastest():
+    assert steps_for(32, 100, [100, 100]) == 32  # the fastest runs tau
+    assert steps_for(32, 200, [100, 200]) == 16
+    assert steps_for(32, 400, [100, 400, 0]) == 8  # a replica not measured yet (0) is left out
+    assert steps_for(4, 10_000, [100, 10_000]) == 1  # at least one step
+    assert steps_for(4, 0, [100, 200]) is None  # not measured yet: the exchange keeps what it had
