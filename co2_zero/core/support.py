@@ -166,7 +166,7 @@ TABLE: tuple[Refusal, ...] = (
     _row("replica_tau", besides(None, "auto"), "null or 'auto' (each replica measures its own steps per round)",
          "a list is keyed by the replica's place in a fixed grid, and each round's quorum changes who is averaged",
          elastic=_ELASTIC),
-    _row("replica_tau", one_of("auto"), "null, or a list of one integer in [1, tau={tau}] per replica",
+    _row("replica_tau", one_of("auto"), "null, or a list of one integer in [1, tau] per replica",
          "'auto' re-measures each replica's steps per round over each round's quorum: built for an elastic "
          "membership (membership=)", elastic=one_of(False)),
     _row("replica_tau", one_of("auto"), "null, or one rank per replica launch (plain CO2Optimizer)",
