@@ -50,12 +50,20 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
                             timeout=timedelta(seconds=60))  # fmt: skip
     Path(plan["pid_files"][rank]).write_text(str(os.getpid()))
     averages = _record_averages()
+    if plan.get("fail_exchange", (None,))[0] == replica:  # (replica, round): its copy of that average is lost
+        from tests.elastic.test_elastic import _fail_exchange_at
+
+        _fail_exchange_at(plan["fail_exchange"][1])
+    if plan.get("announce"):
+        Path(plan["announce"]).touch()
     model = models.make_model("mlp")
-    membership = Membership(lighthouse, replica, start_replicas=2)
+    membership = Membership(lighthouse, replica, start_replicas=plan.get("start_replicas", 2))
     opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), CONFIG, model, membership=membership)
-    trained, in_round, step = {}, 0, 0
+    trained, in_round, step, joined_at = {}, 0, 0, opt.engine.rounds
     while opt.engine.rounds < rounds:
         slow = replica == plan.get("slow") and opt.engine.rounds >= plan.get("slow_from", 0)
+        # a replica is starting: step slowly (few steps, round ends still met) until it is in the quorum
+        joining = plan.get("wait_for") and opt.engine.rounds >= plan["wait_for"][0] and _joining(plan, membership)
         x, y = models.batch(replica, step)
         opt.zero_grad()
         models.loss_fn(model(x), y).backward()
@@ -63,18 +71,27 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
         step, in_round = step + 1, in_round + 1
         if opt.round_ended:
             trained[opt.engine.rounds - 1], in_round = in_round, 0
-        time.sleep(plan["slow_s"] if slow else plan["step_s"])
+            if plan.get("reached") and opt.engine.rounds == plan["reached"][0]:
+                Path(plan["reached"][1]).touch()
+        time.sleep(1.0 if joining else plan["slow_s"] if slow else plan["step_s"])
     opt.finalize()
     result = {
         "trained": trained,
         "averages": averages,
         "history": [(r.round, r.replicas, r.contributors, r.committed, r.weights) for r in membership.history],
         "inner_steps": opt.engine.inner_steps,
+        "joined_at": joined_at,
         "final": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
     }
     torch.save(result, f"{out}.tmp")
     os.replace(f"{out}.tmp", out)
     dist.destroy_process_group()
+
+
+def _joining(plan: dict, membership: Any) -> bool:
+    """plan["wait_for"] = (round, path, replicas): past that round, until the last quorum holds `replicas`
+    (the replica that announces itself at `path` is started then)."""
+    return len(membership.history[-1].replicas) < plan["wait_for"][2]
 
 
 def _record_averages() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -178,3 +195,62 @@ def test_steps_follow_the_speed_against_the_quorums_fastest():
     assert steps_for(32, 400, [100, 400, 0]) == 8  # a replica not measured yet (0) is left out
     assert steps_for(4, 10_000, [100, 10_000]) == 1  # at least one step
     assert steps_for(4, 0, [100, 200]) is None  # not measured yet: the exchange keeps what it had
+
+
+def _assert_weights_are_the_steps_trained(results: list[dict]) -> None:
+    """Every committed round's weights are the steps each contributor's own loop counted in that round."""
+    for result in results:
+        for t, _, contributors, committed, weights in result["history"]:
+            if committed:
+                trained = tuple(results[r]["trained"][t] for r in contributors)
+                assert weights == trained, (t, contributors, weights, trained)
+
+
+def test_a_replica_at_half_speed_that_loses_an_average_heals_from_a_faster_peer(job_factory):  # noqa: F811
+    """Replica 1, at half speed (2 steps per round from round 3), loses its copy of round 4's average while
+    replica 0 commits it. At round end 5 it heals from replica 0, whose counters are its own: a round counts
+    tau steps on the job's clock whatever steps it trained. Both end with one model, exit 0."""
+    rounds = 8
+    results = _run(job_factory, rounds, step_s=0.1, slow=1, slow_s=0.2, fail_exchange=(1, 4))
+    committed = [{t: c for t, _, _, c, _ in result["history"]} for result in results]
+    assert committed[0] == {t: True for t in range(rounds)}, results[0]["history"]
+    assert committed[1] == {t: t != 4 for t in range(rounds)}, results[1]["history"]
+    assert results[1]["trained"][4] == TAU // 2  # it did train fewer steps than its peer when it healed
+    _assert_weights_are_the_steps_trained(results)
+    assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+@pytest.mark.slow
+def test_a_replica_that_joins_a_job_of_replicas_at_different_speeds_trains_with_them(job_factory, tmp_path):  # noqa: F811
+    """Replicas 0 (fast) and 1 (half speed) train; replica 2 is started after round 4 and joins from a live
+    peer at a round end (the job's clock: rounds x tau). From then on every round averages the three with
+    the steps each trained; one model at the end, every process exits 0."""
+    rounds, announced, reached = 14, tmp_path / "joining", tmp_path / "reached"
+    job = job_factory(rounds, join_timeout_ms=documented_join_timeout_ms())
+    job.target = paced_main
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        plan = {
+            "step_s": 0.1,
+            "slow": 1,
+            "slow_s": 0.2,
+            "wait_for": (5, str(announced), 3),
+            "reached": (4, str(reached)),
+        }
+        first = [p for r in range(2) for p in job.start(r, **plan)]
+        deadline = time.monotonic() + 120
+        while not reached.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        joiner = job.start(2, announce=str(announced), start_replicas=1, step_s=0.1)
+        job.wait([*first, *joiner], timeout=300)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert [p.exitcode for p in [*first, *joiner]] == [0, 0, 0]
+    results = [job.result(r) for r in range(3)]
+    joined_at = results[2]["joined_at"]
+    assert 4 < joined_at < rounds, joined_at
+    contributors = {t: c for t, _, c, committed, _ in results[0]["history"] if committed}
+    assert all(contributors[t] == (0, 1, 2) for t in range(joined_at, rounds)), results[0]["history"]
+    _assert_weights_are_the_steps_trained(results)
+    assert all(torch.equal(result["final"], results[0]["final"]) for result in results)
