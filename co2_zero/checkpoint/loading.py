@@ -234,9 +234,11 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
     buffers and frozen parameters from the saved replica of rank `rank % saved world`."""
     engine = framework.engine
     topology = engine.topology
-    if engine.config.replica_tau is not None:
+    paced = engine.config.replica_tau
+    if paced is not None:
+        shown = list(paced) if isinstance(paced, tuple) else paced
         raise Refused(
-            f"{directory.name}: resharding is not supported with replica_tau={list(engine.config.replica_tau)!r} "
+            f"{directory.name}: resharding is not supported with replica_tau={shown!r} "
             f"(each replica's steps and data position belong to its place in the old grid); resume on the same "
             f"R x S with reshard=False"
         )

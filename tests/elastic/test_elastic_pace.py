@@ -25,6 +25,7 @@ from co2_zero.elastic.speeds import displacement_scale, steps_for
 from tests import models
 from tests.elastic.test_elastic import job_factory  # noqa: F401  (the fixture)
 from tests.elastic.test_elastic_faults import documented_join_timeout_ms
+from tests.reference import simulate_paced
 
 pytest.importorskip("torchft", reason="the elastic extra (torchft) is not installed")
 
@@ -60,6 +61,7 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
     membership = Membership(lighthouse, replica, start_replicas=plan.get("start_replicas", 2))
     opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), CONFIG, model, membership=membership)
     trained, in_round, step, joined_at = {}, 0, 0, opt.engine.rounds
+    starts = {opt.engine.rounds: _flat_model(model)}
     while opt.engine.rounds < rounds:
         slow = replica == plan.get("slow") and opt.engine.rounds >= plan.get("slow_from", 0)
         # a replica is starting: step slowly (few steps, round ends still met) until it is in the quorum
@@ -71,6 +73,7 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
         step, in_round = step + 1, in_round + 1
         if opt.round_ended:
             trained[opt.engine.rounds - 1], in_round = in_round, 0
+            starts[opt.engine.rounds] = _flat_model(model)
             if plan.get("reached") and opt.engine.rounds == plan["reached"][0]:
                 Path(plan["reached"][1]).touch()
         time.sleep(1.0 if joining else plan["slow_s"] if slow else plan["step_s"])
@@ -81,11 +84,44 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
         "history": [(r.round, r.replicas, r.contributors, r.committed, r.weights) for r in membership.history],
         "inner_steps": opt.engine.inner_steps,
         "joined_at": joined_at,
-        "final": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "starts": starts,
+        "final": _flat_model(model),
     }
     torch.save(result, f"{out}.tmp")
     os.replace(f"{out}.tmp", out)
     dist.destroy_process_group()
+
+
+def _flat_model(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _assert_the_reference_at_every_round_start(results: list[dict], rounds: int) -> None:
+    """`simulate_paced` (tests/reference.py) run with the steps each replica's loop counted in each round:
+    every replica's parameters at every round start (its stand-in) and the final model."""
+    taus = [tuple(result["trained"][t] for result in results) for t in range(rounds)]
+    record: list[list[dict]] = []
+    out = simulate_paced(
+        lambda: models.make_model("mlp"),
+        lambda params: models.make_optimizer("adam", params),
+        models.batch,
+        models.loss_fn,
+        {k: v for k, v in CONFIG.items() if k not in ("timeout_s", "replica_tau")},
+        [TAU] * len(results),
+        rounds,
+        round_taus=taus,
+        step_record=record,
+    )
+    for r, result in enumerate(results):
+        ends = [sum(tau[r] for tau in taus[: t + 1]) - 1 for t in range(rounds)]  # its step that ended round t
+        expected = [_flat_model(models.make_model("mlp"))] + [_flat_params(record[r][k]) for k in ends]
+        for t in range(rounds + 1):
+            torch.testing.assert_close(result["starts"][t], expected[t], rtol=1e-5, atol=1e-6, msg=f"{r}, {t}")
+    torch.testing.assert_close(results[0]["final"], _flat_params(out[0]), rtol=1e-5, atol=1e-6)
+
+
+def _flat_params(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([v.reshape(-1) for v in params.values()])
 
 
 def _joining(plan: dict, membership: Any) -> bool:
@@ -159,6 +195,7 @@ def test_a_replica_at_half_speed_keeps_its_place_with_half_the_steps_and_a_weigh
             w0, w1 = fast[t], slow[t]
             expected = (w0 * d0.double() + w1 * d1.double()) / (w0 + w1)
             torch.testing.assert_close(g.double(), expected, rtol=1e-6, atol=1e-9)
+    _assert_the_reference_at_every_round_start(results, rounds)
 
 
 def test_a_replica_that_slows_mid_run_is_absorbed(job_factory):  # noqa: F811
@@ -172,6 +209,7 @@ def test_a_replica_that_slows_mid_run_is_absorbed(job_factory):  # noqa: F811
     absorbed = slow_from + 2  # its slow round is measured in its exchange, which the next round end takes
     assert [slow[t] for t in range(absorbed, rounds)] == [2] * (rounds - absorbed), slow
     assert [fast[t] for t in range(absorbed, rounds)] == [TAU] * (rounds - absorbed), fast
+    _assert_the_reference_at_every_round_start(results, rounds)
 
 
 @pytest.mark.parametrize("replicas", [2, 3, 4, 7])
