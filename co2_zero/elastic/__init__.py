@@ -13,7 +13,9 @@ own. This package is the narrow seam between the two:
 - `exchange.ElasticExchange`, the engine's `OuterExchange` in an elastic job: it averages each
   round's displacement over the replicas of that round's quorum (not a fixed outer group) and
   applies the result only if the commit vote says this replica's average is complete; otherwise the
-  round is skipped exactly like `nonfinite: "skip_round"` (next start point = base).
+  round is skipped exactly like `nonfinite: "skip_round"` (next start point = base). It weighs each
+  contributor by the inner steps it trained; with `replica_tau: "auto"` each replica's steps per round
+  follow its speed against the quorum's fastest (`speeds.py`).
 
 Each replica group is its own launch: its ranks form the engine's world (R = 1 as far as the engine
 knows), and the replicas meet only through the quorum's process group. The outer state is the
