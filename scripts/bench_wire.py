@@ -4,12 +4,14 @@
    a model of --params parameters with every format (dense fp32, bf16, int8, fp8, int4, int2, and top-k
    in int2/int4/fp32) for two blocking rounds; `last_round["bytes_sent"]` of rank 0's last round, its
    ratio to fp32's, and `co2_state_bytes()`, next to the closed forms of design §5.
-2. The codec's cost on one CPU core (torch.set_num_threads(1)): encode (with error feedback) and
-   decode of an fp32 vector of --codec_elements elements, --repeats times; MB/s of fp32 input.
+2. The codec's cost on one CPU core (torch.set_num_threads(1)), or on a GPU with --codec_device cuda:
+   encode (with error feedback) and decode of an fp32 vector of --codec_elements elements, --repeats
+   times; MB/s of fp32 input. --codec_only skips 1.
 
 Writes <out_dir>/wire.json and wire.md.
 
     OMP_NUM_THREADS=1 python -m scripts.bench_wire --replicas 2 4 --params 1000000 --codec_elements 100000000
+    python -m scripts.bench_wire --codec_only --codec_device cuda --codec_elements 100000000 --repeats 5
 
 3. With --quality DIR (a bench_quality.py --out_dir): the compressed defaults against the fp32 defaults
    there, seed for seed: final validation loss, its gap to fp32 (mean [min, max] over the seeds both ran)
@@ -64,6 +66,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--params", type=int, default=1_000_000, help="parameters of the model (one square Linear)")
     p.add_argument("--codec_elements", type=int, default=25_000_000, help="elements of the codec's vector")
+    p.add_argument("--codec_device", default="cpu", help="where the codec runs: cpu (one core) or cuda")
+    p.add_argument("--codec_only", action="store_true", help="measure the codec only, not the bytes on the wire")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "wire"))
     p.add_argument("--quality", default=None, help="only summarise a bench_quality.py study of the wire formats")
@@ -124,11 +128,16 @@ def measure_wire(a: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _timed(fn, repeats: int) -> list[float]:
+def _timed(fn, repeats: int, device: torch.device) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn` (one warm-up first), the device's queue drained."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
     times = []
     for _ in range(repeats):
         began = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - began)
     return times
 
@@ -138,28 +147,31 @@ def _codec(label: str, vector: torch.Tensor, residual: torch.Tensor, out: torch.
     wire = WIRES[label]
     if "topk" in wire:
         layout = SparseLayout.for_length(vector.numel(), wire["topk"], wire["comm_dtype"])
-        payload = torch.empty(layout.nbytes, dtype=torch.uint8)
+        payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=vector.device)
         return (lambda: encode_with_feedback_(vector.clone(), residual, layout, payload),
                 lambda: add_decoded_(payload, layout, out.zero_()))  # fmt: skip
     fmt = FORMATS[wire["comm_dtype"]]
-    records = torch.empty(1, RecordLayout.for_length(vector.numel(), bits=fmt.bits).nbytes, dtype=torch.uint8)
+    nbytes = RecordLayout.for_length(vector.numel(), bits=fmt.bits).nbytes
+    records = torch.empty(1, nbytes, dtype=torch.uint8, device=vector.device)
     rows, residual_rows, out_rows = vector.view(1, -1), residual.view(1, -1), out.view(1, -1)
     return (lambda: quantize_with_feedback_(rows.clone(), residual_rows, fmt, records),
             lambda: dequantize_into(records, fmt, out=out_rows))  # fmt: skip
 
 
-def codec_cost(elements: int, repeats: int) -> list[dict]:
-    """encode+feedback and decode MB/s (of fp32 input) on one core, per format."""
-    torch.set_num_threads(1)
-    vector = torch.randn(elements, generator=torch.Generator().manual_seed(0))
-    residual, out = torch.zeros(elements), torch.zeros(elements)
-    copy = statistics.median(_timed(vector.clone, repeats))  # the input's clone is not the codec's
+def codec_cost(elements: int, repeats: int, device: str = "cpu") -> list[dict]:
+    """encode+feedback and decode MB/s (of fp32 input) per format, on one CPU core or on `device`."""
+    where = torch.device(device)
+    if where.type == "cpu":
+        torch.set_num_threads(1)
+    vector = torch.randn(elements, generator=torch.Generator().manual_seed(0)).to(where)
+    residual, out = torch.zeros_like(vector), torch.zeros_like(vector)
+    copy = statistics.median(_timed(vector.clone, repeats, where))  # the input's clone is not the codec's
     rows, mb = [], 4 * elements / 1e6
     for label in ("int8", "int4", "int2", "top1.5%-int2", "top3%-int2"):
         encode, decode = _codec(label, vector, residual, out)
-        enc = [max(t - copy, 1e-9) for t in _timed(encode, repeats)]
-        dec = _timed(decode, repeats)
-        rows.append({"wire": label, "elements": elements,
+        enc = [max(t - copy, 1e-9) for t in _timed(encode, repeats, where)]
+        dec = _timed(decode, repeats, where)
+        rows.append({"wire": label, "elements": elements, "device": str(where),
                      "encode_MBps": [mb / t for t in enc], "decode_MBps": [mb / t for t in dec]})  # fmt: skip
     return rows
 
@@ -170,11 +182,12 @@ def _span(values: Sequence[float]) -> str:
 
 def markdown(result: dict) -> str:
     lines = ["| R | wire | bytes/round (rank 0) | closed form | × fewer than fp32 | bits/param | state bytes |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|"] if result["wire"] else []  # fmt: skip
     for r in result["wire"]:
         lines.append(f"| {r['replicas']} | {r['wire']} | {r['bytes_sent']:,} | {r['closed_form']:,} | "
                      f"{r['ratio_to_fp32']:.1f} | {r['bits_per_parameter']:.3f} | {r['state_bytes']:,} |")  # fmt: skip
-    lines += ["", f"Codec on one core, {result['codec'][0]['elements']:,} fp32 elements, MB/s of fp32 input, "
+    where = "one core" if result["codec_device"] == "cpu" else result["codec_device"]
+    lines += ["", f"Codec on {where}, {result['codec'][0]['elements']:,} fp32 elements, MB/s of fp32 input, "
               f"median [min–max] of {result['repeats']}:", "", "| wire | encode + feedback | decode |",
               "|---|---|---|"]  # fmt: skip
     lines += [f"| {r['wire']} | {_span(r['encode_MBps'])} | {_span(r['decode_MBps'])} |" for r in result["codec"]]
@@ -226,7 +239,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return summarise_quality(Path(a.quality))
     result = {"command": " ".join(["python -m scripts.bench_wire", *(argv or sys.argv[1:])]), "params": a.params,
               "repeats": a.repeats, "host": {"cores": os.cpu_count(), "load": os.getloadavg()},
-              "wire": measure_wire(a), "codec": codec_cost(a.codec_elements, a.repeats)}  # fmt: skip
+              "wire": [] if a.codec_only else measure_wire(a), "codec_device": a.codec_device,
+              "codec": codec_cost(a.codec_elements, a.repeats, a.codec_device)}  # fmt: skip
+    if a.codec_device != "cpu":
+        result["host"]["device_name"] = torch.cuda.get_device_name()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "wire.json").write_text(json.dumps(result, indent=1))

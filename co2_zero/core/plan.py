@@ -76,14 +76,17 @@ def choose_collective(config: CO2Config, backend: str) -> str:
     reduce_scatter 269 ms + all_gather 214 ms; gloo's reduce-scatter and all-gather are far from
     bandwidth-optimal, so one all-reduce plus a redundant update of the partition wins.
     nccl (and others): `reduce_scatter`: ring reduce-scatter + all-gather move the same bytes as a
-    ring all-reduce, and the outer momentum then needs only Ψ/N elements per rank instead of Ψ/S.
+    ring all-reduce, and the outer momentum then needs only Ψ/N elements per rank instead of Ψ/S;
+    `all_reduce` where the local stand-in runs with a clip, which needs the whole clipped momentum
+    (the support table refuses `reduce_scatter` there).
     A sparse exchange (`topk` < 1): `all_gather` on every backend (docs/design.md §5).
     """
     if config.sparse:
         return "all_gather"
     if config.collective != "auto":
         return config.collective
-    return "all_reduce" if backend == "gloo" else "reduce_scatter"
+    clipped_local = config.clip.mode != "none" and config.effective_stand_in == "local"
+    return "all_reduce" if backend == "gloo" or clipped_local else "reduce_scatter"
 
 
 def _sync_delay(config: CO2Config) -> str:

@@ -220,6 +220,8 @@ ONE_REPLICA = SimpleNamespace(replicas=1, shards=1, outer_group=None)
     [
         ({}, "gloo", False, {"collective": "all_reduce", "stand_in": "local", "sync_delay": "measured"}),
         ({}, "nccl", False, {"collective": "reduce_scatter", "steps_before_apply": TAU}),
+        ({"clip": {"mode": "norm"}}, "nccl", False, {"collective": "all_reduce", "stand_in": "local"}),
+        ({"clip": {"mode": "value"}, "stand_in": "shared"}, "nccl", False, {"collective": "reduce_scatter"}),
         ({"topk": 0.5}, "nccl", False, {"collective": "all_gather"}),
         ({"overlap": False}, "gloo", False, {"stand_in": "shared", "sync_delay": "at once", "steps_before_apply": 0}),
         ({"sync_delay": None}, "gloo", False, {"sync_delay": "round end"}),

@@ -1,5 +1,6 @@
 """scripts/train_lm.py --device cuda: every engine trains in bf16 and reports MFU and GPU memory, its
-checkpoints resume under NCCL, two ranks can share one GPU over gloo, --compile works.
+checkpoints resume under NCCL, two ranks can share one GPU over gloo, every wire format runs on CUDA
+tensors and sends the bytes it sends on the CPU, --compile works.
 
 The runs use as many ranks as there are GPUs (at most 2; 1 on a one-GPU machine), NCCL, the tiny model
 on a token file. Resume comparisons run in fp32 and allow for CUDA's non-deterministic kernels (a
@@ -30,8 +31,8 @@ def tokens(tmp_path_factory):
     return write_tokens(tmp_path_factory.mktemp("tokens"))
 
 
-def flags(tokens, *more: str) -> list[str]:
-    return [*TINY, *TOKENS, "--data", str(tokens), "--device", DEVICE, "--tau", "4", *more]
+def flags(tokens, *more: str, device: str = DEVICE) -> list[str]:
+    return [*TINY, *TOKENS, "--data", str(tokens), "--device", device, "--tau", "4", *more]
 
 
 def check_trains(records: list[dict], dtype: str) -> None:
@@ -65,6 +66,28 @@ def test_two_ranks_share_a_gpu_over_gloo(tokens, tmp_path):
     check_trains(records, "bfloat16" if ON_GPU else "float32")
     assert records[-1]["world_size"] == 2
     assert all(r["round_end_s"] >= r["wait_s"] >= 0 for r in records if not r.get("summary") and r["step"] > 0)
+
+
+WIRE_FORMATS = {
+    "int8": ["--comm_dtype", "int8"],
+    "fp8": ["--comm_dtype", "fp8"],
+    "int4": ["--comm_dtype", "int4"],
+    "int2": ["--comm_dtype", "int2"],
+    "topk-int2-decay": ["--comm_dtype", "int2", "--topk", "0.015", "--feedback_decay", "0.95"],
+    "topk-int4": ["--comm_dtype", "int4", "--topk", "0.03"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("wire", list(WIRE_FORMATS))
+def test_wire_format_on_cuda_tensors(wire, tokens, tmp_path):
+    """R = 2 sharing one GPU over gloo: the format's codec runs on CUDA tensors, the job trains, and every
+    round sends exactly the bytes the same job sends from the CPU (a format's size is the device's to keep)."""
+    more = ["--backend", "gloo", "--max_steps", "40", "--dtype", "float32", *WIRE_FORMATS[wire]]
+    records = launch(tmp_path, flags(tokens, *more), ranks=2)
+    check_trains(records, "float32")
+    on_cpu = launch(tmp_path, flags(tokens, *more, device="cpu"), ranks=2)
+    sent = records[-1]["bytes_sent"], on_cpu[-1]["bytes_sent"]
+    assert sent[0] == sent[1] > 0, sent
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
