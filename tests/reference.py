@@ -609,6 +609,7 @@ def simulate_paced(
     *,
     step_record: list[list[Params]] | None = None,
     exchange: Any = None,
+    uniform_rounds: int = 0,
 ) -> list[Params]:
     """CO2 with replicas of different speeds (docs/design.md §3, "Replicas of different speeds").
 
@@ -622,7 +623,8 @@ def simulate_paced(
     the step ends a round). ``exchange`` (if given) replaces the exact exchange as in :func:`simulate`, its
     ``average(owns, xs, weights)`` weighing the displacements (tests/reference_compress.py: replica r sends
     R·w_r·D_r with its error feedback). The sync delay is the round end; eager and joins are not
-    simulated here.
+    simulated here. ``uniform_rounds``: the first rounds run every replica at max(replica_tau), weighed
+    1/R (``replica_tau: "auto"`` while it measures the speeds).
     """
     cfg = resolve_config({**config, "tau": max(replica_tau)})
     if cfg["sync_delay"] not in (None, cfg["tau"]) or cfg["stand_in"] == "eager":
@@ -630,7 +632,6 @@ def simulate_paced(
     if shards > 1 and shard_batch is None:
         raise ValueError("shards > 1 needs shard_batch")
     replicas, alpha, overlap = len(replica_tau), cfg["outer_lr"], cfg["overlap"]
-    weights = [tau / sum(replica_tau) for tau in replica_tau]
     models, opts, bufs = _start_replicas(make_model, make_optimizer, replicas, shards)
     start = _params(models[0])
     pending = {n: v.clone() for n, v in start.items()}
@@ -649,9 +650,11 @@ def simulate_paced(
             steps_taken[r] += 1
             records[r].append(_params(models[r]))
 
-    for _ in range(rounds):
+    for t in range(rounds):
+        taus = [cfg["tau"]] * replicas if t < uniform_rounds else replica_tau
+        weights = [tau / sum(taus) for tau in taus]
         for r in range(replicas):
-            train(r, replica_tau[r])
+            train(r, taus[r])
         xs = [_params(model) for model in models]
         if exchange is None:
             g = {n: sum(weights[r] * (owns[r][n] - xs[r][n]) for r in range(replicas)) for n in start}

@@ -193,8 +193,7 @@ def test_weights_are_the_token_shares():
     pace = Pace((4, 4, 2, 1))
     assert [pace.weight(r) for r in range(4)] == [4 / 11, 4 / 11, 2 / 11, 1 / 11]
     assert pace.displacement_scale(2) == pytest.approx(4 * 2 / 11)
-    assert Pace((4, 4)).displacement_scale(1) == 1.0 and Pace((4, 4)).taus_by_rank(2) is None
-    assert Pace((4, 2)).taus_by_rank(2) == [4, 4, 2, 2]
+    assert Pace((4, 4)).displacement_scale(1) == 1.0
     assert [Pace((4, 1)).clock_step(r, s) for r, s in ((0, 8), (1, 2))] == [8.0, 8.0]
 
 
@@ -265,10 +264,10 @@ def test_an_elastic_membership_is_refused_before_anything_is_built():
 
 
 def test_finalize_agreement_compares_rounds():
-    taus = [4, 2]
-    assert steps_mismatch([[8, 1, 0], [4, 1, 0]], 0, 8, taus) is None  # 2 rounds each
-    assert steps_mismatch([[11, 1, 0], [5, 1, 0]], 0, 11, taus) is None  # partial rounds are dropped
-    problem = steps_mismatch([[8, 1, 0], [2, 1, 0]], 0, 8, taus)
+    pace = Pace((4, 2))
+    assert steps_mismatch([[8, 1, 0], [4, 1, 0]], 0, 8, pace) is None  # 2 rounds each
+    assert steps_mismatch([[11, 1, 0], [5, 1, 0]], 0, 11, pace) is None  # partial rounds are dropped
+    problem = steps_mismatch([[8, 1, 0], [2, 1, 0]], 0, 8, pace)
     assert "rank 1: 2 (round 1 at tau 2)" in problem and "same number of rounds" in problem
     assert steps_mismatch([[8, 1, 0], [4, 1, 0]], 0, 8) is not None  # uniform: steps, as before
 
