@@ -610,6 +610,7 @@ def simulate_paced(
     step_record: list[list[Params]] | None = None,
     exchange: Any = None,
     uniform_rounds: int = 0,
+    fresh_inner_at_round: int | None = None,
 ) -> list[Params]:
     """CO2 with replicas of different speeds (docs/design.md §3, "Replicas of different speeds").
 
@@ -624,7 +625,9 @@ def simulate_paced(
     ``average(owns, xs, weights)`` weighing the displacements (tests/reference_compress.py: replica r sends
     R·w_r·D_r with its error feedback). The sync delay is the round end; eager and joins are not
     simulated here. ``uniform_rounds``: the first rounds run every replica at max(replica_tau), weighed
-    1/R (``replica_tau: "auto"`` while it measures the speeds).
+    1/R (``replica_tau: "auto"`` while it measures the speeds). ``fresh_inner_at_round``: a resharded
+    checkpoint load at the start of that round, R kept (:func:`_reshard`: every inner optimizer built anew,
+    each replica from its own round start and at its own step count).
     """
     cfg = resolve_config({**config, "tau": max(replica_tau)})
     if cfg["sync_delay"] not in (None, cfg["tau"]) or cfg["stand_in"] == "eager":
@@ -651,6 +654,8 @@ def simulate_paced(
             records[r].append(_params(models[r]))
 
     for t in range(rounds):
+        if t == fresh_inner_at_round:
+            models, opts, bufs, owns, _ = _reshard(models, bufs, owns, [{}] * replicas, replicas, make_optimizer)
         taus = [cfg["tau"]] * replicas if t < uniform_rounds else replica_tau
         weights = [tau / sum(taus) for tau in taus]
         for r in range(replicas):

@@ -60,11 +60,14 @@ class Pace:
             return inner_steps // max(self.taus)
         return self.from_round + (inner_steps - self._first_steps) // self.taus[replica]
 
+    def steps_at_round(self, replica: int, round_index: int) -> int:
+        """The inner steps `replica` took before round `round_index` (0-based) starts."""
+        later = max(round_index - self.from_round, 0)
+        return min(round_index, self.from_round) * max(self.taus) + later * self.taus[replica]
+
     def step_in_round(self, replica: int, inner_steps: int) -> int:
         """Inner steps `replica` took since its last round end (0: `inner_steps` ends a round)."""
-        rounds = self.rounds_at(replica, inner_steps)
-        before = min(rounds, self.from_round) * max(self.taus) + max(rounds - self.from_round, 0) * self.taus[replica]
-        return inner_steps - before
+        return inner_steps - self.steps_at_round(replica, self.rounds_at(replica, inner_steps))
 
     def weight(self, replica: int) -> float:
         """w_r = τ_r / Στ, `replica`'s share of the tokens of a round (from `from_round` on)."""
