@@ -611,6 +611,7 @@ def simulate_paced(
     exchange: Any = None,
     uniform_rounds: int = 0,
     fresh_inner_at_round: int | None = None,
+    restarts: Collection[tuple[int, int]] = (),
 ) -> list[Params]:
     """CO2 with replicas of different speeds (docs/design.md §3, "Replicas of different speeds").
 
@@ -627,7 +628,11 @@ def simulate_paced(
     simulated here. ``uniform_rounds``: the first rounds run every replica at max(replica_tau), weighed
     1/R (``replica_tau: "auto"`` while it measures the speeds). ``fresh_inner_at_round``: a resharded
     checkpoint load at the start of that round, R kept (:func:`_reshard`: every inner optimizer built anew,
-    each replica from its own round start and at its own step count).
+    each replica from its own round start and at its own step count). ``restarts``: (replica, round)
+    pairs, as :func:`simulate`'s (``nonfinite: "skip_round"``): the replica's displacement of round - 1 was
+    non-finite, so round - 1's outer update is skipped on every replica (the next start point is the base,
+    the momentum unchanged, the update zero for the next gap), and the replica starts ``round`` from the
+    shared start point, its stand-in too, with its inner optimizer built anew (its own steps still count).
     """
     cfg = resolve_config({**config, "tau": max(replica_tau)})
     if cfg["sync_delay"] not in (None, cfg["tau"]) or cfg["stand_in"] == "eager":
@@ -656,6 +661,10 @@ def simulate_paced(
     for t in range(rounds):
         if t == fresh_inner_at_round:
             models, opts, bufs, owns, _ = _reshard(models, bufs, owns, [{}] * replicas, replicas, make_optimizer)
+        for r, first_round in restarts:
+            if t == first_round:
+                opts[r] = make_optimizer(list(models[r].parameters()))
+        restarting = {r for r, first_round in restarts if first_round == t + 1}
         taus = [cfg["tau"]] * replicas if t < uniform_rounds else replica_tau
         weights = [tau / sum(taus) for tau in taus]
         for r in range(replicas):
@@ -672,8 +681,13 @@ def simulate_paced(
         base = pending if overlap else start
         if cfg["stand_in"] == "local":
             local_starts(base, owns, xs, publisher.stand_in_momentum(m), cfg)
-        result, u_prev, _ = outer_step(base, g, gap, m, cfg)
-        result = publisher.publish(base, result)
+            for r in restarting:
+                owns[r] = base
+        if restarting:  # skipped everywhere
+            result, u_prev = {n: v.clone() for n, v in base.items()}, {n: torch.zeros_like(v) for n, v in base.items()}
+        else:
+            result, u_prev, _ = outer_step(base, g, gap, m, cfg)
+            result = publisher.publish(base, result)
         if overlap:
             start, pending = pending, result
         else:

@@ -158,7 +158,6 @@ TABLE: tuple[Refusal, ...] = (
     # replicas of different speeds (docs/design.md §3)
     _row("sync_delay", _STEP, "null or 'auto' (the round end: rounds differ in length)", _UNTESTED, replica_tau=_SET),
     _row("comm_dtype", one_of("bf16"), "'fp32', 'int8', 'fp8', 'int4' or 'int2'", _UNTESTED, replica_tau=_SET),
-    _row("nonfinite", one_of("skip_round"), "'raise'", _UNTESTED, replica_tau=_SET),
     _row("stand_in", _EAGER, "'auto', 'shared' or 'local'", "eager's share would be 1/R, not the replica's weight",
          replica_tau=_SET),
     _row("replica_tau", _SET, "null", "each replica has to run rounds x its own steps_per_round steps; a loop "

@@ -123,6 +123,32 @@ def _resume(rank: int, directory: str) -> dict:
             "loaded_at": loaded_at, "reshard": reshard}  # fmt: skip
 
 
+SKIP = {"tau": TAU, "replica_tau": PACED, "nonfinite": "skip_round"}
+NAN_AT = (1, 4)  # replica 1's inner step 4 (the first of its round 2) gets a NaN gradient
+RESTARTS = [(1, 3)]  # so round 2 is skipped everywhere and replica 1 restarts round 3 from the shared start
+
+
+def _skip_round(rank: int) -> dict:
+    """skip_round: a NaN gradient on replica 1 in round 2; every step recorded, NaN or not."""
+    model, opt = _build(SKIP)
+    steps: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(ROUNDS * opt.steps_per_round + _extra(SKIP)[rank]):
+            x, y = models.batch(rank, opt.engine.inner_steps)
+            opt.zero_grad()
+            models.loss_fn(model(x), y).backward()
+            if (rank, opt.engine.inner_steps) == NAN_AT:
+                for p in model.parameters():
+                    p.grad.fill_(float("nan"))
+            opt.step()
+            steps.append(_params(model))
+        skipped = opt.engine.skipped_rounds
+        opt.finalize()
+    warned = [str(w.message) for w in caught]
+    return {"steps": steps, "final": _params(model), "skipped": skipped, "warned": warned}
+
+
 def _short_replica(rank: int) -> str:
     """Replica 1 stops a round early and finalizes: every rank must raise, naming the rounds."""
     model, opt = _build({**SCENARIOS["defaults"], "timeout_s": 60})
@@ -148,6 +174,7 @@ def _children(rank: int, world: int, directory: str) -> dict:
     out = {name: _run(rank, config) for name, config in SCENARIOS.items()}
     out["resume"] = _resume(rank, os.path.join(directory, "ckpt"))
     out["wrong_length"] = _wrong_length(rank)
+    out["skip"] = _skip_round(rank)
     out["short"] = _short_replica(rank)
     return out
 
@@ -220,7 +247,6 @@ def test_the_default_config_keeps_its_identity():
         ({"replica_tau": []}, "replica_tau=[]"),
         ({"replica_tau": [4, 2], "sync_delay": 2}, "sync_delay=2"),
         ({"replica_tau": [4, 2], "comm_dtype": "bf16"}, "comm_dtype='bf16'"),
-        ({"replica_tau": [4, 2], "nonfinite": "skip_round"}, "nonfinite='skip_round'"),
         ({"replica_tau": [4, 2], "stand_in": "eager"}, "stand_in='eager'"),
     ],
 )
@@ -309,6 +335,27 @@ def test_resharding_on_the_same_grid_resumes_each_replica_at_its_last_round_star
     """(tests/core/test_pace_reshard.py: S changed, and every later step against the reference.)"""
     for rank, got in enumerate(results):
         assert got["resume"]["reshard"] == PACED[rank]
+
+
+def test_skip_round_skips_the_round_everywhere_and_restarts_the_replica_that_had_the_nan(results):
+    """Round 2 is skipped on both replicas (counted once each); replica 1, whose displacement was NaN, restarts
+    round 3 from the shared start with a fresh inner optimizer; every finite step matches the reference, and
+    the only NaN one is replica 1's step inside round 2."""
+    per_step: list = []
+    math = {k: v for k, v in SKIP.items() if k not in ("replica_tau", "nonfinite")}
+    finals = simulate_paced(lambda: models.make_model("mlp"), lambda p: models.make_optimizer("sgd", p),
+                            models.batch, models.loss_fn, math, PACED, ROUNDS, _extra(SKIP), step_record=per_step,
+                            restarts=RESTARTS)  # fmt: skip
+    for rank, got in enumerate(results):
+        run = got["skip"]
+        assert run["skipped"] == 1 and any("skipped" in w for w in run["warned"]), run["warned"]
+        nan_steps = [k for k, p in enumerate(run["steps"]) if not all(bool(v.isfinite().all()) for v in p.values())]
+        assert nan_steps == ([NAN_AT[1]] if rank == NAN_AT[0] else [])
+        assert len(run["steps"]) == len(per_step[rank])
+        for k, (actual, expected) in enumerate(zip(run["steps"], per_step[rank])):
+            if k not in nan_steps:
+                _assert_close(actual, expected, f"skip_round replica {rank} after its step {k + 1}")
+        _assert_close(run["final"], finals[rank], f"skip_round replica {rank} final")
 
 
 def test_a_replica_a_round_short_makes_every_rank_raise_naming_the_rounds(results):

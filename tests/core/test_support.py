@@ -50,7 +50,6 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "sync_delay: not null, 'auto' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "sync_delay": 1}),
     "comm_dtype: 'bf16' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "comm_dtype": "bf16"}),
-    "nonfinite: 'skip_round' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "nonfinite": "skip_round"}),
     "stand_in: 'eager' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "stand_in": "eager"}),
     "replica_tau: not null with driver: 'lightning', 'co2-train', 'hf-trainer'": (LIGHTNING, {"replica_tau": [2, 1]}),
     "replica_tau: 'auto' with elastic: true": (ELASTIC, {"replica_tau": "auto"}),
