@@ -295,7 +295,7 @@ class CO2Config:
             "`auto`: the first 2 rounds run every replica at `tau` and time its inner steps, then each "
             "replica's τ_r is fixed in proportion to its speed (the fastest `tau`) for the rest of the run and "
             "saved in checkpoints. It needs `sync_delay` null or `auto` (both: the round end), a `comm_dtype` "
-            "other than `bf16`, `nonfinite: raise` and a stand-in other than `eager`.",
+            "other than `bf16` and a stand-in other than `eager`.",
             "accepted": "null, 'auto', or a list of one integer in [1, tau] per replica, the largest equal to tau",
             "neutral": None,
         },
