@@ -245,7 +245,10 @@ class RoundEngine(StateReads):
         posted (within timeout_s: every rank's step time) and run the τ_r fixed from it from the next round
         on (`PaceMeter`)."""
         rows = self._check_steps()
-        pace = self.state.pace_meter.decide(rows)
+        try:
+            pace = self.state.pace_meter.decide(rows)
+        except ValueError as error:  # a rank posted no time: it was not at the deciding round end
+            self._fail(CO2Error(f"co2: round {self.state.rounds}: {error}"))
         self.state.fix_pace(pace, self.config, self.topology.replica_index)
         logger.info(fixed_message(pace, [row[STEP_NS] for row in rows]))
 

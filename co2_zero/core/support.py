@@ -165,9 +165,6 @@ TABLE: tuple[Refusal, ...] = (
     _row("replica_tau", one_of("auto"), "null, or a list of integers (co2_zero.core.pace.taus_for_speeds)",
          "every replica of the job times its first rounds and takes part in fixing the τ_r", elastic=_ELASTIC),
     _row("replica_tau", _SET, "null", "its quorums change who is averaged every round", elastic=_ELASTIC),
-    _row("replica_tau", one_of("auto"), "null, or a list of integers (co2_zero.core.pace.taus_for_speeds)",
-         "measuring the τ_r is tested with CO2Optimizer, FSDP2 and FairScale OSS, not with DeepSpeed's engine",
-         integration=one_of("deepspeed")),
     # where the config runs
     _row("shards_per_replica", besides("node", 1), "1 or 'node' (read as 1); shard a replica with FSDP2 "
          "(co2_zero.fsdp.replica_mesh), co2_zero.fairscale.CO2OSS or co2_zero.deepspeed",

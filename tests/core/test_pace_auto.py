@@ -4,7 +4,8 @@ carries the times, and from the next round on every replica runs the τ_r fixed 
 
 Real gloo processes against the independent reference (`reference.simulate_paced` with `uniform_rounds`)
 at every inner step of every replica, with the defaults otherwise: R = 2 (plain CO2Optimizer) and
-S x R = 2 x 2 (FSDP2; FairScale OSS among the slow tests). Replica 1 is made slower deterministically by a
+S x R = 2 x 2 (FSDP2; FairScale OSS among the slow tests, and DeepSpeed ZeRO-1 in
+tests/integrations/test_deepspeed_pace.py). Replica 1 is made slower deterministically by a
 clock of its own (`pace_meter.clock`, read by the real meter; the times still travel through the real
 announcement), and once with a real sleep. Checkpoints saved before and after the τ_r are fixed resume as
 the reference says: before, the run measures anew; after, bit for bit.

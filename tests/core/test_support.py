@@ -54,7 +54,6 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     "replica_tau: not null with driver: 'lightning', 'co2-train', 'hf-trainer'": (LIGHTNING, {"replica_tau": [2, 1]}),
     "replica_tau: 'auto' with elastic: true": (ELASTIC, {"replica_tau": "auto"}),
     "replica_tau: not null with elastic: true": (ELASTIC, {"replica_tau": [2, 1]}),
-    "replica_tau: 'auto' with integration: 'deepspeed'": (DEEPSPEED, {"replica_tau": "auto"}),
     "shards_per_replica: not 'node', 1 with integration: 'plain'": (PLAIN, {"shards_per_replica": 2}),
     "elastic: true with integration: 'fairscale', 'deepspeed'": (FAIRSCALE + "+" + ELASTIC, {}),
     "topk: not 1.0 with elastic: true": (ELASTIC, {"topk": 0.5}),
