@@ -14,6 +14,7 @@ the reference says: before, the run measures anew; after, bit for bit.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 
@@ -79,13 +80,26 @@ def _finish(replica: int, model, opt, record: list, clock: list, rounds: int = R
     return {"steps": record, "final": _params(model), "clock": clock, "fixed": fixed}
 
 
+class _Logged(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def _straight(replica: int, config: dict = AUTO) -> dict:
+    logged, logger = _Logged(), logging.getLogger("co2_zero.core.engine")
+    logger.addHandler(logged)
+    logger.setLevel(logging.INFO)
     model, opt = _build(config)
     record: list = []
     clock: list = []
     plan = repr(opt.plan)
     out = _finish(replica, model, opt, record, clock)
-    return {**out, "plan": plan, "steps_per_round": opt.steps_per_round}
+    logger.removeHandler(logged)
+    return {**out, "plan": plan, "steps_per_round": opt.steps_per_round, "logged": logged.messages}
 
 
 def _saved_and_resumed(replica: int, directory: str, rounds: int, extra: list[int]) -> dict:
@@ -197,6 +211,9 @@ def test_every_inner_step_matches_the_reference(results):
         assert run["steps_per_round"] == FIXED[replica]
         assert run["fixed"] == {"taus": FIXED, "from_round": MEASURED_ROUNDS}
         assert "replica_tau='measured'" in run["plan"]
+        assert run["logged"] == [
+            "co2: replica_tau 'auto': inner steps of 1, 2 ms (per rank) fix replica_tau=[4, 2] from round 2 on"
+        ]
     assert runs[0]["clock"] == runs[1]["clock"] == [float(TAU * (t + 1)) for t in range(ROUNDS)]
 
 
