@@ -610,6 +610,9 @@ def simulate_paced(
     step_record: list[list[Params]] | None = None,
     exchange: Any = None,
     round_taus: Sequence[Sequence[int]] | None = None,
+    uniform_rounds: int = 0,
+    fresh_inner_at_round: int | None = None,
+    restarts: Collection[tuple[int, int]] = (),
 ) -> list[Params]:
     """CO2 with replicas of different speeds (docs/design.md §3, "Replicas of different speeds").
 
@@ -622,9 +625,17 @@ def simulate_paced(
     receives, per replica, its fp32 parameters after each of its own inner steps (after the round end when
     the step ends a round). ``exchange`` (if given) replaces the exact exchange as in :func:`simulate`, its
     ``average(owns, xs, weights)`` weighing the displacements (tests/reference_compress.py: replica r sends
-    R·w_r·D_r with its error feedback). ``round_taus`` (if given): the steps each replica trains round by
-    round instead of ``replica_tau`` (elastic ``replica_tau: "auto"`` measures them every round), the
-    weights each round's. The sync delay is the round end; eager and joins are not simulated here.
+    R·w_r·D_r with its error feedback). The sync delay is the round end; eager and joins are not
+    simulated here. ``round_taus`` (if given): the steps each replica trains round by round instead of
+    ``replica_tau`` (elastic ``replica_tau: "auto"`` measures them every round), the weights each round's.
+    ``uniform_rounds``: the first rounds run every replica at max(replica_tau), weighed
+    1/R (``replica_tau: "auto"`` while it measures the speeds). ``fresh_inner_at_round``: a resharded
+    checkpoint load at the start of that round, R kept (:func:`_reshard`: every inner optimizer built anew,
+    each replica from its own round start and at its own step count). ``restarts``: (replica, round)
+    pairs, as :func:`simulate`'s (``nonfinite: "skip_round"``): the replica's displacement of round - 1 was
+    non-finite, so round - 1's outer update is skipped on every replica (the next start point is the base,
+    the momentum unchanged, the update zero for the next gap), and the replica starts ``round`` from the
+    shared start point, its stand-in too, with its inner optimizer built anew (its own steps still count).
     """
     cfg = resolve_config({**config, "tau": max(replica_tau)})
     if cfg["sync_delay"] not in (None, cfg["tau"]) or cfg["stand_in"] == "eager":
@@ -651,7 +662,16 @@ def simulate_paced(
             records[r].append(_params(models[r]))
 
     for t in range(rounds):
-        taus = replica_tau if round_taus is None else round_taus[t]
+        if t == fresh_inner_at_round:
+            models, opts, bufs, owns, _ = _reshard(models, bufs, owns, [{}] * replicas, replicas, make_optimizer)
+        for r, first_round in restarts:
+            if t == first_round:
+                opts[r] = make_optimizer(list(models[r].parameters()))
+        restarting = {r for r, first_round in restarts if first_round == t + 1}
+        if round_taus is not None:
+            taus = round_taus[t]
+        else:
+            taus = [cfg["tau"]] * replicas if t < uniform_rounds else replica_tau
         weights = [tau / sum(taus) for tau in taus]
         for r in range(replicas):
             train(r, taus[r])
@@ -667,8 +687,13 @@ def simulate_paced(
         base = pending if overlap else start
         if cfg["stand_in"] == "local":
             local_starts(base, owns, xs, publisher.stand_in_momentum(m), cfg)
-        result, u_prev, _ = outer_step(base, g, gap, m, cfg)
-        result = publisher.publish(base, result)
+            for r in restarting:
+                owns[r] = base
+        if restarting:  # skipped everywhere
+            result, u_prev = {n: v.clone() for n, v in base.items()}, {n: torch.zeros_like(v) for n, v in base.items()}
+        else:
+            result, u_prev, _ = outer_step(base, g, gap, m, cfg)
+            result = publisher.publish(base, result)
         if overlap:
             start, pending = pending, result
         else:

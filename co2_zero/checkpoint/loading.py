@@ -12,6 +12,7 @@ import torch
 
 from ..core.config import PUBLISHED, CO2Config
 from ..core.errors import CO2Error
+from ..core.pace import Pace
 from ..core.topology import text_words, words_text
 from .agreement import (
     SEEN_WORDS,
@@ -234,23 +235,26 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
     buffers and frozen parameters from the saved replica of rank `rank % saved world`."""
     engine = framework.engine
     topology = engine.topology
-    paced = engine.config.replica_tau
-    if paced is not None:
-        shown = list(paced) if isinstance(paced, tuple) else paced
-        raise Refused(
-            f"{directory.name}: resharding is not supported with replica_tau={shown!r} "
-            f"(each replica's steps and data position belong to its place in the old grid); resume on the same "
-            f"R x S with reshard=False"
-        )
     saved_world, saved_grid = marker.get("world_size"), marker.get("grid")
     saved_shards = saved_grid.get("shards") if isinstance(saved_grid, dict) else None
     if not isinstance(saved_world, int) or not isinstance(saved_shards, int) or not 0 < saved_shards <= saved_world:
         raise Refused(f"{directory / MARKER}: world_size={saved_world!r}, grid={saved_grid!r}")
+    paced = engine.config.replica_tau is not None
+    if paced and saved_world // saved_shards != topology.replicas:
+        raise Refused(
+            f"{directory.name}: resharding from R={saved_world // saved_shards} to R={topology.replicas} replicas "
+            f"is not supported with replica_tau={_shown(engine.config.replica_tau)} (each replica's steps and data "
+            f"position belong to its place among the replicas); resume with R={saved_world // saved_shards} (any "
+            f"number of shards per replica)"
+        )
     trainable = {n for n, p in framework.module.named_parameters(remove_duplicate=False) if p.requires_grad}
     needed = set(framework.module.state_dict()) - trainable
-    # Buffers and frozen parameters come from the saved replica of rank `rank % saved world`: whole from
-    # that rank's file, FSDP2 rows from every file of its replica.
+    # Buffers, frozen parameters and the framework's state come from the saved rank `source_rank`: whole
+    # from that rank's file, FSDP2 rows from every file of its replica. With replica_tau, a rank of the same
+    # replica (its own step counts); else the rank `rank % saved world`.
     source_rank = topology.rank % saved_world
+    if paced:
+        source_rank = topology.replica_index * saved_shards + topology.shard_index % saved_shards
     shares, source, pieces = [], None, {}
     for saved_rank in range(saved_world):
         payload = _open(directory, marker, saved_rank)
@@ -267,7 +271,8 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
         del payload
     name, payload = source
     try:
-        state, dropped = reshard(shares, engine.identity(), engine.config.steps_before_apply)
+        pace = Pace.of(engine.config, topology.replicas)
+        state, dropped = reshard(shares, engine.identity(), engine.config.steps_before_apply, pace)
         engine.check_state_dict(state)
     except ValueError as error:
         raise Refused(f"{directory.name}: {error}") from error
@@ -291,6 +296,10 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
         framework.after_reshard(saved_framework)
 
     return _Plan(apply, payload["extra"])
+
+
+def _shown(replica_tau: Any) -> str:
+    return repr(list(replica_tau) if isinstance(replica_tau, tuple) else replica_tau)
 
 
 def _config_hint(saved_hash: Any) -> str:

@@ -9,6 +9,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..core.pace import Pace
+from ..core.round_state import saved_pace
+
 
 def consolidate(state: dict[str, Any]) -> dict[str, Any]:
     """One rank's layout-independent share of a `RoundEngine.state_dict()`, for resharding.
@@ -51,6 +54,7 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
         "skipped_rounds": state.get("skipped_rounds", 0),
         "run_id": state.get("run_id"),
         "fixed_sync_delay": state.get("fixed_sync_delay"),
+        "fixed_replica_tau": state.get("fixed_replica_tau"),
         "stand_in": state.get("stand_in"),
         "pieces": pieces,
         "own_pieces": _own_pieces(state),
@@ -77,7 +81,10 @@ def _own_pieces(state: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def reshard(
-    shares: Sequence[dict[str, Any]], identity: dict[str, Any], sync_delay: Optional[int] = None
+    shares: Sequence[dict[str, Any]],
+    identity: dict[str, Any],
+    sync_delay: Optional[int] = None,
+    pace: Optional[Pace] = None,
 ) -> tuple[dict[str, Any], int]:
     """A `RoundEngine` state for the engine whose `identity()` is given, assembled from the shares of
     every rank of a saved run (any R x S, any integration). Returns (state, dropped steps).
@@ -88,7 +95,10 @@ def reshard(
     newest shared start whatever step of the round was saved (docs/design.md §3, "checkpoints"). With a
     stand-in, replica m resumes from the stand-in of saved replica m % saved R (`_stand_in`).
     `sync_delay`: this run's steps before the apply point (its config's), which reads a state written
-    before states said when their start point is applied (`_applies_at`). Raises
+    before states said when their start point is applied (`_applies_at`). `pace`: the replicas' inner steps
+    per round as this run's config sets them (None: tau; a saved `fixed_replica_tau` overrides it): replica m
+    resumes at the inner steps saved replica m % saved R took before the last round start, its data
+    position (with replica_tau the caller keeps R). Raises
     ValueError when the shares do not cover the target's partition or come from another co2 config or
     model.
     """
@@ -115,11 +125,15 @@ def reshard(
     norms = None
     if partials:  # only the sum over ranks matters: rank 0 carries it, the others zeros
         norms = torch.stack(partials).sum(0) if identity["rank"] == 0 else torch.zeros_like(partials[0])
-    rounds = saved["rounds"]
+    rounds, replica = saved["rounds"], identity["rank"] // identity["grid"]["shards"]
+    mine = next(share for share in shares if share["replica"] == replica % saved["replicas"])
+    fixed = saved.get("fixed_replica_tau")
+    pace = saved_pace(fixed) if fixed is not None else pace or Pace((geometry["tau"],) * identity["grid"]["replicas"])
+    inner_steps = pace.steps_at_round(replica, rounds)
     state = {
         **identity,
         "run_id": saved.get("run_id"),
-        "inner_steps": rounds * geometry["tau"],
+        "inner_steps": inner_steps,
         "rounds": rounds,
         "skipped_rounds": saved.get("skipped_rounds", 0),
         "start_point": start_point,
@@ -128,8 +142,9 @@ def reshard(
         **_stand_in(shares, identity, whole_momentum, applied_at_once=next_start is None),
         "previous_update_sq_norms": norms,
         "fixed_sync_delay": saved.get("fixed_sync_delay"),
+        "fixed_replica_tau": fixed,
     }
-    return state, saved["inner_steps"] - rounds * saved["tau"]
+    return state, mine["inner_steps"] - inner_steps
 
 
 def _stand_in(

@@ -216,6 +216,11 @@ class OuterExchange:
         if staleness != self.hyper.staleness:
             self.hyper = self.hyper._replace(staleness=staleness)
 
+    def set_displacement_scale(self, scale: float) -> None:
+        """R·w_r for the next pipelines (`Pace.displacement_scale`): replica_tau "auto" changes it once.
+        Call with no pipeline in flight (the worker reads it)."""
+        self.displacement_scale = scale
+
     def launch(self, job: PipelineJob) -> Future:
         """Start pipeline `job.round_index` in the background; the new start point lands in `job.work`.
 

@@ -284,20 +284,21 @@ class CO2Config:
         default=600.0,
         metadata={"doc": "Deadline of every wait on the exchange, and timeout of the CO2 process groups."},
     )
-    replica_tau: Optional[tuple[int, ...] | str] = field(
+    replica_tau: Union[tuple[int, ...], str, None] = field(
         default=None,
         metadata={
             "doc": "Replicas of different speeds: per replica, its own inner steps per round (replica r, the "
             "ranks [r·S, (r+1)·S), runs `replica_tau[r]`), so that a slow replica ends its rounds when the "
             "others do instead of making them wait; the exchange weighs each replica's displacement by its "
             'share of the tokens, τ_r / Στ (docs/design.md §3, "Replicas of different speeds"). `null` (the '
-            "default): every replica runs `tau`. A list of R integers in [1, tau] whose largest is `tau`; it "
-            "needs `sync_delay` null or `auto` (both: the round end), `comm_dtype: fp32`, `nonfinite: raise` "
-            "and a stand-in other than `eager`. `auto`, with an elastic membership only: each replica measures "
-            "its step time every round and runs round(tau x the quorum's fastest step time / its own) steps "
-            '(docs/elastic.md, "Replicas of different speeds").',
-            "accepted": "null, 'auto' (elastic), or a list of one integer in [1, tau] per replica, the largest equal "
-            "to tau",
+            "default): every replica runs `tau`. A list of R integers in [1, tau] whose largest is `tau`, or "
+            "`auto`: the first 2 rounds run every replica at `tau` and time its inner steps, then each "
+            "replica's τ_r is fixed in proportion to its speed (the fastest `tau`) for the rest of the run and "
+            "saved in checkpoints; with an elastic membership `auto` measures every round instead, over each "
+            'round\'s quorum (docs/elastic.md, "Replicas of different speeds"), and a list is refused. It needs '
+            "`sync_delay` null or `auto` (both: the round end), a `comm_dtype` other than `bf16` and a stand-in "
+            "other than `eager`.",
+            "accepted": "null, 'auto', or a list of one integer in [1, tau] per replica, the largest equal to tau",
             "neutral": None,
         },
     )
@@ -377,11 +378,11 @@ class CO2Config:
         return self.topk < 1.0
 
     def _check_replica_tau(self) -> None:
-        """`replica_tau`: one integer in [1, tau] per replica, the largest tau (docs/design.md §3, "Replicas of
-        different speeds"); stored as a tuple. What it combines with is the support table's."""
+        """`replica_tau`: "auto", or one integer in [1, tau] per replica, the largest tau (docs/design.md §3,
+        "Replicas of different speeds"); a list is stored as a tuple. What it combines with is the support
+        table's."""
         accepted = (
-            f"null, 'auto' (elastic), or a list of one integer in [1, tau={self.tau}] per replica, the largest equal "
-            f"to tau"
+            f"null, 'auto', or a list of one integer in [1, tau={self.tau}] per replica, the largest equal to tau"
         )
         value = self.replica_tau
         if value == "auto":

@@ -20,6 +20,7 @@ deadline) in `in_flight`.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 import weakref
@@ -34,17 +35,21 @@ from .comm import OuterExchange, PipelineJob, largest_abs
 from .config import CO2Config
 from .errors import CO2Error, collective_error, inner_reset_warning, skipped_round_warning
 from .in_flight import Phase, finished, result_watching_steps, shutdown
+from .pace_meter import STEP_NS, fixed_message
 from .parameter_order import StepAnnouncements, announcement_failure, steps_mismatch
 from .partition import ParameterWatch, Partition
 from .plan import resolve
 from .round_state import RoundState
 from .schedule import RoundPlan
 from .stand_in import StandIn
+from .state_reads import StateReads
 from .step_budget import dropped_steps_warning
 from .topology import Topology
 
+logger = logging.getLogger(__name__)
 
-class RoundEngine:
+
+class RoundEngine(StateReads):
     """CO2's per-rank state and round ends. See the module docstring.
 
     `module` (optional): its float buffers are averaged over all ranks at every round end, and its parameters are
@@ -73,10 +78,8 @@ class RoundEngine:
         self.plan = resolve(config, topology, integration, membership is not None, float_buffers)
         config = self.plan.config  # with an elastic membership's rewrite
         self.config, self.topology, self.partition, self.refresh = config, topology, partition, refresh
-        self.pace = self.plan.pace
-        self.tau = self.pace.tau(topology.replica_index)  # this replica's inner steps per round, on its clock
-        # this round's steps (fewer where the exchange measures them), the seconds the last round trained (waits out)
-        self.round_steps, self.round_train_s, self._round_done_at = self.tau, None, None
+        # the seconds the last round trained (its waits left out), for an exchange that measures speeds
+        self.round_train_s, self._round_done_at = None, None
         self.buffers = ModuleBuffers(module_buffers, topology, config)
         self.watch = ParameterWatch.collect(params, module)
         device = startup.state_device(partition, topology)
@@ -88,7 +91,8 @@ class RoundEngine:
         self.exchange = make_exchange(self.plan, topology, self.layout, device)
         self.announcements = StepAnnouncements(topology.control_group)
         self._at_exit = weakref.finalize(self, shutdown, self.exchange, topology, self.announcements)
-        self.state = RoundState.allocate(partition, self.exchange, self.plan, self.tau, device)
+        self.state = RoundState.allocate(partition, self.exchange, self.plan, topology.replica_index, device)
+        self.round_steps = self.tau  # this round's steps: fewer where the exchange measures them (elastic "auto")
         self.stand_in = StandIn(self.plan, topology, self.exchange) if self.plan.stand_in != "shared" else None
         self.phase = Phase.IDLE
         self._pending: Optional[Future] = None
@@ -147,18 +151,29 @@ class RoundEngine:
     # ---- the round --------------------------------------------------------------------------------
 
     def inner_step_done(self) -> bool:
-        """Count one applied inner step; end the round on every tau-th. Returns True if it did."""
+        """Count one applied inner step; end the round on every tau-th. Returns True if it did. With
+        replica_tau "auto", the time until the next call is this rank's next step (`PaceMeter`)."""
         self.check_usable()
+        meter = self.state.pace_meter
+        if meter is not None:
+            meter.step_ended()
+        ended = self._count_inner_step()
+        if meter is not None:
+            meter.step_began()
+        return ended
+
+    def _count_inner_step(self) -> bool:
         state = self.state
         state.inner_steps += 1
-        into_round = state.inner_steps - state.rounds * self.tau
-        if into_round < min(self.round_steps, self.tau):
+        step_in_round = self.pace.step_in_round(self.topology.replica_index, state.inner_steps)
+        if 0 < step_in_round < self.round_steps:
             if state.delay_meter is not None and state.delay_meter.watching:  # a few steps of rounds 2 and 3 only
-                state.delay_meter.saw(state.inner_steps % self.tau, finished(self._pending))
+                state.delay_meter.saw(step_in_round, finished(self._pending))
             if state.average_unapplied and state.schedule.applies_mid_round(state.inner_steps):
                 self._apply_mid_round()
             return False
-        state.inner_steps += self.tau - into_round  # a shorter round counts as a whole one on the clock
+        if step_in_round:  # an elastic round of fewer steps counts as a whole one on the clock
+            state.inner_steps += self.tau - step_in_round
         self._round_end()
         return True
 
@@ -177,19 +192,23 @@ class RoundEngine:
         self.round_train_s = None if self._round_done_at is None else began - self._round_done_at
         self._check_parameters_unchanged()
         wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
-        if self.state.schedule.steps == self.tau:  # the average in flight is applied at this round end
+        if self.state.schedule.steps == self.state.schedule.tau:  # the average in flight is applied at this round end
             self._track_applied_step()
         self._check_steps()  # the last round end's (arrived with its pipeline)
         measured = self.state.delay_meter.to_post() if self.state.delay_meter is not None else 0
-        self.announcements.post(self.state.inner_steps, finalizing=False, exchange_steps=measured)
+        meter = self.state.pace_meter
+        step_ns = meter.to_post(self.state.rounds) if meter is not None else 0
+        self.announcements.post(self.state.inner_steps, False, exchange_steps=measured, step_ns=step_ns)
         self._announced_round = self.state.rounds
         sent = self._exchange_bytes_since_last_report()
         plan = self.state.plan_round()
         reset_inner = self._launch(plan)  # step 2
-        self.round_steps = self.exchange.steps_next_round(self.tau)
         if self.state.delay_meter is not None:
             self._follow_delay_meter()
-        self.state.average_unapplied = 0 < self.state.schedule.steps < self.tau  # applied d steps into the next round
+        if step_ns:
+            self._fix_pace()
+        schedule = self.state.schedule
+        self.state.average_unapplied = 0 < schedule.steps < schedule.tau  # applied d steps into the next round
         if plan.wait_at_once:
             wait_s += self._wait_pending()
             sent += self._exchange_bytes_since_last_report()
@@ -197,6 +216,7 @@ class RoundEngine:
             self.state.swap_buffers()
         self._set_live(self.state.round_start)  # step 3: x <- Nx (or this replica's stand-in); refresh
         self.state.rounds += 1
+        self.round_steps = self.exchange.steps_next_round(self.tau)
         if self.buffers:  # a peer that finalized never averages them: learn it first
             self._check_steps()
         buffer_bytes, buffers_restored = self._average_buffers(f"round {self.state.rounds - 1}")
@@ -224,11 +244,24 @@ class RoundEngine:
         if warning is not None:
             warnings.warn(warning, stacklevel=5)
 
+    def _fix_pace(self) -> None:
+        """replica_tau "auto", at the deciding round end, after its launch: collect the announcement just
+        posted (within timeout_s: every rank's step time) and run the τ_r fixed from it from the next round
+        on (`PaceMeter`)."""
+        rows = self._check_steps()
+        try:
+            pace = self.state.pace_meter.decide(rows)
+        except ValueError as error:  # a rank posted no time: it was not at the deciding round end
+            self._fail(CO2Error(f"co2: round {self.state.rounds}: {error}"))
+        self.state.fix_pace(pace, self.config, self.topology.replica_index)
+        logger.info(fixed_message(pace, [row[STEP_NS] for row in rows]))
+
     def _launch(self, plan: RoundPlan) -> bool:
         """D = (this replica's round start) - x into `plan.work`; a stand-in: the next own start from D,
         before the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's
         own D is non-finite under "skip_round" (its inner state must then be reset)."""
-        self.exchange.set_staleness(self.state.schedule.steps / self.tau)
+        self.exchange.set_staleness(self.state.schedule.steps / self.state.schedule.tau)
+        self.exchange.set_displacement_scale(self.pace.displacement_scale(self.topology.replica_index))
         self.partition.subtract_from(self.state.round_start, out=plan.work)
         own = plan.work[: self.layout.length]
         reset_inner = self.config.nonfinite == "skip_round" and not bool(torch.isfinite(largest_abs(own)))
@@ -267,7 +300,7 @@ class RoundEngine:
         self._check_steps()
         self.announcements.post(self.state.inner_steps, finalizing=True)
         self._check_steps(finalizing=True)
-        dropped = self.state.inner_steps % self.tau
+        dropped = self.pace.step_in_round(self.topology.replica_index, self.state.inner_steps)
         if dropped:
             warnings.warn(dropped_steps_warning(dropped, self.state.inner_steps, self.tau), stacklevel=3)
         self._wait_pending()
@@ -283,9 +316,10 @@ class RoundEngine:
         self.phase = Phase.FINALIZED
         self.close(join_s=self.config.timeout_s)
 
-    def _check_steps(self, finalizing: bool = False) -> None:
+    def _check_steps(self, finalizing: bool = False) -> Optional[list[list[int]]]:
         """Collect the step announcement in flight (within timeout_s) and fail, naming every rank's
-        count, if a peer finalized at another step (or this rank finalizes and a peer did not)."""
+        count, if a peer finalized at another step (or this rank finalizes and a peer did not). Returns
+        the rows collected (None: none was in flight)."""
         try:
             rows = self.announcements.collect(time.monotonic() + self.config.timeout_s)
         except CO2Error as error:  # the deadline passed, or the control group failed (a peer left)
@@ -294,10 +328,11 @@ class RoundEngine:
             self._fail(failure, error)
         if rows is not None and self.state.delay_meter is not None:
             self.state.delay_meter.collected([row[2] for row in rows])
-        taus = self.pace.taus_by_rank(self.topology.shards)
-        problem = None if rows is None else steps_mismatch(rows, self.topology.rank, self.state.inner_steps, taus)
+        steps, shards = self.state.inner_steps, self.topology.shards
+        problem = None if rows is None else steps_mismatch(rows, self.topology.rank, steps, self.pace, shards)
         if problem is not None:
             self._fail(CO2Error(problem))
+        return rows
 
     def _check_parameters_unchanged(self) -> None:
         """A change of requires_grad since construction is refused (see `ParameterWatch`)."""
@@ -342,47 +377,7 @@ class RoundEngine:
             warnings.warn(skipped, stacklevel=5)
         return time.perf_counter() - began
 
-    # ---- the round state (round_state.RoundState): read methods, and adopting a whole state -------------
-
-    @property
-    def inner_steps(self) -> int:
-        return self.state.inner_steps
-
-    @property
-    def rounds(self) -> int:
-        return self.state.rounds
-
-    @property
-    def skipped_rounds(self) -> int:
-        return self.state.skipped_rounds
-
-    @property
-    def run_id(self) -> Optional[str]:
-        """The run's id, agreed by the first checkpoint saved (`co2_zero.checkpoint`), or loaded."""
-        return self.state.run_id
-
-    def name_run(self, run_id: str) -> None:
-        self.state.run_id = run_id
-
-    @property
-    def keeps_own_momentum(self) -> bool:
-        """Whether this rank keeps a stand-in's own momentum (eager's, or local's copy where it is sharded)."""
-        return self.state.own_momentum is not None
-
-    @property
-    def previous_update_sq_norms(self) -> Optional[torch.Tensor]:
-        """The last applied outer update's squared norms per tensor (the next gap penalty's); read only."""
-        return self.state.previous_update_sq_norms
-
-    @property
-    def next_start(self) -> torch.Tensor:
-        """The next start point (between rounds: the base of the exchange in flight); read only."""
-        return self.state.next_start
-
-    @property
-    def exchange_steps(self) -> int:
-        """sync_delay "auto": the most inner steps an exchange took (`DelayMeter.most_steps`), else 0."""
-        return 0 if self.state.delay_meter is None else self.state.delay_meter.most_steps
+    # ---- the round state (round_state.RoundState): adopting a whole state (read methods: `StateReads`) ---
 
     def identity(self) -> dict[str, Any]:
         """What a state must agree on to be adopted here (`round_state.identity`, with its `geometry`)."""
@@ -400,7 +395,7 @@ class RoundEngine:
     def check_state_dict(self, state: Any, source: round_state.Source = "checkpoint") -> None:
         """Raise ValueError naming the first field of `state` that does not fit this engine (same
         config, topology, model and partition); changes nothing."""
-        round_state.check(self.state, state, self.identity(), self.config, self.tau, source)
+        round_state.check(self.state, state, self.identity(), self.config, self.topology.replica_index, source)
         if source == "elastic heal":
             self.watch.check_frozen(state.get("frozen"), source)
 
@@ -417,7 +412,7 @@ class RoundEngine:
         self.check_state_dict(state, source)
         if source == "checkpoint":
             self._wait_pending()
-            self.state.load(state, self.config, self.tau)
+            self.state.load(state, self.config, self.topology.replica_index)
             self.buffers.take_current_as_agreed()  # checkpoint.load wrote the module first
             return
         with torch.no_grad():

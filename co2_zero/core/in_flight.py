@@ -27,7 +27,7 @@ class Phase(enum.Enum):
 
 
 def result_watching_steps(
-    future: Future, announcements: StepAnnouncements, timeout_s: float, check_steps: Callable[[], None]
+    future: Future, announcements: StepAnnouncements, timeout_s: float, check_steps: Callable[[], object]
 ) -> Any:
     """The pipeline's result within timeout_s; meanwhile, a step announcement that arrives is checked
     (`check_steps`): a peer that called finalize() will never run this round, so report the counts now."""

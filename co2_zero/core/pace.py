@@ -18,21 +18,25 @@ from .config import CO2Config
 
 @dataclass(frozen=True)
 class Pace:
-    """Every replica's inner steps per round, `taus[r]` (all `tau` without `replica_tau`)."""
+    """Every replica's inner steps per round, `taus[r]` (all `tau` without `replica_tau`), from round
+    `from_round` on; the rounds before it ran every replica at max(taus), the job's tau (`replica_tau: "auto"`
+    while it measured, `co2_zero.core.pace_meter`)."""
 
     taus: tuple[int, ...]
+    from_round: int = 0
 
     @classmethod
     def of(cls, config: CO2Config, replicas: int) -> Pace:
-        """The pace `config` sets for `replicas` replicas; ValueError naming `replica_tau` when its length
-        is not R. `"auto"` (elastic) starts every replica at `tau`; its exchange sets each round's steps
-        (`co2_zero.elastic.speeds`)."""
+        """The pace `config` sets for `replicas` replicas (`replica_tau: "auto"`: every replica at tau until
+        measured; with an elastic membership its exchange sets each round's steps, `co2_zero.elastic.speeds`);
+        ValueError naming `replica_tau` when its length is not R."""
         if config.replica_tau in (None, "auto"):
             return cls((config.tau,) * replicas)
         if len(config.replica_tau) != replicas:
             raise ValueError(
                 f"co2 config: replica_tau={list(config.replica_tau)!r} is invalid for this job of R={replicas} "
-                f"replicas; accepted: a list of {replicas} integers in [1, tau={config.tau}], one per replica"
+                f"replicas; accepted: a list of {replicas} integers in [1, tau={config.tau}], one per replica, "
+                f"or 'auto'"
             )
         return cls(tuple(config.replica_tau))
 
@@ -41,12 +45,33 @@ class Pace:
         """Every replica runs the same τ: the exchange is the plain mean, the agreement compares steps."""
         return len(set(self.taus)) == 1
 
-    def tau(self, replica: int) -> int:
-        """Inner steps per round of `replica`."""
-        return self.taus[replica]
+    @property
+    def _first_steps(self) -> int:
+        """The inner steps every replica took before `from_round` (at the job's tau)."""
+        return self.from_round * max(self.taus)
+
+    def tau(self, replica: int, round_index: Optional[int] = None) -> int:
+        """Inner steps per round of `replica` in round `round_index` (None: from `from_round` on)."""
+        early = round_index is not None and round_index < self.from_round
+        return max(self.taus) if early else self.taus[replica]
+
+    def rounds_at(self, replica: int, inner_steps: int) -> int:
+        """The round ends `replica` passed at `inner_steps`."""
+        if inner_steps <= self._first_steps:
+            return inner_steps // max(self.taus)
+        return self.from_round + (inner_steps - self._first_steps) // self.taus[replica]
+
+    def steps_at_round(self, replica: int, round_index: int) -> int:
+        """The inner steps `replica` took before round `round_index` (0-based) starts."""
+        later = max(round_index - self.from_round, 0)
+        return min(round_index, self.from_round) * max(self.taus) + later * self.taus[replica]
+
+    def step_in_round(self, replica: int, inner_steps: int) -> int:
+        """Inner steps `replica` took since its last round end (0: `inner_steps` ends a round)."""
+        return inner_steps - self.steps_at_round(replica, self.rounds_at(replica, inner_steps))
 
     def weight(self, replica: int) -> float:
-        """w_r = τ_r / Στ, `replica`'s share of the tokens of a round."""
+        """w_r = τ_r / Στ, `replica`'s share of the tokens of a round (from `from_round` on)."""
         return self.taus[replica] / sum(self.taus)
 
     def displacement_scale(self, replica: int) -> float:
@@ -54,21 +79,22 @@ class Pace:
         Σ w_r D_r (1.0, and no multiplication at all, when uniform)."""
         return 1.0 if self.uniform else len(self.taus) * self.weight(replica)
 
-    def taus_by_rank(self, shards: int) -> Optional[list[int]]:
-        """τ of every global rank (replica r is ranks [r·S, (r+1)·S)), for the step agreement; None when
-        uniform (every rank then has to be at the same inner step)."""
-        return None if self.uniform else [tau for tau in self.taus for _ in range(shards)]
-
     def agreed_step(self, replica: int, inner_steps: int) -> int:
         """The step every rank names a save by (and must agree on): its inner steps, on the fastest replica's
         clock with replica_tau (rounded down); at a round end, rounds x tau on every replica."""
-        return inner_steps * max(self.taus) // self.taus[replica]
+        first, tau = self._first_steps, max(self.taus)
+        if inner_steps <= first:
+            return inner_steps
+        return first + (inner_steps - first) * tau // self.taus[replica]
 
     def clock_step(self, replica: int, inner_steps: int) -> float:
-        """`inner_steps` of `replica` on the clock of the fastest replica: inner_steps · τ / τ_r, so that a
-        learning-rate schedule written in the fastest replica's steps reads the same value on every
-        replica at every round end."""
-        return inner_steps * max(self.taus) / self.taus[replica]
+        """`inner_steps` of `replica` on the clock of the fastest replica: inner_steps · τ / τ_r (past the
+        rounds before `from_round`), so that a learning-rate schedule written in the fastest replica's steps
+        reads the same value on every replica at every round end."""
+        first, tau = self._first_steps, max(self.taus)
+        if inner_steps <= first:
+            return float(inner_steps)
+        return first + (inner_steps - first) * tau / self.taus[replica]
 
 
 def taus_for_speeds(speeds: Sequence[float], tau: int) -> list[int]:
@@ -77,8 +103,3 @@ def taus_for_speeds(speeds: Sequence[float], tau: int) -> list[int]:
     if not speeds or any(not s > 0 for s in speeds):
         raise ValueError(f"co2: speeds={list(speeds)!r}; expected a positive number per replica")
     return [max(1, round(tau * s / max(speeds))) for s in speeds]
-
-
-def rounds_of(steps: Sequence[int], taus: Sequence[int]) -> list[int]:
-    """Round ends passed by each rank at its `steps`, with its τ."""
-    return [s // tau for s, tau in zip(steps, taus)]

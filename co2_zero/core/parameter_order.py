@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CO2Error, CO2TimeoutError, is_timeout
+from .pace import Pace
 from .topology import Topology, collective_device, fingerprint, gather_fingerprints, text_words, words_text
 
 _NAME_WORDS = 32  # a parameter's name in a start-up error: 256 bytes of UTF-8
@@ -130,8 +131,9 @@ def _parameters_message(position: int, ranks: tuple[int, int], details: Sequence
 
 
 class StepAnnouncements:
-    """Every rank's [inner steps, finalizing, exchange steps] all-gathered without blocking, on the main
-    thread's group (exchange steps: what `sync_delay.DelayMeter.to_post` measured, else 0).
+    """Every rank's [inner steps, finalizing, exchange steps, step ns] all-gathered without blocking, on the
+    main thread's group (exchange steps: what `schedule.DelayMeter.to_post` measured, else 0; step ns: the
+    mean inner step `pace_meter.PaceMeter.to_post` measured, else 0).
 
     Each rank posts one at every round end and one in `finalize()`, so the k-th announcements of all
     ranks meet even when one rank finalizes while another trains on: the one that trains on reads a
@@ -144,11 +146,11 @@ class StepAnnouncements:
         self._work: Any = None
         self._rows: list[torch.Tensor] = []
 
-    def post(self, steps: int, finalizing: bool, exchange_steps: int = 0) -> None:
+    def post(self, steps: int, finalizing: bool, exchange_steps: int = 0, step_ns: int = 0) -> None:
         if self._work is not None:
             raise RuntimeError("co2: a step announcement is still in flight; collect it first")
         device = collective_device(self.group)
-        mine = torch.tensor([steps, int(finalizing), exchange_steps], dtype=torch.int64, device=device)
+        mine = torch.tensor([steps, int(finalizing), exchange_steps, step_ns], dtype=torch.int64, device=device)
         self._rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         self._work = dist.all_gather(self._rows, mine, group=self.group, async_op=True)
 
@@ -165,7 +167,7 @@ class StepAnnouncements:
         return self._work is not None and self._work.is_completed()
 
     def collect(self, deadline: float) -> Optional[list[list[int]]]:
-        """The rows [steps, finalizing, exchange steps] of every rank for the announcement in flight (None
+        """The rows [steps, finalizing, exchange steps, step ns] of every rank for the announcement in flight (None
         if there is none), waiting until the `time.monotonic()` deadline: CO2TimeoutError past it (or past
         the group's own), CO2Error when the group failed otherwise (a peer's connection closed)."""
         if self._work is None:
@@ -182,19 +184,22 @@ class StepAnnouncements:
 
 
 def steps_mismatch(
-    rows: Sequence[Sequence[int]], rank: int, steps: int, taus: Optional[Sequence[int]] = None
+    rows: Sequence[Sequence[int]], rank: int, steps: int, pace: Optional[Pace] = None, shards: int = 1
 ) -> Optional[str]:
     """The finalize error for announcement `rows`, or None when every rank is at the same step and
     agrees on finalizing. This rank's own count is `steps` (it may have trained on since it posted).
-    `taus` (replicas of different speeds, `co2_zero.core.pace`): every rank's inner steps per round; the ranks
-    then have to agree on the round ends they passed, not on the steps (steps past the last are dropped)."""
-    rows = [[row[0], row[1]] for row in rows]  # [steps, finalizing]; the exchange steps may differ
-    compared = rows if taus is None else [[s // tau, done] for (s, done), tau in zip(rows, taus)]
+    `pace` (replicas of different speeds, `co2_zero.core.pace`; global rank r is replica r // `shards`): the
+    ranks then have to agree on the round ends they passed, not on the steps (steps past the last are
+    dropped). None, or a uniform pace: the steps."""
+    rows = [[row[0], row[1]] for row in rows]  # [steps, finalizing]; the exchange steps and step times differ
+    paced = pace if pace is not None and not pace.uniform else None
+    rounds = [paced.rounds_at(r // shards, s) if paced else s for r, (s, _) in enumerate(rows)]
+    compared = [[count, done] for count, (_, done) in zip(rounds, rows)]
     if all(row == compared[0] for row in compared):
         return None
     counts = ", ".join(
         f"rank {r}: {steps if r == rank else s}{'' if done or r == rank else ' or more'}"
-        + ("" if taus is None else f" (round {s // taus[r]} at tau {taus[r]})")
+        + (f" (round {rounds[r]} at tau {paced.tau(r // shards, rounds[r])})" if paced else "")
         for r, (s, done) in enumerate(rows)
     )
     training = [r for r, (_, done) in enumerate(rows) if not done]
@@ -203,8 +208,8 @@ def steps_mismatch(
         if training
         else ""
     )
-    what = "inner steps" if taus is None else "rounds (replica_tau: each replica its own steps per round)"
-    same = "the same number of optimizer steps" if taus is None else "the same number of rounds"
+    what = "rounds (replica_tau: each replica its own steps per round)" if paced else "inner steps"
+    same = "the same number of rounds" if paced else "the same number of optimizer steps"
     return (
         f"co2 finalize: the ranks took different numbers of {what} ({counts}); every rank must call "
         f"finalize() after {same}.{note} (this is rank {rank}, at inner step {steps})"

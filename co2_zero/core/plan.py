@@ -28,6 +28,10 @@ from .topology import Topology
 # The sync delay modes (docs/design.md §3, "The sync delay"): the average applied at once (blocking), at the
 # round end, a fixed number of steps into the next round, or measured on the job ("auto").
 SYNC_DELAYS = ("at once", "round end", "fixed", "measured")
+# Every replica's inner steps per round (docs/design.md §3, "Replicas of different speeds"): all tau, each its own
+# as given, measured on the job in its first rounds and then fixed (`replica_tau: "auto"`), or, with an elastic
+# membership, measured every round over its quorum (`co2_zero.elastic.speeds`).
+REPLICA_TAUS = ("uniform", "given", "measured", "every round")
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ class ResolvedPlan:
     collective: str  # reduce_scatter, all_reduce or all_gather (docs/design.md §5)
     comm_dtype: str  # the wire type of the exchange's values
     topk: float  # the fraction sent (1.0: dense)
-    taus: tuple[int, ...]  # every replica's inner steps per round (`Pace`)
+    replica_tau: str  # one of REPLICA_TAUS
+    taus: tuple[int, ...]  # every replica's inner steps per round (`Pace`); "measured": the first rounds' (tau)
     float_buffers: int  # module buffers averaged at round ends
 
     @property
@@ -103,6 +108,14 @@ def _for_membership(config: CO2Config) -> CO2Config:
     return dataclasses.replace(config, sync_delay=None) if config.sync_delay == "auto" else config
 
 
+def _replica_tau(config: CO2Config, elastic: bool) -> str:
+    if config.replica_tau is None:
+        return "uniform"
+    if config.replica_tau != "auto":
+        return "given"
+    return "every round" if elastic else "measured"
+
+
 def check_given(config: CO2Config, **where: Any) -> None:
     """Refuse what the support table refuses of `config` where it runs (`integration`, `driver`,
     `elastic`), before anything is built."""
@@ -137,6 +150,7 @@ def resolve(
         collective=choose_collective(config, backend),
         comm_dtype=config.comm_dtype,
         topk=config.topk,
+        replica_tau=_replica_tau(config, elastic),
         taus=Pace.of(config, topology.replicas).taus,
         float_buffers=float_buffers,
     )

@@ -17,6 +17,8 @@ import torch
 
 from .comm import Layout, OuterExchange, Residuals, RoundResult
 from .config import CO2Config
+from .pace import Pace
+from .pace_meter import PaceMeter
 from .partition import Partition
 from .plan import ResolvedPlan
 from .schedule import ApplySchedule, DelayMeter, RoundPlan, late_average_warning
@@ -45,6 +47,8 @@ class RoundState:
     residuals: Optional[Residuals]  # comm_dtype int8/fp8/..., topk < 1: the exchange's error feedback
     schedule: ApplySchedule  # where the average in flight is applied (sync_delay "auto": once fixed)
     delay_meter: Optional[DelayMeter]  # sync_delay "auto": measures, then fixes, the delay
+    pace: Pace  # every replica's inner steps per round (replica_tau "auto": once fixed)
+    pace_meter: Optional[PaceMeter]  # replica_tau "auto": measures, then fixes, the pace
     previous_update_sq_norms: Optional[torch.Tensor] = None  # the gap penalty's, per tensor
     inner_steps: int = 0
     rounds: int = 0
@@ -57,9 +61,11 @@ class RoundState:
 
     @classmethod
     def allocate(
-        cls, partition: Partition, exchange: OuterExchange, plan: ResolvedPlan, tau: int, device: torch.device
+        cls, partition: Partition, exchange: OuterExchange, plan: ResolvedPlan, replica: int, device: torch.device
     ) -> RoundState:
-        """A fresh state starting at the partition's live values, shaped by the plan (stand-in, apply point)."""
+        """A fresh state of `replica` starting at the partition's live values, shaped by the plan (stand-in,
+        apply point, pace)."""
+        tau = plan.pace.tau(replica, 0)
         start_point = torch.zeros(exchange.layout.padded, dtype=torch.float32, device=device)
         partition.gather_into(start_point)
         momentum = torch.zeros(exchange.slice_length, dtype=torch.float32, device=device)
@@ -76,6 +82,8 @@ class RoundState:
             residuals=exchange.residuals,
             schedule=ApplySchedule(min(plan.steps_before_apply, tau), tau),
             delay_meter=DelayMeter(plan.config.tau) if plan.sync_delay == "measured" else None,
+            pace=plan.pace,
+            pace_meter=PaceMeter(plan.config.tau, plan.shards) if plan.replica_tau == "measured" else None,
         )
 
     def swap_buffers(self) -> None:
@@ -150,7 +158,23 @@ class RoundState:
             "own_momentum": self.own_momentum,
             # sync_delay "auto": the delay once fixed (None while it is measured, and for any other sync_delay)
             "fixed_sync_delay": self.fixed_sync_delay,
+            # replica_tau "auto": the τ_r once fixed and the round they run from (None while measured, and for
+            # any other replica_tau)
+            "fixed_replica_tau": self.fixed_replica_tau,
         }
+
+    @property
+    def fixed_replica_tau(self) -> Optional[dict[str, Any]]:
+        """replica_tau "auto": the pace once fixed, as plain data; else None."""
+        fixed = None if self.pace_meter is None else self.pace_meter.fixed
+        return None if fixed is None else {"taus": list(fixed.taus), "from_round": fixed.from_round}
+
+    def fix_pace(self, pace: Pace, config: CO2Config, replica: int) -> None:
+        """Run `pace` from its `from_round` on: the round end the schedule waits for moves with this replica's
+        τ (none is in flight at a sync delay d < tau: replica_tau runs with the round end, or blocking)."""
+        self.pace = pace
+        tau = pace.tau(replica, pace.from_round)
+        self.schedule = ApplySchedule(min(config.steps_before_apply, tau), tau)
 
     @property
     def fixed_sync_delay(self) -> Optional[int]:
@@ -174,16 +198,17 @@ class RoundState:
         copies them when it serves them)."""
         return {**{key: getattr(self, key) for key in PEER_FIELDS}, "fixed_sync_delay": self.fixed_sync_delay}
 
-    def load(self, saved: dict[str, Any], config: CO2Config, tau: int) -> None:
-        """Restore a checked checkpoint state `saved` (no round in flight)."""
+    def load(self, saved: dict[str, Any], config: CO2Config, replica: int) -> None:
+        """Restore a checked checkpoint state `saved` of `replica` (no round in flight)."""
         self.inner_steps, self.rounds = saved["inner_steps"], saved["rounds"]
         self.skipped_rounds, self.run_id = saved["skipped_rounds"], saved.get("run_id")
         self.start_point.copy_(saved["start_point"])
         if saved["next_start"] is not None:
             self.next_start.copy_(saved["next_start"])
         self.momentum.copy_(saved["momentum"])
+        self._load_pace(saved.get("fixed_replica_tau"), config, replica)
         self._load_sync_delay(saved.get("fixed_sync_delay"), config)
-        self.average_unapplied = self._pending_apply(saved, tau)
+        self.average_unapplied = self._pending_apply(saved, self.schedule.tau)
         self._take_norms(saved["previous_update_sq_norms"])
         if self.own_start is not None:  # a resharded state may carry none: the replica starts from the shared start
             saved_start = saved.get("own_start")
@@ -230,6 +255,19 @@ class RoundState:
             pending = pending and saved["rounds"] > 0 and saved["inner_steps"] % tau < steps
         return pending
 
+    def _load_pace(self, fixed: Optional[dict[str, Any]], config: CO2Config, replica: int) -> None:
+        """replica_tau "auto": the saved pace, or (not fixed when saved) run at tau and measure anew."""
+        if self.pace_meter is None:
+            return
+        if fixed is None:
+            self.pace_meter.restart(self.rounds)
+            self.pace = Pace((config.tau,) * len(self.pace.taus))
+        else:
+            self.pace = saved_pace(fixed)
+            self.pace_meter.fix(self.pace)
+        tau = self.pace.tau(replica, self.rounds)
+        self.schedule = ApplySchedule(min(config.steps_before_apply, tau), tau)
+
     def _load_sync_delay(self, fixed: Optional[int], config: CO2Config) -> None:
         """sync_delay "auto": the saved delay and its schedule, or (not fixed when saved) measure anew."""
         if self.delay_meter is None:
@@ -271,9 +309,11 @@ def identity(config: CO2Config, topology: Topology, signature: Any, where: dict[
     }
 
 
-def check(state: RoundState, saved: Any, expected: dict[str, Any], config: CO2Config, tau: int, source: Source) -> None:
+def check(
+    state: RoundState, saved: Any, expected: dict[str, Any], config: CO2Config, replica: int, source: Source
+) -> None:
     """Raise ValueError naming the first field of `saved` (a checkpoint's state, or a peer's: `source`)
-    that does not fit `state` under `expected` (the identity) and `config`; changes nothing."""
+    that does not fit `state` of `replica` under `expected` (the identity) and `config`; changes nothing."""
     if source not in SOURCES:
         raise ValueError(f"co2: source={source!r} is not a source of state; accepted: {', '.join(SOURCES)}")
     if not isinstance(saved, dict):
@@ -290,12 +330,55 @@ def check(state: RoundState, saved: Any, expected: dict[str, Any], config: CO2Co
             raise ValueError(f"co2 {source}: {key}={saved.get(key)!r}; expected an integer >= 0")
     # a peer serves its state inside a round end, before it counts that round (at finalize, after)
     behind = (0, 1) if source == "elastic heal" else (0,)
-    if saved["inner_steps"] // tau - saved["rounds"] not in behind:
+    pace = _pace_of(state, saved, config, source)
+    if pace.rounds_at(replica, saved["inner_steps"]) - saved["rounds"] not in behind:
+        taus = (
+            f"tau={pace.tau(replica)}"
+            if pace.uniform
+            else f"replica_tau={list(pace.taus)} from round {pace.from_round}"
+        )
         raise ValueError(
             f"co2 {source}: rounds={saved['rounds']} does not fit inner_steps={saved['inner_steps']} "
-            f"at tau={tau} (this replica's)"
+            f"at {taus} (replica {replica})"
         )
     _check_fixed_sync_delay(state, saved.get("fixed_sync_delay"), config, source)
+
+
+def saved_pace(fixed: dict[str, Any]) -> Pace:
+    """The pace a state's checked `fixed_replica_tau` holds."""
+    return Pace(tuple(fixed["taus"]), from_round=fixed["from_round"])
+
+
+def _pace_of(state: RoundState, saved: dict[str, Any], config: CO2Config, source: str) -> Pace:
+    """The pace `saved` ran: its fixed replica_tau "auto" (checked: R integers in [1, tau], the largest tau,
+    from a round it reached), tau while it measured, else this run's."""
+    fixed = saved.get("fixed_replica_tau")
+    if state.pace_meter is None:
+        if fixed is not None:
+            raise ValueError(
+                f"co2 {source}: fixed_replica_tau={fixed!r} but this run's replica_tau is "
+                f"{config.replica_tau!r}; accepted: null (only replica_tau 'auto' fixes one)"
+            )
+        return state.pace
+    replicas = len(state.pace.taus)
+    if fixed is None:
+        return Pace((config.tau,) * replicas)
+    taus, first = (fixed.get("taus"), fixed.get("from_round")) if isinstance(fixed, dict) else (None, None)
+    good = (
+        isinstance(taus, list)
+        and len(taus) == replicas
+        and all(isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= config.tau for t in taus)
+        and max(taus) == config.tau
+        and isinstance(first, int)
+        and not isinstance(first, bool)
+        and 1 <= first <= saved["rounds"]
+    )
+    if not good:
+        raise ValueError(
+            f"co2 {source}: fixed_replica_tau={fixed!r}; expected null or {{'taus': a list of R={replicas} integers "
+            f"in [1, tau={config.tau}], the largest tau, 'from_round': a round in [1, rounds={saved['rounds']}]}}"
+        )
+    return saved_pace(fixed)
 
 
 def _check_fixed_sync_delay(state: RoundState, fixed: Any, config: CO2Config, source: str) -> None:

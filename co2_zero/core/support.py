@@ -158,7 +158,6 @@ TABLE: tuple[Refusal, ...] = (
     # replicas of different speeds (docs/design.md §3)
     _row("sync_delay", _STEP, "null or 'auto' (the round end: rounds differ in length)", _UNTESTED, replica_tau=_SET),
     _row("comm_dtype", one_of("bf16"), "'fp32', 'int8', 'fp8', 'int4' or 'int2'", _UNTESTED, replica_tau=_SET),
-    _row("nonfinite", one_of("skip_round"), "'raise'", _UNTESTED, replica_tau=_SET),
     _row("stand_in", _EAGER, "'auto', 'shared' or 'local'", "eager's share would be 1/R, not the replica's weight",
          replica_tau=_SET),
     _row("replica_tau", _SET, "null", "each replica has to run rounds x its own steps_per_round steps; a loop "
@@ -166,9 +165,6 @@ TABLE: tuple[Refusal, ...] = (
     _row("replica_tau", besides(None, "auto"), "null or 'auto' (each replica measures its own steps per round)",
          "a list is keyed by the replica's place in a fixed grid, and each round's quorum changes who is averaged",
          elastic=_ELASTIC),
-    _row("replica_tau", one_of("auto"), "null, or a list of one integer in [1, tau] per replica",
-         "'auto' re-measures each replica's steps per round over each round's quorum: built for an elastic "
-         "membership (membership=)", elastic=one_of(False)),
     _row("replica_tau", one_of("auto"), "null, or one rank per replica launch (plain CO2Optimizer)",
          "the S shards of a replica would each measure their own step time; untested", elastic=_ELASTIC,
          plan__shards=besides(1)),

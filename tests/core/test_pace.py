@@ -5,7 +5,7 @@ CO2Optimizer on real gloo processes against the independent reference (`referenc
 every inner step of every replica: R = 2 (plain) and S x R = 2 x 2 (FSDP2 and FairScale OSS), with the defaults and with
 the other collective, the shared stand-in with the adaptive gap, and blocking rounds. Then what follows
 the clock: finalize()'s agreement on rounds, a checkpoint resumed bit for bit mid-round (each replica's
-own step count and data position), resharding refused, the learning-rate clock; and the refusals.
+own step count and data position), resharded on the same grid, the learning-rate clock; and the refusals.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _run(rank: int, config: dict) -> dict:
 
 def _resume(rank: int, directory: str) -> dict:
     """Straight through, and saved mid-round (replica 0 after 6 steps, replica 1 after 3), loaded into a
-    scrambled fresh run that goes on; then the same checkpoint loaded with reshard=True."""
+    scrambled fresh run that goes on; then the same checkpoint loaded with reshard=True (its step count)."""
     config = SCENARIOS["defaults"]
     straight = _run(rank, config)
     model, opt = _build(config)
@@ -114,15 +114,39 @@ def _resume(rank: int, directory: str) -> dict:
     _train(rank, model, opt, ROUNDS * opt.steps_per_round + EXTRA[rank] - loaded_at, resumed)
     _finalize(opt, EXTRA[rank])
     model2, opt2 = _build(config)
-    try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the steps after the last round end are dropped
         checkpoint.load(directory, model2, opt2, reshard=True)
-        reshard = "not refused"
-    except Exception as error:  # noqa: BLE001  the refusal's text is the result
-        reshard = str(error)
-    finally:
-        opt2.engine.close()
+    reshard = opt2.engine.inner_steps
+    opt2.engine.close()
     return {"straight": straight, "resumed": resumed, "final": _params(model), "saved_at": saved_at,
             "loaded_at": loaded_at, "reshard": reshard}  # fmt: skip
+
+
+SKIP = {"tau": TAU, "replica_tau": PACED, "nonfinite": "skip_round"}
+NAN_AT = (1, 4)  # replica 1's inner step 4 (the first of its round 2) gets a NaN gradient
+RESTARTS = [(1, 3)]  # so round 2 is skipped everywhere and replica 1 restarts round 3 from the shared start
+
+
+def _skip_round(rank: int) -> dict:
+    """skip_round: a NaN gradient on replica 1 in round 2; every step recorded, NaN or not."""
+    model, opt = _build(SKIP)
+    steps: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(ROUNDS * opt.steps_per_round + _extra(SKIP)[rank]):
+            x, y = models.batch(rank, opt.engine.inner_steps)
+            opt.zero_grad()
+            models.loss_fn(model(x), y).backward()
+            if (rank, opt.engine.inner_steps) == NAN_AT:
+                for p in model.parameters():
+                    p.grad.fill_(float("nan"))
+            opt.step()
+            steps.append(_params(model))
+        skipped = opt.engine.skipped_rounds
+        opt.finalize()
+    warned = [str(w.message) for w in caught]
+    return {"steps": steps, "final": _params(model), "skipped": skipped, "warned": warned}
 
 
 def _short_replica(rank: int) -> str:
@@ -150,6 +174,7 @@ def _children(rank: int, world: int, directory: str) -> dict:
     out = {name: _run(rank, config) for name, config in SCENARIOS.items()}
     out["resume"] = _resume(rank, os.path.join(directory, "ckpt"))
     out["wrong_length"] = _wrong_length(rank)
+    out["skip"] = _skip_round(rank)
     out["short"] = _short_replica(rank)
     return out
 
@@ -193,8 +218,7 @@ def test_weights_are_the_token_shares():
     pace = Pace((4, 4, 2, 1))
     assert [pace.weight(r) for r in range(4)] == [4 / 11, 4 / 11, 2 / 11, 1 / 11]
     assert pace.displacement_scale(2) == pytest.approx(4 * 2 / 11)
-    assert Pace((4, 4)).displacement_scale(1) == 1.0 and Pace((4, 4)).taus_by_rank(2) is None
-    assert Pace((4, 2)).taus_by_rank(2) == [4, 4, 2, 2]
+    assert Pace((4, 4)).displacement_scale(1) == 1.0
     assert [Pace((4, 1)).clock_step(r, s) for r, s in ((0, 8), (1, 2))] == [8.0, 8.0]
 
 
@@ -223,7 +247,6 @@ def test_the_default_config_keeps_its_identity():
         ({"replica_tau": []}, "replica_tau=[]"),
         ({"replica_tau": [4, 2], "sync_delay": 2}, "sync_delay=2"),
         ({"replica_tau": [4, 2], "comm_dtype": "bf16"}, "comm_dtype='bf16'"),
-        ({"replica_tau": [4, 2], "nonfinite": "skip_round"}, "nonfinite='skip_round'"),
         ({"replica_tau": [4, 2], "stand_in": "eager"}, "stand_in='eager'"),
     ],
 )
@@ -265,10 +288,10 @@ def test_an_elastic_membership_is_refused_before_anything_is_built():
 
 
 def test_finalize_agreement_compares_rounds():
-    taus = [4, 2]
-    assert steps_mismatch([[8, 1, 0], [4, 1, 0]], 0, 8, taus) is None  # 2 rounds each
-    assert steps_mismatch([[11, 1, 0], [5, 1, 0]], 0, 11, taus) is None  # partial rounds are dropped
-    problem = steps_mismatch([[8, 1, 0], [2, 1, 0]], 0, 8, taus)
+    pace = Pace((4, 2))
+    assert steps_mismatch([[8, 1, 0], [4, 1, 0]], 0, 8, pace) is None  # 2 rounds each
+    assert steps_mismatch([[11, 1, 0], [5, 1, 0]], 0, 11, pace) is None  # partial rounds are dropped
+    problem = steps_mismatch([[8, 1, 0], [2, 1, 0]], 0, 8, pace)
     assert "rank 1: 2 (round 1 at tau 2)" in problem and "same number of rounds" in problem
     assert steps_mismatch([[8, 1, 0], [4, 1, 0]], 0, 8) is not None  # uniform: steps, as before
 
@@ -308,9 +331,31 @@ def test_checkpoint_resumes_each_replica_bit_for_bit(results):
         torch.testing.assert_close(run["final"], run["straight"]["final"], rtol=0, atol=0)
 
 
-def test_resharding_is_refused(results):
-    for got in results:
-        assert "resharding is not supported with replica_tau=[4, 2]" in got["resume"]["reshard"]
+def test_resharding_on_the_same_grid_resumes_each_replica_at_its_last_round_start(results):
+    """(tests/core/test_pace_reshard.py: S changed, and every later step against the reference.)"""
+    for rank, got in enumerate(results):
+        assert got["resume"]["reshard"] == PACED[rank]
+
+
+def test_skip_round_skips_the_round_everywhere_and_restarts_the_replica_that_had_the_nan(results):
+    """Round 2 is skipped on both replicas (counted once each); replica 1, whose displacement was NaN, restarts
+    round 3 from the shared start with a fresh inner optimizer; every finite step matches the reference, and
+    the only NaN one is replica 1's step inside round 2."""
+    per_step: list = []
+    math = {k: v for k, v in SKIP.items() if k not in ("replica_tau", "nonfinite")}
+    finals = simulate_paced(lambda: models.make_model("mlp"), lambda p: models.make_optimizer("sgd", p),
+                            models.batch, models.loss_fn, math, PACED, ROUNDS, _extra(SKIP), step_record=per_step,
+                            restarts=RESTARTS)  # fmt: skip
+    for rank, got in enumerate(results):
+        run = got["skip"]
+        assert run["skipped"] == 1 and any("skipped" in w for w in run["warned"]), run["warned"]
+        nan_steps = [k for k, p in enumerate(run["steps"]) if not all(bool(v.isfinite().all()) for v in p.values())]
+        assert nan_steps == ([NAN_AT[1]] if rank == NAN_AT[0] else [])
+        assert len(run["steps"]) == len(per_step[rank])
+        for k, (actual, expected) in enumerate(zip(run["steps"], per_step[rank])):
+            if k not in nan_steps:
+                _assert_close(actual, expected, f"skip_round replica {rank} after its step {k + 1}")
+        _assert_close(run["final"], finals[rank], f"skip_round replica {rank} final")
 
 
 def test_a_replica_a_round_short_makes_every_rank_raise_naming_the_rounds(results):

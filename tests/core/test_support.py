@@ -51,11 +51,9 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "sync_delay: not null, 'auto' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "sync_delay": 1}),
     "comm_dtype: 'bf16' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "comm_dtype": "bf16"}),
-    "nonfinite: 'skip_round' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "nonfinite": "skip_round"}),
     "stand_in: 'eager' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "stand_in": "eager"}),
     "replica_tau: not null with driver: 'lightning', 'co2-train', 'hf-trainer'": (LIGHTNING, {"replica_tau": [2, 1]}),
     "replica_tau: not null, 'auto' with elastic: true": (ELASTIC, {"replica_tau": [2, 1]}),
-    "replica_tau: 'auto' with elastic: false": (PLAIN, {"replica_tau": "auto"}),
     "replica_tau: 'auto' with elastic: true and plan.shards: not 1": (FSDP2 + "+" + ELASTIC, {"replica_tau": "auto"}),
     "shards_per_replica: not 'node', 1 with integration: 'plain'": (PLAIN, {"shards_per_replica": 2}),
     "elastic: true with integration: 'fairscale', 'deepspeed'": (FAIRSCALE + "+" + ELASTIC, {}),
@@ -84,6 +82,7 @@ GRID = [
     {"nonfinite": "skip_round", "sync_delay": 1},
     {"replica_tau": [2, 1]},
     {"replica_tau": [2, 1], "comm_dtype": "int4", "topk": 0.5},
+    {"replica_tau": "auto"},
     {"collective": "reduce_scatter", "comm_dtype": "int4"},
 ]
 

@@ -4,7 +4,9 @@ own (`co2_zero.deepspeed.initialize`): each replica runs rounds x `opt.steps_per
 S x R = 2 x 2 on real gloo processes against the independent reference (`reference.simulate_paced`, with
 DeepSpeed's AdamW and WarmupLR schedule, stepped at each replica's own steps as DeepSpeed's engine does) at
 every inner step of every rank; the default checkpoint tag agrees across replicas of different step
-counts; HF Trainer (which runs the same steps on every replica) refuses it when built.
+counts; HF Trainer (which runs the same steps on every replica) refuses it when built. `replica_tau: "auto"`
+(slow): 2 rounds at tau, then the τ_r fixed from each replica's step times (replica 1's clock runs at half
+speed), against the reference at every inner step.
 """
 
 from __future__ import annotations
@@ -97,3 +99,67 @@ def test_hf_trainer_refuses_it_when_built():
     args = SimpleNamespace(hf_deepspeed_config=SimpleNamespace(config=_config()), deepspeed="ds.json")
     with pytest.raises(ValueError, match=r"replica_tau=\[4, 2\] is not supported with Hugging Face Trainer"):
         CO2Callback.on_init_end(None, args, None, None)
+
+
+# ---- replica_tau "auto": measured in the first rounds, then fixed (tests/core/test_pace_auto.py) --------------
+
+AUTO_ROUNDS, MEASURED = 4, 2  # the first 2 rounds at tau; replica 1's clock makes it half as fast: [4, 2]
+
+
+def _auto_config() -> dict:
+    co2 = {"tau": TAU, "replica_tau": "auto", "shards_per_replica": SHARDS}
+    return ds_config("ds_zero1_co2", co2, co2_only=True, drop=("gradient_clipping",))
+
+
+def _auto_child(rank: int, world: int) -> dict:
+    from co2_zero.deepspeed import initialize
+    from tests.core.test_pace_auto import _slow_clock
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    replica, shard = divmod(rank, SHARDS)
+    _slow_clock(replica)
+    model = models.make_model("mlp")
+    engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=_auto_config())
+    trajectory: list = []
+
+    def step() -> None:
+        x, y = models.shard_batch(replica, shard, len(trajectory), SHARDS)  # its own steps: its data position
+        engine.backward(models.loss_fn(engine(x).float(), y))
+        engine.step()
+        trajectory.append(_params(engine.module))
+
+    while opt.engine.rounds < AUTO_ROUNDS:
+        step()
+    for _ in range(EXTRA[replica]):
+        step()
+    out = {"trajectory": trajectory, "steps_per_round": opt.steps_per_round, "global_steps": engine.global_steps}
+    opt.finalize()
+    out["final"] = _params(engine.module)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+def test_auto_measures_then_matches_the_reference_at_every_step(tmp_path):
+    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path)  # the children's JIT
+    try:
+        results = run_ranks(_auto_child, 2 * SHARDS, timeout=300)
+    finally:
+        if previous is None:
+            del os.environ["TORCH_EXTENSIONS_DIR"]
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = previous
+    config = _auto_config()
+    per_step: list = []
+    finals = simulate_paced(lambda: models.make_model("mlp"), lambda p: ReferenceInner(p, config), models.batch,
+                            models.loss_fn, config["co2"], PACED, AUTO_ROUNDS, EXTRA, shards=SHARDS,
+                            shard_batch=lambda r, s, k: models.shard_batch(r, s, k, SHARDS),
+                            step_record=per_step, uniform_rounds=MEASURED)  # fmt: skip
+    for rank, got in enumerate(results):
+        replica = rank // SHARDS
+        assert got["steps_per_round"] == PACED[replica]
+        assert got["global_steps"] == len(got["trajectory"]) == len(per_step[replica])
+        for k, (actual, expected) in enumerate(zip(got["trajectory"], per_step[replica])):
+            _assert_close(actual, expected, f"deepspeed auto rank {rank} after its step {k + 1}")
+        _assert_close(got["final"], finals[replica], f"deepspeed auto rank {rank} final")

@@ -1,0 +1,311 @@
+"""`replica_tau: "auto"` (docs/design.md §3, "Replicas of different speeds"): the first rounds run every
+replica at tau while each rank times its inner steps; the step announcement of the last measured round end
+carries the times, and from the next round on every replica runs the τ_r fixed from them.
+
+Real gloo processes against the independent reference (`reference.simulate_paced` with `uniform_rounds`)
+at every inner step of every replica, with the defaults otherwise: R = 2 (plain CO2Optimizer) and
+S x R = 2 x 2 (FSDP2; FairScale OSS among the slow tests, and DeepSpeed ZeRO-1 in
+tests/integrations/test_deepspeed_pace.py). Replica 1 is made slower deterministically by a
+clock of its own (`pace_meter.clock`, read by the real meter; the times still travel through the real
+announcement), and once with a real sleep. Checkpoints saved before and after the τ_r are fixed resume as
+the reference says: before, the run measures anew; after, bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from co2_zero import CO2Config, CO2Optimizer, checkpoint
+from co2_zero.core import pace_meter
+from co2_zero.core.pace import Pace
+from co2_zero.core.pace_meter import MEASURED_ROUNDS, PaceMeter
+from tests import models
+from tests.core.test_pace import _assert_close, _finalize, _params
+from tests.dist_utils import run_ranks
+from tests.reference import simulate_paced
+
+TAU = 4
+AUTO = {"tau": TAU, "replica_tau": "auto"}  # the defaults otherwise
+SLOWER = [1, 2]  # replica r's clock runs SLOWER[r] ms per inner step: replica 1 at half speed
+FIXED = [4, 2]  # what that fixes
+ROUNDS, EXTRA = 5, [3, 1]  # rounds, then a partial round of each replica (dropped by finalize())
+
+
+def _slow_clock(replica: int) -> None:
+    """This process's meter reads a clock that advances SLOWER[replica] ms per read: every step it times
+    lasts exactly that long."""
+    ticks = itertools.count()
+    pace_meter.clock = lambda: next(ticks) * SLOWER[replica] * 1e-3
+
+
+def _round(replica: int, model, opt, record: list, clock: list) -> None:
+    """Inner steps on the replica's own batches (from its own inner step on) until a round end."""
+    while True:
+        _step(replica, model, opt, record)
+        if opt.round_ended:
+            clock.append(opt.clock_step)
+            return
+
+
+def _step(replica: int, model, opt, record: list, sleep_s: float = 0.0) -> None:
+    x, y = models.batch(replica, opt.engine.inner_steps)
+    opt.zero_grad()
+    models.loss_fn(model(x), y).backward()
+    time.sleep(sleep_s)
+    opt.step()
+    record.append(_params(model))
+
+
+def _build(config: dict = AUTO) -> tuple[torch.nn.Module, CO2Optimizer]:
+    model = models.make_model("mlp")
+    return model, CO2Optimizer(models.make_optimizer("sgd", model.parameters()), config, model=model)
+
+
+def _finish(replica: int, model, opt, record: list, clock: list, rounds: int = ROUNDS) -> dict:
+    """Rounds up to `rounds`, the partial round, finalize()."""
+    while opt.engine.rounds < rounds:
+        _round(replica, model, opt, record, clock)
+    extra = EXTRA[replica] % opt.steps_per_round
+    for _ in range(extra):
+        _step(replica, model, opt, record)
+    fixed = opt.engine.state.fixed_replica_tau
+    _finalize(opt, extra)
+    return {"steps": record, "final": _params(model), "clock": clock, "fixed": fixed}
+
+
+class _Logged(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _straight(replica: int, config: dict = AUTO) -> dict:
+    logged, logger = _Logged(), logging.getLogger("co2_zero.core.engine")
+    logger.addHandler(logged)
+    logger.setLevel(logging.INFO)
+    model, opt = _build(config)
+    record: list = []
+    clock: list = []
+    plan = repr(opt.plan)
+    out = _finish(replica, model, opt, record, clock)
+    logger.removeHandler(logged)
+    return {**out, "plan": plan, "steps_per_round": opt.steps_per_round, "logged": logged.messages}
+
+
+def _saved_and_resumed(replica: int, directory: str, rounds: int, extra: list[int]) -> dict:
+    """Train `rounds` rounds and `extra[replica]` steps, save, load into a fresh (scrambled) run, finish."""
+    model, opt = _build()
+    for _ in range(rounds):
+        _round(replica, model, opt, [], [])
+    for _ in range(extra[replica]):
+        _step(replica, model, opt, [])
+    checkpoint.save(directory, model, opt)
+    saved = {"at": opt.engine.inner_steps, "fixed": opt.engine.state.fixed_replica_tau}
+    opt.engine.close()
+    model, opt = _build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-3.0)
+    checkpoint.load(directory, model, opt)
+    loaded = {"at": opt.engine.inner_steps, "pace": opt.engine.pace}
+    return {"saved": saved, "loaded": loaded, **_finish(replica, model, opt, [], [])}
+
+
+def _real_sleep(replica: int) -> dict:
+    """Replica 1 sleeps 100 ms in each inner step: the real clock measures it slower."""
+    model, opt = _build()
+    record: list = []
+    while opt.engine.rounds < MEASURED_ROUNDS:
+        _step(replica, model, opt, record, sleep_s=0.1 * replica)
+    return {"taus": list(opt.engine.pace.taus), **_finish(replica, model, opt, record, [], rounds=3)}
+
+
+def _children(rank: int, world: int, directory: str) -> dict:
+    out = {"real": _real_sleep(rank)}
+    _slow_clock(rank)
+    out["straight"] = _straight(rank)
+    out["int8"] = _straight(rank, {**AUTO, "comm_dtype": "int8"})
+    out["topk"] = _straight(rank, {**AUTO, "topk": 0.25, "comm_dtype": "int4"})
+    out["before"] = _saved_and_resumed(rank, os.path.join(directory, "before"), 1, [2, 2])
+    out["after"] = _saved_and_resumed(rank, os.path.join(directory, "after"), MEASURED_ROUNDS, [2, 1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_children, 2, str(tmp_path_factory.mktemp("pace_auto")), timeout=300)
+
+
+def _reference(
+    taus: list[int], uniform_rounds: int, rounds: int = ROUNDS, shards: int = 1, config: dict = AUTO, exchange=None
+) -> tuple[list, list]:
+    """Per replica, its parameters after each of its inner steps; and after finalize()."""
+    per_step: list = []
+    extra = [e % tau for e, tau in zip(EXTRA, taus)]
+    math = {k: v for k, v in config.items() if k != "replica_tau"}
+    finals = simulate_paced(lambda: models.make_model("mlp"), lambda p: models.make_optimizer("sgd", p),
+                            models.batch, models.loss_fn, math, taus, rounds, extra, shards=shards,
+                            shard_batch=lambda r, s, k: models.shard_batch(r, s, k, shards), step_record=per_step,
+                            exchange=exchange, uniform_rounds=uniform_rounds)  # fmt: skip
+    return per_step, finals
+
+
+def _assert_every_step(runs: list[dict], per_step: list, finals: list, what: str) -> None:
+    for replica, run in enumerate(runs):
+        assert len(run["steps"]) == len(per_step[replica]), what
+        for k, (actual, expected) in enumerate(zip(run["steps"], per_step[replica])):
+            _assert_close(actual, expected, f"{what} replica {replica} after its step {k + 1}")
+        _assert_close(run["final"], finals[replica], f"{what} replica {replica} final")
+
+
+# ---- the bookkeeping, in one process ---------------------------------------------------------------------
+
+
+def test_a_pace_fixed_from_a_round_reads_steps_as_rounds():
+    """Two rounds at tau 4, then 4 and 2: replica 1 ends rounds at its steps 4, 8, 10, 12."""
+    pace = Pace((4, 2), from_round=2)
+    assert [pace.rounds_at(1, s) for s in (3, 4, 8, 9, 10, 12)] == [0, 1, 2, 2, 3, 4]
+    assert [pace.step_in_round(1, s) for s in (3, 4, 8, 9, 10)] == [3, 0, 0, 1, 0]
+    assert [pace.tau(1, t) for t in (0, 1, 2, 3)] == [4, 4, 2, 2] and pace.tau(1) == 2
+    assert [pace.agreed_step(1, s) for s in (6, 8, 9, 10)] == [6, 8, 10, 12]
+    assert pace.clock_step(1, 12) == pace.clock_step(0, 16) == 16.0
+
+
+def test_the_meter_fixes_the_same_taus_from_the_same_rows():
+    """The slowest shard of each replica counts; the fastest replica runs tau; the pace starts after the
+    deciding round; a step announcement without a time is refused."""
+    meter = PaceMeter(8, shards=2, first_round=3)
+    assert meter.decides_at(3 + MEASURED_ROUNDS - 1) and not meter.decides_at(3)
+    rows = [[0, 0, 0, ns] for ns in (1000, 1100, 4000, 2000)]
+    assert meter.decide(rows) == Pace((8, 2), from_round=3 + MEASURED_ROUNDS)
+    with pytest.raises(ValueError, match="posted no step time"):
+        PaceMeter(8, shards=1).decide([[0, 0, 0, 5], [0, 0, 0, 0]])
+
+
+def test_auto_is_accepted_and_names_the_field_when_misspelt():
+    assert CO2Config(tau=TAU, replica_tau="auto").replica_tau == "auto"
+    with pytest.raises(ValueError, match=r"replica_tau='measured' is invalid; accepted: null, 'auto'"):
+        CO2Config(tau=TAU, replica_tau="measured")
+    assert CO2Config(tau=TAU, replica_tau="auto").math_hash() != CO2Config(tau=TAU, replica_tau=[4, 4]).math_hash()
+
+
+# ---- real processes -------------------------------------------------------------------------------------
+
+
+def test_every_inner_step_matches_the_reference(results):
+    """Rounds 0 and 1 at tau, then the measured [4, 2], at every inner step; the plan says it measures."""
+    per_step, finals = _reference(FIXED, MEASURED_ROUNDS)
+    runs = [got["straight"] for got in results]
+    _assert_every_step(runs, per_step, finals, "auto")
+    for replica, run in enumerate(runs):
+        assert run["steps_per_round"] == FIXED[replica]
+        assert run["fixed"] == {"taus": FIXED, "from_round": MEASURED_ROUNDS}
+        assert "replica_tau='measured'" in run["plan"]
+        assert run["logged"] == [
+            "co2: replica_tau 'auto': inner steps of 1, 2 ms (per rank) fix replica_tau=[4, 2] from round 2 on"
+        ]
+    assert runs[0]["clock"] == runs[1]["clock"] == [float(TAU * (t + 1)) for t in range(ROUNDS)]
+
+
+@pytest.mark.parametrize(("name", "fields"), [("int8", {"comm_dtype": "int8"}),
+                                              ("topk", {"topk": 0.25, "comm_dtype": "int4"})])  # fmt: skip
+def test_the_compressed_exchanges_match_the_reference(results, name, fields):
+    """Each replica compresses its displacement scaled by R·w_r (1 while measured) plus its residual: the
+    residual carries over from the uniform rounds into the paced ones."""
+    from tests.reference_compress import CompressedExchange
+
+    strategy = "all_gather" if "topk" in fields else "all_reduce"  # what collective: auto resolves to on gloo
+    exchange = CompressedExchange(fields["comm_dtype"], strategy, 2, topk=fields.get("topk", 1.0))
+    per_step, finals = _reference(FIXED, MEASURED_ROUNDS, config={**AUTO, **fields}, exchange=exchange)
+    _assert_every_step([got[name] for got in results], per_step, finals, name)
+    assert all(got[name]["fixed"] == {"taus": FIXED, "from_round": MEASURED_ROUNDS} for got in results)
+
+
+def test_a_real_slow_replica_gets_fewer_steps(results):
+    """Replica 1's 100 ms sleep per step, measured by the real clock: it runs fewer steps per round than
+    replica 0, which runs tau; every step then matches the reference with those τ_r."""
+    taus = results[0]["real"]["taus"]
+    assert results[1]["real"]["taus"] == taus and taus[0] == TAU and taus[1] < TAU, taus
+    per_step, finals = _reference(taus, MEASURED_ROUNDS, rounds=3)
+    _assert_every_step([got["real"] for got in results], per_step, finals, "real sleep")
+
+
+def test_a_checkpoint_saved_before_the_taus_are_fixed_measures_anew(results):
+    """Saved at step 6 (round 1): the resumed run measures rounds 1 and 2 and paces from round 3."""
+    per_step, finals = _reference(FIXED, 1 + MEASURED_ROUNDS)
+    for replica, got in enumerate(results):
+        run = got["before"]
+        assert run["saved"] == {"at": TAU + 2, "fixed": None}
+        assert run["loaded"]["pace"] == Pace((TAU, TAU))
+        assert run["fixed"] == {"taus": FIXED, "from_round": 1 + MEASURED_ROUNDS}
+        resumed_from = run["loaded"]["at"]
+        for k, (actual, expected) in enumerate(zip(run["steps"], per_step[replica][resumed_from:])):
+            _assert_close(actual, expected, f"resumed before: replica {replica} after its step {resumed_from + k + 1}")
+        assert len(run["steps"]) == len(per_step[replica]) - resumed_from
+        _assert_close(run["final"], finals[replica], f"resumed before: replica {replica} final")
+
+
+def test_a_checkpoint_saved_after_the_taus_are_fixed_resumes_bit_for_bit(results):
+    """Saved mid-round 2 (replica 0 at step 10, replica 1 at step 9: the same share of the round): the τ_r
+    come back from the checkpoint, and every later step is the straight run's, bit for bit."""
+    for replica, got in enumerate(results):
+        run, straight = got["after"], got["straight"]
+        at = MEASURED_ROUNDS * TAU + [2, 1][replica]
+        assert run["saved"] == {"at": at, "fixed": {"taus": FIXED, "from_round": MEASURED_ROUNDS}}
+        assert run["loaded"] == {"at": at, "pace": Pace(tuple(FIXED), from_round=MEASURED_ROUNDS)}
+        assert len(run["steps"]) == len(straight["steps"]) - at
+        for k, (a, b) in enumerate(zip(run["steps"], straight["steps"][at:])):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, w=f"replica {replica} step {k}": f"{w}: {m}")
+        torch.testing.assert_close(run["final"], straight["final"], rtol=0, atol=0)
+
+
+# ---- S x R = 2 x 2 ----------------------------------------------------------------------------------------
+
+SHARDS = 2
+
+
+def _sharded_child(rank: int, world: int, integration: str) -> dict:
+    from tests.core.test_pace import SHARDED
+
+    replica, shard_index = divmod(rank, SHARDS)
+    _slow_clock(replica)
+    opt, net, whole = SHARDED[integration]({**AUTO, "shards_per_replica": SHARDS})
+    record: list = []
+
+    def step() -> None:
+        x, y = models.shard_batch(replica, shard_index, opt.engine.inner_steps, SHARDS)
+        opt.zero_grad()
+        models.loss_fn(net(x), y).backward()
+        opt.step()
+        record.append(whole())
+
+    while opt.engine.rounds < ROUNDS:
+        step()
+    extra = EXTRA[replica] % opt.steps_per_round
+    for _ in range(extra):
+        step()
+    fixed = opt.engine.state.fixed_replica_tau
+    _finalize(opt, extra)
+    out = {"steps": record, "final": whole(), "fixed": fixed}
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("integration", ["fsdp2", pytest.param("fairscale", marks=pytest.mark.slow)])
+def test_two_by_two_matches_the_reference_at_every_step(integration):
+    results = run_ranks(_sharded_child, 4, integration, timeout=300)
+    per_step, finals = _reference(FIXED, MEASURED_ROUNDS, shards=SHARDS)
+    for rank, got in enumerate(results):
+        assert got["fixed"] == {"taus": FIXED, "from_round": MEASURED_ROUNDS}, rank
+    _assert_every_step(results[0::SHARDS], per_step, finals, f"{integration} shard 0")
+    _assert_every_step(results[1::SHARDS], per_step, finals, f"{integration} shard 1")
