@@ -201,9 +201,9 @@ class CO2Config:
             "`local` (`shared` with `overlap: false`). `shared`: the shared start point, as published. "
             "`eager`: plus an outer step on the replica's own share of the average (Kale et al., arXiv "
             "2502.12996). `local`: the outer step the average will take, on the replica's own displacement "
-            "instead (with the outer momentum; with a clip, `collective: all_reduce`, which `auto` picks). `eager` and `local` set "
-            "explicitly need `overlap: true`, `eager` also `clip.mode: none` and `nonfinite: raise` (an elastic "
-            "membership refuses `eager`); costs up to 2Ψ/S fp32 words per rank.",
+            "instead (with the outer momentum; with a clip, `collective: all_reduce`, which `auto` picks). "
+            "`eager` and `local` set explicitly need `overlap: true`, `eager` also `clip.mode: none` and "
+            "`nonfinite: raise` (an elastic membership refuses `eager`); costs up to 2Ψ/S fp32 words per rank.",
         },
     )
     sync_delay: Optional[Union[int, str]] = field(
