@@ -227,6 +227,8 @@ ONE_REPLICA = SimpleNamespace(replicas=1, shards=1, outer_group=None)
         ({"sync_delay": TAU}, "gloo", False, {"sync_delay": "round end"}),
         ({"sync_delay": 1}, "gloo", False, {"sync_delay": "fixed", "steps_before_apply": 1}),
         ({"replica_tau": [TAU]}, "gloo", False, {"sync_delay": "round end", "taus": (TAU,)}),
+        ({"replica_tau": "auto"}, "gloo", False, {"replica_tau": "measured", "taus": (TAU,)}),
+        ({"replica_tau": "auto"}, "gloo", True, {"replica_tau": "every round", "taus": (TAU,)}),
         ({}, "gloo", True, {"sync_delay": "round end", "stand_in": "local"}),
     ],
 )
