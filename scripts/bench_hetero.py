@@ -60,6 +60,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--core", type=float, default=0.4, help="cores of a speed-1 node (caps sum below the host's)")
+    p.add_argument("--weight", type=float, default=2.0,
+                   help="scheduler weight of a speed-1 node (cpu.shares / 1024), the others' pro rata")  # fmt: skip
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--tau", type=int, default=12)
     p.add_argument("--rounds", type=int, default=8, help="rounds at one τ (every method trains these tokens)")
@@ -148,7 +150,8 @@ def run_method(method: str, speeds: list[float], a: argparse.Namespace, seed: in
     flags = [*common_flags(a, seed), "--eval_every", str(a.eval_every)]
     before = host_facts()
     began = time.time()
-    with ec.EmulatedCluster(len(speeds), a.rate, cpus_per_node=node_caps) as cluster:
+    weights = [a.weight * c / a.core for c in node_caps]
+    with ec.EmulatedCluster(len(speeds), a.rate, cpus_per_node=node_caps, cpu_weights=weights) as cluster:
         if method == "torchft_diloco":
             run = run_torchft(cluster, flags, a.rounds, a.tau, work)
         else:
@@ -157,8 +160,8 @@ def run_method(method: str, speeds: list[float], a: argparse.Namespace, seed: in
             run["command"] = shlex.join(["scripts/hetero_worker.py", *flags, "--pacing", pacing,
                                          "--rounds", str(a.rounds)])  # fmt: skip
     run.pop("config", None)
-    return {**run, "method": method, "seed": seed, "caps_cores": node_caps, "host_before": before,
-            "wall_s": round(time.time() - began, 1)}  # fmt: skip
+    return {**run, "method": method, "seed": seed, "caps_cores": node_caps, "cpu_weights": weights,
+            "host_before": before, "wall_s": round(time.time() - began, 1)}  # fmt: skip
 
 
 def run_ddp(a: argparse.Namespace, seed: int, work: Path) -> dict:
@@ -183,7 +186,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     meta = {"command": shlex.join(["python", "-m", "scripts.bench_hetero", *given]),
             "self_check": check, "host": {"cores": os.cpu_count(), "shared": True}, "rate": a.rate,
-            "tau": a.tau, "rounds": a.rounds, "core_at_speed_1": a.core, "model": a.model, "extra": a.extra,
+            "tau": a.tau, "rounds": a.rounds, "core_at_speed_1": a.core, "weight_at_speed_1": a.weight,
+            "model": a.model, "extra": a.extra,
             "reps": a.reps}  # fmt: skip
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="c2z-hetero-") as tmp:

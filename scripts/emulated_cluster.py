@@ -295,11 +295,15 @@ class CpuCaps:
 
     PERIOD_US = 100_000
 
-    def __init__(self, tag: str, cpus: Union[float, Sequence[float]]) -> None:
+    def __init__(self, tag: str, cpus: Union[float, Sequence[float]],
+                 weights: Optional[Sequence[float]] = None) -> None:  # fmt: skip
         listed = list(cpus) if isinstance(cpus, (list, tuple)) else None
         if any(not c > 0 for c in (listed or [cpus])) or listed == []:
             raise ValueError(f"cpus_per_node={cpus}: expected a positive number of cores (or one per node), e.g. 0.5")
+        if weights is not None and any(not w > 0 for w in weights):
+            raise ValueError(f"cpu_weights={list(weights)}: expected a positive weight per node (1: the default)")
         self.tag, self.cpus = tag, [float(c) for c in listed] if listed is not None else float(cpus)
+        self.weights = list(weights) if weights is not None else None
         self.root, self.v2 = cgroup_cpu_root()
         self.made: list[Path] = []
 
@@ -320,10 +324,9 @@ class CpuCaps:
             ) from error
 
     def _create(self, nodes: int) -> None:
-        if isinstance(self.cpus, list) and len(self.cpus) != nodes:
-            raise ValueError(
-                f"cpus_per_node={self.cpus}: {len(self.cpus)} caps for {nodes} nodes; expected one per node"
-            )
+        for given, name in ((self.cpus, "cpus_per_node"), (self.weights, "cpu_weights")):
+            if isinstance(given, list) and len(given) != nodes:
+                raise ValueError(f"{name}={given}: {len(given)} values for {nodes} nodes; expected one per node")
         if self.v2:  # the root must hand the cpu controller down to its children
             (self.root / "cgroup.subtree_control").write_text("+cpu")
         for i in range(nodes):
@@ -336,6 +339,12 @@ class CpuCaps:
             else:
                 (group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
                 (group / "cpu.cfs_quota_us").write_text(str(quota))
+            if self.weights is not None:  # the scheduler's weight beside the host's other tasks (default 1)
+                weight = self.weights[i]
+                if self.v2:
+                    (group / "cpu.weight").write_text(str(min(10_000, max(1, round(100 * weight)))))
+                else:
+                    (group / "cpu.shares").write_text(str(max(2, round(1024 * weight))))
 
     def argv(self, i: int, argv: Sequence[str]) -> list[str]:
         """argv run inside node i's cgroup (its children inherit it)."""
@@ -394,10 +403,13 @@ class EmulatedCluster:
     delay_ms: optional one-way delay added to every bridged IPv4 packet (NFQUEUE delay line).
     cpus_per_node: optional cap on each node's CPU, in cores, one for all or one per node (`CpuCaps`);
               None: the nodes share the host.
+    cpu_weights: optional scheduler weight per capped node (1: a plain process's): on a host busy with
+              other jobs a quota may not be what binds, and the nodes then share the CPU by weight.
     """
 
     def __init__(self, nodes: int, rate: Union[str, float, None] = None, delay_ms: float = 0.0,
-                 cpus_per_node: Union[float, Sequence[float], None] = None) -> None:  # fmt: skip
+                 cpus_per_node: Union[float, Sequence[float], None] = None,
+                 cpu_weights: Optional[Sequence[float]] = None) -> None:  # fmt: skip
         if nodes < 1 or nodes > 200:
             raise ValueError(f"nodes={nodes}: expected 1..200")
         self.nodes = nodes
@@ -409,7 +421,7 @@ class EmulatedCluster:
         self.delay_proc: Optional[subprocess.Popen] = None
         self._procs: list[subprocess.Popen] = []
         self._hosts: Optional[Path] = None  # hosts_file(), written on first use
-        self.caps = CpuCaps(self.tag, cpus_per_node) if cpus_per_node is not None else None
+        self.caps = CpuCaps(self.tag, cpus_per_node, cpu_weights) if cpus_per_node is not None else None
 
     # -- names and addresses
     def ns(self, i: int) -> str:
