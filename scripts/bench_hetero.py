@@ -72,6 +72,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "--outer_momentum 0.9", help="more flags of every run")  # fmt: skip
     p.add_argument("--no_ddp", action="store_true", help="skip DDP (no time-to-target)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "heterogeneous"))
+    p.add_argument("--summary", action="store_true", help="only rebuild the tables from <out>/runs.json")
     return p.parse_args(argv)
 
 
@@ -179,6 +180,10 @@ def run_ddp(a: argparse.Namespace, seed: int, work: Path) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = get_args(argv)
+    if a.summary:
+        saved = json.loads(Path(a.out, "runs.json").read_text())
+        write(a, saved["meta"], saved["runs"])
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     began = time.time()
     with ec.EmulatedCluster(4, a.rate) as cluster:
@@ -207,9 +212,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def write(a: argparse.Namespace, meta: dict, runs: list[dict]) -> None:
-    """Every case's JSON and table from the runs so far (after every run: a stopped study keeps its runs)."""
+    """Every case's JSON and table from the runs so far (after every run: a stopped study keeps its runs),
+    and the runs themselves (runs.json: --summary rebuilds the rest from it)."""
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    for case in a.cases:
+    Path(a.out, "runs.json").write_text(json.dumps({"meta": meta, "runs": runs}) + "\n")
+    for case in CASES:
         mine = [r for r in runs if r["case"] in (case, None)]
         if not any(r["case"] == case for r in mine):
             continue
