@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional, Sequence
 
-MARGINS = (0.0, 0.02, 0.05)  # time to DDP's final loss × (1 + margin)
+MARGINS = (0.0, 0.02, 0.05, 0.1)  # time to DDP's final loss × (1 + margin)
 KEYS = tuple(f"{x:g}" for x in MARGINS)
 GOALS = {"own_speed": 0.95, "loss_gap": 0.01, "time_ratio": 1.15}
 
@@ -58,42 +58,59 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
+def loss_at(curve: Sequence[dict], tokens: float) -> Optional[float]:
+    """The held-out loss at `tokens`, linear between evaluations; None past the curve's end."""
+    for before, point in zip(curve, curve[1:]):
+        if before["tokens"] <= tokens <= point["tokens"]:
+            span = point["tokens"] - before["tokens"]
+            share = (tokens - before["tokens"]) / span if span > 0 else 1.0
+            return before["val_loss"] + share * (point["val_loss"] - before["val_loss"])
+    return curve[0]["val_loss"] if curve and tokens == curve[0]["tokens"] else None
+
+
+def targets(ddp: Optional[dict], uniform: Optional[dict], tokens: int) -> dict[str, Optional[float]]:
+    """The losses timed: DDP's final loss and within 2 / 5 / 10% of it, and the uniform run's loss at
+    `tokens` (the fewer of the two runs': a run that trained fewer tokens is timed to what the uniform
+    cluster reached with as many)."""
+    out = {k: ddp["final_val_loss"] * (1 + x) if ddp else None for k, x in zip(KEYS, MARGINS)}
+    return {**out, "uniform": loss_at(uniform["curve"], min(tokens, uniform["tokens"])) if uniform else None}
+
+
+def _times(run: Optional[dict], goal: dict[str, Optional[float]]) -> dict[str, Optional[float]]:
+    return {k: time_to(run["curve"], v) if run and v is not None else None for k, v in goal.items()}
+
+
+def _measures(run: dict, runs: Sequence[dict], ddp: Optional[dict], u: Optional[dict]) -> dict:
+    """One run's figures: against its own speeds, against the uniform run of its repetition."""
+    own, u_own = _own_speeds(run, runs), _own_speeds(u, runs) if u else None
+    goal = targets(ddp, u, run["tokens"])
+    times, u_times = _times(run, goal), _times(u, goal)
+    equal = min(run["tokens"], u["tokens"]) if u else None  # the losses compared at the fewer tokens
+    return {
+        "tokens": run["tokens"], "train_s": run["train_s"], "own_speeds_tokens_per_s": run.get("own_tokens_per_s"),
+        "tokens_per_s_over_own_speeds": _ratio(run["tokens"] / run["train_s"], own),
+        "steady_tokens_per_s_over_own_speeds": _ratio(steady_tokens_per_s(run), own),
+        "final_val_loss": run["final_val_loss"], "loss_over_uniform": _ratio(run["final_val_loss"],
+                                                                              u and u["final_val_loss"]),
+        "loss_over_uniform_equal_tokens": _ratio(loss_at(run["curve"], equal), u and loss_at(u["curve"], equal)),
+        "taus": run["taus"], "caps_cores": run["caps_cores"], "host_before": run["host_before"],
+        "time_to_s": times, "time_over_uniform": {k: _ratio(v, u_times[k]) for k, v in times.items()},
+        "compute_time_over_uniform": {k: _ratio(v and own and v * own, u_times[k] and u_own and u_times[k] * u_own)
+                                      for k, v in times.items()},
+        "curves": run["curve"], "commands": run.get("command"),
+    }  # fmt: skip
+
+
 def case_report(case: str, speeds: Sequence[float], meta: dict, runs: Sequence[dict]) -> dict:
     """One case's JSON: per method, lists over repetitions (index = repetition)."""
     ddp = {r["rep"]: r for r in runs if r["method"] == "ddp"}
     uniform = {r["rep"]: r for r in runs if r["method"] == "uniform"}
     methods: dict[str, dict] = {}
     for run in sorted((r for r in runs if r["method"] != "ddp"), key=lambda r: r["rep"]):
-        m = methods.setdefault(run["method"], {k: [] for k in (
-            "tokens", "train_s", "own_speeds_tokens_per_s", "tokens_per_s_over_own_speeds",
-            "steady_tokens_per_s_over_own_speeds", "final_val_loss",
-            "loss_over_uniform", "taus", "caps_cores", "time_to_ddp_s", "time_over_uniform",
-            "compute_time_over_uniform", "host_before")})  # fmt: skip
-        own = _own_speeds(run, runs)
-        m["tokens"].append(run["tokens"])
-        m["train_s"].append(run["train_s"])
-        m["own_speeds_tokens_per_s"].append(run.get("own_tokens_per_s"))
-        m["tokens_per_s_over_own_speeds"].append(_ratio(run["tokens"] / run["train_s"], own))
-        m["steady_tokens_per_s_over_own_speeds"].append(_ratio(steady_tokens_per_s(run), own))
-        m["final_val_loss"].append(run["final_val_loss"])
-        u = uniform.get(run["rep"])
-        m["loss_over_uniform"].append(_ratio(run["final_val_loss"], u and u["final_val_loss"]))
-        m["taus"].append(run["taus"])
-        m["caps_cores"].append(run["caps_cores"])
-        m["host_before"].append(run["host_before"])
-        target = ddp.get(run["rep"])
-        times = {f"{x:g}": time_to(run["curve"], target["final_val_loss"] * (1 + x)) if target else None
-                 for x in MARGINS}  # fmt: skip
-        m["time_to_ddp_s"].append(times)
-        u_times = {f"{x:g}": time_to(u["curve"], target["final_val_loss"] * (1 + x)) if target and u else None
-                   for x in MARGINS}  # fmt: skip
-        m["time_over_uniform"].append({k: _ratio(v, u_times[k]) for k, v in times.items()})
-        u_own = _own_speeds(u, runs) if u else None
-        m["compute_time_over_uniform"].append(
-            {k: _ratio(v and own and v * own, u_times[k] and u_own and u_times[k] * u_own) for k, v in times.items()}
-        )
-        m.setdefault("curves", []).append(run["curve"])
-        m.setdefault("commands", []).append(run.get("command"))
+        measured = _measures(run, runs, ddp.get(run["rep"]), uniform.get(run["rep"]))
+        m = methods.setdefault(run["method"], {k: [] for k in measured})
+        for k, v in measured.items():
+            m[k].append(v)
     return {"case": case, "speeds": list(speeds), **meta,
             "ddp": {"final_val_loss": [ddp[k]["final_val_loss"] for k in sorted(ddp)],
                     "tokens": [ddp[k]["tokens"] for k in sorted(ddp)],
@@ -116,8 +133,8 @@ def goals(methods: dict) -> dict:
     out = {}
     for name, m in methods.items():
         med = lambda xs: statistics.median([x for x in xs if x is not None]) if any(x is not None for x in xs) else None  # noqa: E731
-        own, loss = med(m["tokens_per_s_over_own_speeds"]), med(m["loss_over_uniform"])
-        # DDP's loss itself, else the first of within 2% / 5% of it that the runs reached
+        own, loss = med(m["tokens_per_s_over_own_speeds"]), med(m["loss_over_uniform_equal_tokens"])
+        # DDP's loss itself, else the first of within 2 / 5 / 10% of it that the runs reached
         margin = next((k for k in KEYS if med([t[k] for t in m["time_over_uniform"]]) is not None), KEYS[-1])
         time0 = med([t[margin] for t in m["time_over_uniform"]])
         out[name] = {
@@ -132,24 +149,31 @@ def goals(methods: dict) -> dict:
     return out
 
 
+def _median(values: Sequence[Optional[float]]) -> str:
+    have = [v for v in values if v is not None]
+    return f"{statistics.median(have):.2f}" if have else "–"
+
+
 def markdown(doc: dict) -> str:
-    """The case's table: median [min, max] over repetitions."""
+    """The case's table: median [min, max] over repetitions (the DDP-loss times: medians, – not reached)."""
     lines = [f"### speeds {', '.join(f'{s:g}' for s in doc['speeds'])} ({doc['case']})", "",
              f"`{doc['command']}`; P = 4, {doc['rate']}, τ = {doc['tau']}, {doc['rounds']} rounds at one τ, "
              f"speed 1 = {doc['core_at_speed_1']:g} core (cgroup CFS quota), {doc['reps']} repetitions, "
              f"{doc['host']['cores']}-core host shared with other jobs; DDP's final loss "
              f"{spread(doc['ddp']['final_val_loss'], '.4f')}.", "",
-             "| method | τ_r | tokens | tok/s ÷ Σ own speeds | steady state | final val loss | ÷ uniform | "
-             "time to DDP loss (+0 / +2 / +5%) ÷ uniform | same, per unit of compute |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| method | τ_r (rep. 1) | tokens | tok/s ÷ Σ own speeds | steady state | final val loss | ÷ uniform's, "
+             "equal tokens | time to DDP's loss +0 / 2 / 5 / 10% ÷ uniform's | time to uniform's loss (equal "
+             "tokens) ÷ uniform's | the same per unit of compute |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, m in doc["methods"].items():
-        times = " / ".join(spread([t[k] for t in m["time_over_uniform"]], ".2f", "not reached") for k in KEYS)
-        compute = " / ".join(spread([t[k] for t in m["compute_time_over_uniform"]], ".2f", "not reached") for k in KEYS)
+        ddp_times = " / ".join(_median([t[k] for t in m["time_over_uniform"]]) for k in KEYS)
         taus = ", ".join(str(t) for t in m["taus"][0])
         lines.append(f"| {name} | {taus} | {m['tokens'][0]:,} | {spread(m['tokens_per_s_over_own_speeds'])} | "
-                     f"{spread(m['steady_tokens_per_s_over_own_speeds'])} | "
-                     f"{spread(m['final_val_loss'], '.4f')} | {spread(m['loss_over_uniform'], '.4f')} | {times} | "
-                     f"{compute} |")  # fmt: skip
+                     f"{spread(m['steady_tokens_per_s_over_own_speeds'])} | {spread(m['final_val_loss'], '.4f')} | "
+                     f"{spread(m['loss_over_uniform_equal_tokens'], '.4f')} | {ddp_times} | "
+                     f"{spread([t['uniform'] for t in m['time_over_uniform']], '.2f', 'not reached')} | "
+                     f"{spread([t['uniform'] for t in m['compute_time_over_uniform']], '.2f', 'not reached')} |"
+                     )  # fmt: skip
     return "\n".join([*lines, "", goals_line(doc["goals"])]) + "\n"
 
 

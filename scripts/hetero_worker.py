@@ -112,7 +112,9 @@ class Run:
         return time.perf_counter() - self.began - self.paused
 
     def validate(self, tokens: int, final: bool = False) -> None:
-        """Rank 0 evaluates its live model alone (the others wait): a point of the curve."""
+        """Rank 0 evaluates its live model alone (the others wait): a point of the curve. The clock pauses
+        once every rank is here: waiting for the slowest to get here is training time."""
+        dist.barrier()
         start, elapsed = time.perf_counter(), self.seconds()
         if self.rank == 0:
             loss = evaluate(self.model, self.batches.val, 0, 1, alone=True, args=self.args)

@@ -7,8 +7,11 @@ import pytest
 from scripts import bench_hetero_report as report
 
 
-def _curve(points):
-    return [{"train_s": t, "tokens": 0, "val_loss": v, "final": False} for t, v in points]
+def _curve(points, tokens=800):
+    """Evaluations at (seconds, loss), the tokens spread evenly from 0 to `tokens`."""
+    last = len(points) - 1
+    return [{"train_s": t, "tokens": tokens * i // max(last, 1), "val_loss": v, "final": False}
+            for i, (t, v) in enumerate(points)]  # fmt: skip
 
 
 def test_time_to_a_loss_is_interpolated_between_evaluations():
@@ -27,7 +30,7 @@ def test_steady_state_leaves_out_the_first_round_and_the_end():
 
 def _run(method, rep, tokens, train_s, own, loss, curve):
     return {"method": method, "rep": rep, "tokens": tokens, "train_s": train_s, "own_tokens_per_s": own,
-            "final_val_loss": loss, "curve": _curve(curve), "taus": [4, 4], "caps_cores": [0.4, 0.4],
+            "final_val_loss": loss, "curve": _curve(curve, tokens), "taus": [4, 4], "caps_cores": [0.4, 0.4],
             "host_before": {}, "round_end_s": []}  # fmt: skip
 
 
@@ -51,3 +54,18 @@ def test_a_case_report_divides_by_own_speeds_and_by_the_uniform_run():
     assert m["torchft_diloco"]["time_over_uniform"][0]["0.02"] == pytest.approx(40.0 / uniform_at_2_04)
     assert doc["goals"]["fixed_tau"]["own_speed"] == {"median": pytest.approx(0.5), "met": False}
     assert doc["goals"]["uniform"]["loss_gap"]["met"] is True
+
+
+def test_a_run_of_fewer_tokens_is_compared_with_the_uniform_run_at_its_tokens():
+    """replica_tau's rounds round the tokens: its loss and its time are measured against what the uniform
+    run had at as many tokens (linear between the uniform run's evaluations)."""
+    runs = [
+        _run("uniform", 0, 800, 10.0, [50.0, 50.0], 2.0, [(0.0, 5.0), (5.0, 3.0), (10.0, 2.0)]),
+        _run("replica_tau", 0, 600, 6.0, [50.0, 50.0], 2.6, [(0.0, 5.0), (6.0, 2.6)]),
+    ]
+    m = report.case_report("half", [1.0, 0.5], {"command": "x"}, runs)["methods"]["replica_tau"]
+    uniform_at_600 = 3.0 + (600 - 400) / 400 * (2.0 - 3.0)  # 2.5, between its evaluations at 400 and 800
+    assert m["loss_over_uniform_equal_tokens"] == [pytest.approx(2.6 / uniform_at_600)]
+    assert m["loss_over_uniform"] == [pytest.approx(2.6 / 2.0)]
+    assert m["time_over_uniform"][0]["uniform"] is None  # 2.6 never reaches the uniform run's 2.5
+    assert report.loss_at(_curve([(0.0, 5.0), (1.0, 4.0)], 100), 150) is None  # past the curve's end
