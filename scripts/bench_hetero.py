@@ -73,6 +73,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no_ddp", action="store_true", help="skip DDP (no time-to-target)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "heterogeneous"))
     p.add_argument("--summary", action="store_true", help="only rebuild the tables from <out>/runs.json")
+    p.add_argument("--resume", action="store_true", help="keep <out>/runs.json's runs, run only the others")
     return p.parse_args(argv)
 
 
@@ -194,15 +195,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "tau": a.tau, "rounds": a.rounds, "core_at_speed_1": a.core, "weight_at_speed_1": a.weight,
             "model": a.model, "extra": a.extra,
             "reps": a.reps}  # fmt: skip
-    runs: list[dict] = []
+    runs: list[dict] = json.loads(Path(a.out, "runs.json").read_text())["runs"] if a.resume else []
+    done = {(r["case"], r["method"], r["rep"]) for r in runs}
     with tempfile.TemporaryDirectory(prefix="c2z-hetero-") as tmp:
         for rep in range(a.reps):
             seed = 1337 + rep
-            if not a.no_ddp:
+            if not a.no_ddp and (None, "ddp", rep) not in done:
                 runs.append(_logged(Path(tmp, f"ddp_{rep}"), "", rep, run_ddp, a, seed))
             for case in a.cases:
                 order = a.methods[rep % len(a.methods) :] + a.methods[: rep % len(a.methods)]
-                for method in order:
+                for method in (m for m in order if (case, m, rep) not in done):
                     work = Path(tmp, f"{case}_{method}_{rep}")
                     runs.append(_logged(work, case, rep, run_method, method, CASES[case], a, seed))
                     write(a, {**meta, "budget_s": round(time.time() - began), "reps_done": rep}, runs)

@@ -85,14 +85,15 @@ def _measures(run: dict, runs: Sequence[dict], ddp: Optional[dict], u: Optional[
     own, u_own = _own_speeds(run, runs), _own_speeds(u, runs) if u else None
     goal = targets(ddp, u, run["tokens"])
     times, u_times = _times(run, goal), _times(u, goal)
-    equal = min(run["tokens"], u["tokens"]) if u else None  # the losses compared at the fewer tokens
+    equal = min(run["tokens"], u["tokens"]) if u else 0  # the losses compared at the fewer tokens
     return {
         "tokens": run["tokens"], "train_s": run["train_s"], "own_speeds_tokens_per_s": run.get("own_tokens_per_s"),
         "tokens_per_s_over_own_speeds": _ratio(run["tokens"] / run["train_s"], own),
         "steady_tokens_per_s_over_own_speeds": _ratio(steady_tokens_per_s(run), own),
         "final_val_loss": run["final_val_loss"], "loss_over_uniform": _ratio(run["final_val_loss"],
                                                                               u and u["final_val_loss"]),
-        "loss_over_uniform_equal_tokens": _ratio(loss_at(run["curve"], equal), u and loss_at(u["curve"], equal)),
+        "loss_over_uniform_equal_tokens": _ratio(loss_at(run["curve"], equal),
+                                                 loss_at(u["curve"], equal) if u else None),
         "taus": run["taus"], "caps_cores": run["caps_cores"], "host_before": run["host_before"],
         "time_to_s": times, "time_over_uniform": {k: _ratio(v, u_times[k]) for k, v in times.items()},
         "compute_time_over_uniform": {k: _ratio(v and own and v * own, u_times[k] and u_own and u_times[k] * u_own)
