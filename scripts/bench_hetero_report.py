@@ -135,8 +135,8 @@ def goals(methods: dict) -> dict:
     for name, m in methods.items():
         med = lambda xs: statistics.median([x for x in xs if x is not None]) if any(x is not None for x in xs) else None  # noqa: E731
         own, loss = med(m["tokens_per_s_over_own_speeds"]), med(m["loss_over_uniform_equal_tokens"])
-        # DDP's loss itself, else the first of within 2 / 5 / 10% of it that the runs reached
-        margin = next((k for k in KEYS if med([t[k] for t in m["time_over_uniform"]]) is not None), KEYS[-1])
+        # DDP's loss itself, else the first of within 2 / 5 / 10% of it that every repetition reached
+        margin = next((k for k in KEYS if all(t[k] is not None for t in m["time_over_uniform"])), KEYS[-1])
         time0 = med([t[margin] for t in m["time_over_uniform"]])
         out[name] = {
             "own_speed": {"median": own, "met": own is not None and own >= GOALS["own_speed"]},
