@@ -21,12 +21,14 @@ target; its speed is not measured here).
 Per method and repetition: `tokens_per_s_over_own_speeds` (the job's tokens over its training seconds,
 over the sum of its ranks' own speeds: each rank's tokens per step over its mean inner-step time, round
 ends excluded, measured in the run itself; torchft's replicas do not time their steps, so its
-denominator is the same repetition's fixed_tau run's, same caps), `final_val_loss`, and the training
-seconds to DDP's final loss and to within 2% and 5% of it (interpolated between held-out evaluations),
-also over the uniform run's. Host facts (cores, load before each run) go with every run: the host is
+denominator is the same repetition's fixed_tau run's, same caps), `final_val_loss` (also over the
+uniform run's at equal tokens), and the training seconds to DDP's final loss and to within 2, 5 and 10%
+of it, and to the uniform run's loss at equal tokens (interpolated between held-out evaluations), over
+the uniform run's. `runs.json` keeps every run (--summary rebuilds the tables, --resume goes on).
+Host facts (cores, load before each run) go with every run: the host is
 shared with other jobs.
 
-    sudo PYTHONPATH=. OMP_NUM_THREADS=1 python -m scripts.bench_hetero --reps 3 --out benchmarks/heterogeneous
+    sudo PYTHONPATH=. OMP_NUM_THREADS=1 python -m scripts.bench_hetero --reps 3 --rounds 6   # ~47 min here
 """
 
 from __future__ import annotations
