@@ -1,20 +1,34 @@
-"""Replicas of different speeds: fixed tau against `replica_tau` (docs/configuration.md, "Replicas of
-different speeds"), side by side in one run, against a uniform cluster of the same tokens.
+"""Replicas of different speeds (issue 40's evidence): one τ, `replica_tau` and torchft's DiLoCo on an
+emulated cluster whose nodes have different CPU caps, beside a uniform cluster of equal total compute.
 
-P = 4 gloo ranks on this machine (S = 1), a small regression MLP on a fixed teacher. A replica's speed is
-emulated: each inner step is padded with a sleep to `BASE_S / speed` seconds (its compute included), so
-a slow replica is slow without taking CPU from the others (on a shared machine a CPU-share limit would
-mix the emulated slowness with everyone's contention; the sleep keeps it to the replica itself).
+P = 4 nodes of scripts/emulated_cluster.py (network namespaces, every link shaped to --rate), one rank
+each; node i's CPU is capped by a cgroup quota of speed_i × --core cores (CFS quota, a real limit, not a
+sleep). Start-up runs uncapped; the caps apply before the first training step (a ready/go handshake,
+scripts/hetero_worker.py; torchft's replicas once each has written its first record). The model is the
+training job's GPT (--model flags), the data its streams; every method trains the same total tokens.
+Per case and repetition, in a rotated order:
 
-Per method and repetition: `tokens_per_s_over_own_speeds`, the job's tokens/s over the sum of the
-replicas' own speeds (a replica's own speed: its batch over its mean inner-step time, round ends
-excluded), and `final_val_loss` after finalize() on a held-out set. Methods at equal total tokens:
-`uniform` (every speed 1, tau), `fixed_tau` (the case's speeds, tau on every replica), `replica_tau`
-(τ_r = tau × speed_r, rounded; as many rounds as give the same tokens, rounded), all with the defaults but
-the sync delay, the round end everywhere (replica_tau's), so that pacing is the only difference. torchft's
-DiLoCo is not run here.
+  uniform        CO2, one τ, every node capped at the mean of the case's caps (equal total compute)
+  fixed_tau      CO2, one τ, the case's caps
+  replica_tau    CO2, τ_r = taus_for_speeds(speeds measured by the ranks at the run's start, τ), as many
+                 rounds as give the same tokens (rounded); every CO2 run with the defaults but the sync
+                 delay, the round end (what replica_tau runs with), so pacing is the only difference
+  torchft_diloco torchft 0.2.0's DiLoCo (scripts/torchft_peer.py), one τ, the case's caps, the same outer
+                 lr and momentum as CO2's
+and once per repetition (its seed) DDP, unshaped and uncapped on the host (its loss at these tokens is the
+target; its speed is not measured here).
 
-    python scripts/bench_hetero.py --repeats 3 --out benchmarks/heterogeneous
+Per method and repetition: `tokens_per_s_over_own_speeds` (the job's tokens over its training seconds,
+over the sum of its ranks' own speeds: each rank's tokens per step over its mean inner-step time, round
+ends excluded, measured in the run itself; torchft's replicas do not time their steps, so its
+denominator is the same repetition's fixed_tau run's, same caps), `final_val_loss` (also over the
+uniform run's at equal tokens), and the training seconds to DDP's final loss and to within 2, 5 and 10%
+of it, and to the uniform run's loss at equal tokens (interpolated between held-out evaluations), over
+the uniform run's. `runs.json` keeps every run (--summary rebuilds the tables, --resume goes on).
+Host facts (cores, load before each run) go with every run: the host is
+shared with other jobs.
+
+    sudo PYTHONPATH=. OMP_NUM_THREADS=1 python -m scripts.bench_hetero --reps 3 --rounds 6   # ~47 min here
 """
 
 from __future__ import annotations
@@ -22,134 +36,207 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
+from typing import Optional, Sequence
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from scripts import bench_hetero_report as report
+from scripts import emulated_cluster as ec
+from scripts import torchft_peer
 
-from co2_zero.core.pace import taus_for_speeds
-
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = str(ROOT / "scripts" / "hetero_worker.py")
 CASES = {"half": [1.0, 1.0, 1.0, 0.5], "quarter": [1.0, 1.0, 0.5, 0.25]}
-BASE_S = 0.03  # an inner step at speed 1, compute included
-TAU, ROUNDS, BATCH, WIDTH = 8, 12, 64, 128
-SEED = 1234
-# the round end for every method (replica_tau's sync delay), so that pacing is the only difference; the
-# rest are the defaults
-COMMON = {"tau": TAU, "sync_delay": None}
+METHODS = ("uniform", "fixed_tau", "replica_tau", "torchft_diloco")
+LIGHTHOUSE_PORT, STORE_PORT = 29510, 29400
+RUN_TIMEOUT_S = 900
 
 
-def _data(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replica `replica`'s batch at its inner step `step`, labelled by a fixed teacher plus noise."""
-    g = torch.Generator().manual_seed(1_000_003 * (replica + 1) + step)
-    x = torch.randn(BATCH, 16, generator=g)
-    return x, _teacher(x) + 0.1 * torch.randn(BATCH, 4, generator=g)
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--core", type=float, default=0.4, help="cores of a speed-1 node (caps sum below the host's)")
+    p.add_argument("--weight", type=float, default=2.0,
+                   help="scheduler weight of a speed-1 node (cpu.shares / 1024), the others' pro rata")  # fmt: skip
+    p.add_argument("--rate", default="100mbit")
+    p.add_argument("--tau", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=8, help="rounds at one τ (every method trains these tokens)")
+    p.add_argument("--eval_every", type=int, default=2, help="rounds between held-out evaluations")
+    p.add_argument("--model", default="--n_layer 4 --n_embd 320 --n_head 4 --block_size 64 --batch_size 4",
+                   help="the training job's model/batch flags (5 M parameters, 256 tokens/rank/step)")  # fmt: skip
+    p.add_argument("--extra", default="--lr 3e-3 --min_lr 3e-4 --warmup_steps 16 --eval_batches 8 --outer_lr 0.5 "
+                   "--outer_momentum 0.9", help="more flags of every run")  # fmt: skip
+    p.add_argument("--no_ddp", action="store_true", help="skip DDP (no time-to-target)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "heterogeneous"))
+    p.add_argument("--summary", action="store_true", help="only rebuild the tables from <out>/runs.json")
+    p.add_argument("--resume", action="store_true", help="keep <out>/runs.json's runs, run only the others")
+    return p.parse_args(argv)
 
 
-def _teacher(x: torch.Tensor) -> torch.Tensor:
-    g = torch.Generator().manual_seed(7)
-    w1, w2 = torch.randn(16, 32, generator=g), torch.randn(32, 4, generator=g)
-    return torch.tanh(x @ w1) @ w2 / 4
+def caps(method: str, speeds: Sequence[float], core: float) -> list[float]:
+    """Each node's CPU cap in cores: the case's, or (uniform) their mean on every node."""
+    if method == "uniform":
+        return [core * sum(speeds) / len(speeds)] * len(speeds)
+    return [core * s for s in speeds]
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(SEED)
-    return torch.nn.Sequential(torch.nn.Linear(16, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 4))
+def common_flags(a: argparse.Namespace, seed: int) -> list[str]:
+    return [*a.model.split(), *a.extra.split(), "--tau", str(a.tau), "--seed", str(seed), "--no_progress"]
 
 
-def _validation_loss(model: torch.nn.Module) -> float:
-    g = torch.Generator().manual_seed(99)
-    x = torch.randn(4096, 16, generator=g)
-    with torch.no_grad():
-        return torch.nn.functional.mse_loss(model(x), _teacher(x)).item()
+def host_facts() -> dict:
+    return {"load_avg": ec.load_average(), "cpu_busy": round(ec.host_cpu_busy(0.5), 3)}
 
 
-def _rank(rank: int, world: int, store: str, speeds: list[float], config: dict, rounds: int, out: str) -> None:
-    from co2_zero import CO2Optimizer
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))  # fmt: skip
-    model = _model()
-    opt = CO2Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), config, model=model)
-    step_s, began = [], time.perf_counter()
-    for _ in range(rounds * opt.steps_per_round):
-        start = time.perf_counter()
-        x, y = _data(rank, opt.engine.inner_steps)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        time.sleep(max(0.0, start + BASE_S / speeds[rank] - time.perf_counter()))  # the emulated speed
-        step_s.append(time.perf_counter() - start)
-        opt.step()  # a round end happens in here: not part of the replica's own speed
-    wall = time.perf_counter() - began
-    opt.finalize()
-    result = {"steps": len(step_s), "own_speed": BATCH / statistics.mean(step_s), "wall_s": wall,
-              "val_loss": _validation_loss(model)}  # fmt: skip
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+def run_worker(cluster: ec.EmulatedCluster, flags: list[str], work: Path) -> dict:
+    """hetero_worker on every node: start uncapped, cap every rank once all are ready, then go."""
+    shake, result = work / "shake", work / "result.json"
+    shake.mkdir()
+    args = [*flags, "--handshake", str(shake), "--result", str(result)]
+    procs = [cluster.popen(i, cluster.torchrun_argv(i, WORKER, args), log=work / f"node{i}.log", capped=False)
+             for i in range(cluster.nodes)]  # fmt: skip
+    ready = [shake / f"ready{i}" for i in range(cluster.nodes)]
+    _wait_for(lambda: all(r.exists() and r.read_text() for r in ready), procs, work, "the ranks' start-up")
+    for i, r in enumerate(ready):
+        cluster.caps.admit(i, int(r.read_text()))
+    (shake / "go").write_text("")
+    _check(cluster.wait_all(procs, RUN_TIMEOUT_S), work)
+    return json.loads(result.read_text())
 
 
-def run_once(speeds: list[float], config: dict, rounds: int) -> dict:
-    """One job of len(speeds) ranks; its tokens/s over the sum of its replicas' own speeds, its loss."""
-    with tempfile.TemporaryDirectory() as work:
-        args = (len(speeds), f"{work}/store", speeds, config, rounds, work)
-        mp.start_processes(_rank, args=args, nprocs=len(speeds), start_method="spawn")
-        ranks = [json.loads(Path(work, f"rank{r}.json").read_text()) for r in range(len(speeds))]
-    tokens = sum(r["steps"] for r in ranks) * BATCH
-    wall = max(r["wall_s"] for r in ranks)
-    return {"tokens": tokens, "wall_s": wall,
-            "tokens_per_s_over_own_speeds": tokens / wall / sum(r["own_speed"] for r in ranks),
-            "final_val_loss": ranks[0]["val_loss"]}  # fmt: skip
+def run_torchft(cluster: ec.EmulatedCluster, flags: list[str], rounds: int, tau: int, work: Path) -> dict:
+    """torchft's DiLoCo, one replica per node (bench_throughput's layout), capped once every replica has
+    written its first record (after start-up and its initial evaluation)."""
+    lighthouse = cluster.popen(0, torchft_peer.lighthouse_argv(cluster.nodes, f"[::]:{LIGHTHOUSE_PORT}"),
+                               log=work / "lighthouse.log", capped=False)  # fmt: skip
+    parts = [work / f"replica{i}.jsonl" for i in range(cluster.nodes)]
+    url = f"http://{cluster.ip(0)}:{LIGHTHOUSE_PORT}"
+    peer_flags = ["--peer", "diloco", "--method", "diloco", *flags, "--max_steps", str(rounds * tau)]
+    try:
+        procs = [cluster.popen(i, torchft_peer.replica_argv(peer_flags, url, i, part), cwd=str(ROOT),
+                               env={"MASTER_ADDR": cluster.ip(i), "MASTER_PORT": str(STORE_PORT)},
+                               log=part.with_suffix(".log"), own_hostname=True, capped=False)
+                 for i, part in enumerate(parts)]  # fmt: skip
+        _wait_for(lambda: all(p.exists() and p.read_text().strip() for p in parts), procs, work, "torchft's start-up")
+        for i, proc in enumerate(procs):
+            cluster.caps.admit(i, proc.pid)
+        _check(cluster.wait_all(procs, RUN_TIMEOUT_S), work)
+    finally:
+        cluster.kill(lighthouse)
+    records = torchft_peer.merge_records([[json.loads(x) for x in p.read_text().splitlines()] for p in parts])
+    return report.from_peer_records(records, tau, peer_flags)
 
 
-def methods(speeds: list[float]) -> dict[str, tuple[list[float], dict, int]]:
-    """name: (speeds, co2 config, rounds), at equal total tokens (up to rounding)."""
-    taus = taus_for_speeds(speeds, TAU)
-    paced_rounds = round(ROUNDS * TAU * len(speeds) / sum(taus))
-    return {
-        "uniform": ([1.0] * len(speeds), {**COMMON}, ROUNDS),
-        "fixed_tau": (speeds, {**COMMON}, ROUNDS),
-        "replica_tau": (speeds, {**COMMON, "replica_tau": taus}, paced_rounds),
-    }
+def _wait_for(done, procs: list, work: Path, what: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                ec._kill_group(p)
+            raise ec.HarnessError(f"bench_hetero: {what} failed or took over {timeout_s:g}s; logs in {work}")
+        time.sleep(0.05)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--out", default="benchmarks/heterogeneous")
-    args = parser.parse_args(argv)
+def _check(codes: list[int], work: Path) -> None:
+    if any(codes):
+        raise ec.HarnessError(f"bench_hetero: exit codes {codes}; logs in {work}")
+
+
+def run_method(method: str, speeds: list[float], a: argparse.Namespace, seed: int, work: Path) -> dict:
+    """One run of `method` in a fresh cluster with its caps."""
+    node_caps = caps(method, speeds, a.core)
+    flags = [*common_flags(a, seed), "--eval_every", str(a.eval_every)]
+    before = host_facts()
+    began = time.time()
+    weights = [a.weight * c / a.core for c in node_caps]
+    with ec.EmulatedCluster(len(speeds), a.rate, cpus_per_node=node_caps, cpu_weights=weights) as cluster:
+        if method == "torchft_diloco":
+            run = run_torchft(cluster, flags, a.rounds, a.tau, work)
+        else:
+            pacing = "replica_tau" if method == "replica_tau" else "fixed"
+            run = run_worker(cluster, [*flags, "--pacing", pacing, "--rounds", str(a.rounds)], work)
+            run["command"] = shlex.join(["scripts/hetero_worker.py", *flags, "--pacing", pacing,
+                                         "--rounds", str(a.rounds)])  # fmt: skip
+    run.pop("config", None)
+    return {**run, "method": method, "seed": seed, "caps_cores": node_caps, "cpu_weights": weights,
+            "host_before": before, "wall_s": round(time.time() - began, 1)}  # fmt: skip
+
+
+def run_ddp(a: argparse.Namespace, seed: int, work: Path) -> dict:
+    """DDP on the host's loopback, uncapped: the target loss at the methods' tokens."""
+    flags = [*common_flags(a, seed), "--eval_every", str(a.eval_every), "--pacing", "ddp", "--rounds", str(a.rounds)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", WORKER, *flags,
+           "--result", str(work / "ddp.json")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with open(work / "ddp.log", "w") as log:
+        subprocess.run(cmd, check=True, timeout=RUN_TIMEOUT_S, stdout=log, stderr=subprocess.STDOUT, env=env)
+    run = json.loads((work / "ddp.json").read_text())
+    return {**run, "method": "ddp", "seed": seed, "command": shlex.join(["torchrun", "--standalone",
+            "--nproc_per_node", "4", "scripts/hetero_worker.py", *flags])}  # fmt: skip
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = get_args(argv)
+    if a.summary:
+        saved = json.loads(Path(a.out, "runs.json").read_text())
+        write(a, saved["meta"], saved["runs"])
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for case in args.cases:
-        runs: dict[str, list[dict]] = {}
-        for _ in range(args.repeats):  # methods interleaved: each repetition sees the same load
-            for name, (speeds, config, rounds) in methods(CASES[case]).items():
-                runs.setdefault(name, []).append(run_once(speeds, config, rounds))
-        report = {
-            "case": case, "speeds": CASES[case], "tau": TAU, "base_step_s": BASE_S, "batch": BATCH,
-            "command": " ".join([sys.executable, *sys.argv]), "cpus": os.cpu_count(),
-            "methods": {name: {"config": methods(CASES[case])[name][1],
-                               "tokens": [r["tokens"] for r in rs], "wall_s": [r["wall_s"] for r in rs],
-                               "tokens_per_s_over_own_speeds": [r["tokens_per_s_over_own_speeds"] for r in rs],
-                               "final_val_loss": [r["final_val_loss"] for r in rs]} for name, rs in runs.items()},
-        }  # fmt: skip
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, f"{case}.json").write_text(json.dumps(report, indent=2) + "\n")
-        print(f"\n{case}: speeds {CASES[case]}, tau {TAU}, {args.repeats} repetitions (median [min, max])")
-        print(f"{'method':<12} {'tokens':>8} {'tok/s over own speeds':>28} {'final val loss':>30}")
-        for name, m in report["methods"].items():
-            print(f"{name:<12} {m['tokens'][0]:>8} {_spread(m['tokens_per_s_over_own_speeds']):>28} "
-                  f"{_spread(m['final_val_loss']):>30}")  # fmt: skip
+    began = time.time()
+    with ec.EmulatedCluster(4, a.rate) as cluster:
+        check = cluster.self_check()
+    given = sys.argv[1:] if argv is None else list(argv)
+    meta = {"command": shlex.join(["python", "-m", "scripts.bench_hetero", *given]),
+            "self_check": check, "host": {"cores": os.cpu_count(), "shared": True}, "rate": a.rate,
+            "tau": a.tau, "rounds": a.rounds, "core_at_speed_1": a.core, "weight_at_speed_1": a.weight,
+            "model": a.model, "extra": a.extra,
+            "reps": a.reps}  # fmt: skip
+    runs: list[dict] = json.loads(Path(a.out, "runs.json").read_text())["runs"] if a.resume else []
+    done = {(r["case"], r["method"], r["rep"]) for r in runs}
+    with tempfile.TemporaryDirectory(prefix="c2z-hetero-") as tmp:
+        for rep in range(a.reps):
+            seed = 1337 + rep
+            if not a.no_ddp and (None, "ddp", rep) not in done:
+                runs.append(_logged(Path(tmp, f"ddp_{rep}"), "", rep, run_ddp, a, seed))
+            for case in a.cases:
+                order = a.methods[rep % len(a.methods) :] + a.methods[: rep % len(a.methods)]
+                for method in (m for m in order if (case, m, rep) not in done):
+                    work = Path(tmp, f"{case}_{method}_{rep}")
+                    runs.append(_logged(work, case, rep, run_method, method, CASES[case], a, seed))
+                    write(a, {**meta, "budget_s": round(time.time() - began), "reps_done": rep}, runs)
+    for case in a.cases:
+        print(Path(a.out, f"{case}.md").read_text())
     return 0
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.4f} [{min(values):.4f}, {max(values):.4f}]"
+def write(a: argparse.Namespace, meta: dict, runs: list[dict]) -> None:
+    """Every case's JSON and table from the runs so far (after every run: a stopped study keeps its runs),
+    and the runs themselves (runs.json: --summary rebuilds the rest from it)."""
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    Path(a.out, "runs.json").write_text(json.dumps({"meta": meta, "runs": runs}) + "\n")
+    for case in CASES:
+        mine = [r for r in runs if r["case"] in (case, None)]
+        if not any(r["case"] == case for r in mine):
+            continue
+        doc = report.case_report(case, CASES[case], meta, mine)
+        Path(a.out, f"{case}.json").write_text(json.dumps(doc, indent=1) + "\n")
+        Path(a.out, f"{case}.md").write_text(report.markdown(doc))
+
+
+def _logged(work: Path, case: str, rep: int, fn, *args) -> dict:
+    """fn(*args, work) with a line on stderr; the run with its repetition and case (DDP's: None, both)."""
+    work.mkdir(parents=True)
+    t = time.time()
+    run = fn(*args, work)
+    print(f"[{time.strftime('%H:%M:%S')}] {case or 'both'} rep {rep} {run['method']}: {time.time() - t:.0f}s, "
+          f"tokens {run['tokens']}, val {run['final_val_loss']:.4f}", file=sys.stderr, flush=True)  # fmt: skip
+    return {**run, "rep": rep, "case": case or None}
 
 
 if __name__ == "__main__":

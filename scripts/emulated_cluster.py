@@ -295,12 +295,21 @@ class CpuCaps:
 
     PERIOD_US = 100_000
 
-    def __init__(self, tag: str, cpus: float) -> None:
-        if not cpus > 0:
-            raise ValueError(f"cpus_per_node={cpus}: expected a positive number of cores, e.g. 0.5")
-        self.tag, self.cpus = tag, float(cpus)
+    def __init__(self, tag: str, cpus: Union[float, Sequence[float]],
+                 weights: Optional[Sequence[float]] = None) -> None:  # fmt: skip
+        listed = list(cpus) if isinstance(cpus, (list, tuple)) else None
+        if any(not c > 0 for c in (listed or [cpus])) or listed == []:
+            raise ValueError(f"cpus_per_node={cpus}: expected a positive number of cores (or one per node), e.g. 0.5")
+        if weights is not None and any(not w > 0 for w in weights):
+            raise ValueError(f"cpu_weights={list(weights)}: expected a positive weight per node (1: the default)")
+        self.tag, self.cpus = tag, [float(c) for c in listed] if listed is not None else float(cpus)
+        self.weights = list(weights) if weights is not None else None
         self.root, self.v2 = cgroup_cpu_root()
         self.made: list[Path] = []
+
+    def cores(self, i: int) -> float:
+        """Node i's cap in cores (one for every node, or node i's own)."""
+        return self.cpus[i] if isinstance(self.cpus, list) else self.cpus
 
     def path(self, i: int) -> Path:
         return self.root / f"{self.tag}n{i}"
@@ -310,15 +319,18 @@ class CpuCaps:
             self._create(nodes)
         except OSError as error:
             raise HarnessError(
-                f"emulated cluster: cannot cap each node's CPU at {self.cpus:g} core in {self.root} ({error}); "
+                f"emulated cluster: cannot cap each node's CPU at {self.cpus} core in {self.root} ({error}); "
                 f"run without a cap (cpus_per_node None, or --cpus_per_node 0)"
             ) from error
 
     def _create(self, nodes: int) -> None:
-        quota = max(1000, int(self.cpus * self.PERIOD_US))
+        for given, name in ((self.cpus, "cpus_per_node"), (self.weights, "cpu_weights")):
+            if isinstance(given, list) and len(given) != nodes:
+                raise ValueError(f"{name}={given}: {len(given)} values for {nodes} nodes; expected one per node")
         if self.v2:  # the root must hand the cpu controller down to its children
             (self.root / "cgroup.subtree_control").write_text("+cpu")
         for i in range(nodes):
+            quota = max(1000, int(self.cores(i) * self.PERIOD_US))
             group = self.path(i)
             group.mkdir()
             self.made.append(group)
@@ -327,11 +339,25 @@ class CpuCaps:
             else:
                 (group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
                 (group / "cpu.cfs_quota_us").write_text(str(quota))
+            if self.weights is not None:  # the scheduler's weight beside the host's other tasks (default 1)
+                weight = self.weights[i]
+                if self.v2:
+                    (group / "cpu.weight").write_text(str(min(10_000, max(1, round(100 * weight)))))
+                else:
+                    (group / "cpu.shares").write_text(str(max(2, round(1024 * weight))))
 
     def argv(self, i: int, argv: Sequence[str]) -> list[str]:
         """argv run inside node i's cgroup (its children inherit it)."""
         script = 'echo $$ > "$1" && shift && exec "$@"'
         return ["sh", "-c", script, "sh", str(self.path(i) / "cgroup.procs"), *argv]
+
+    def admit(self, i: int, pid: int) -> None:
+        """Put a running process and its descendants into node i's cgroup (every thread of each)."""
+        for p in [pid, *descendants(pid)]:
+            try:
+                (self.path(i) / "cgroup.procs").write_text(str(p))
+            except ProcessLookupError:
+                pass  # exited in between
 
     def destroy(self, timeout_s: float = 10.0) -> None:
         """Remove the cgroups (a cgroup goes once its killed processes have exited)."""
@@ -339,6 +365,17 @@ class CpuCaps:
             if not remove_cgroup(group, timeout_s):
                 print(f"emulated cluster: could not remove cgroup {group}", file=sys.stderr)
         self.made.clear()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (from /proc/<pid>/task/*/children)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            children = [int(c) for c in _read_words(task / "children")]
+            found += children
+            todo += children
+    return found
 
 
 def cgroup_cpu_root() -> tuple[Path, bool]:
@@ -364,11 +401,15 @@ class EmulatedCluster:
     rate:     per-node link rate in both directions: '100mbit', '1gbit', '10gbit', any '<x>[kmg]bit',
               bits/s, or None/'unshaped'.
     delay_ms: optional one-way delay added to every bridged IPv4 packet (NFQUEUE delay line).
-    cpus_per_node: optional cap on each node's CPU, in cores (`CpuCaps`); None: the nodes share the host.
+    cpus_per_node: optional cap on each node's CPU, in cores, one for all or one per node (`CpuCaps`);
+              None: the nodes share the host.
+    cpu_weights: optional scheduler weight per capped node (1: a plain process's): on a host busy with
+              other jobs a quota may not be what binds, and the nodes then share the CPU by weight.
     """
 
     def __init__(self, nodes: int, rate: Union[str, float, None] = None, delay_ms: float = 0.0,
-                 cpus_per_node: Optional[float] = None) -> None:  # fmt: skip
+                 cpus_per_node: Union[float, Sequence[float], None] = None,
+                 cpu_weights: Optional[Sequence[float]] = None) -> None:  # fmt: skip
         if nodes < 1 or nodes > 200:
             raise ValueError(f"nodes={nodes}: expected 1..200")
         self.nodes = nodes
@@ -380,7 +421,7 @@ class EmulatedCluster:
         self.delay_proc: Optional[subprocess.Popen] = None
         self._procs: list[subprocess.Popen] = []
         self._hosts: Optional[Path] = None  # hosts_file(), written on first use
-        self.caps = CpuCaps(self.tag, cpus_per_node) if cpus_per_node is not None else None
+        self.caps = CpuCaps(self.tag, cpus_per_node, cpu_weights) if cpus_per_node is not None else None
 
     # -- names and addresses
     def ns(self, i: int) -> str:

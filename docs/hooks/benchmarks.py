@@ -143,12 +143,22 @@ def quality_overview() -> list[str]:
     return bench_quality.overview(json.loads(QUALITY.read_text()))
 
 
+def heterogeneous() -> str:
+    """Replicas of different speeds (benchmarks/heterogeneous/, scripts/bench_hetero.py): a table per case."""
+    sys.path.insert(0, str(ROOT))
+    from scripts import bench_hetero_report
+
+    cases = [BENCH / "heterogeneous" / f"{case}.json" for case in ("half", "quarter")]
+    return "\n".join(bench_hetero_report.markdown(json.loads(p.read_text())) for p in cases if p.exists())
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "throughput": throughput,
     "compression": compression,
     "convergence": convergence,
     "elastic": elastic,
     "quality": quality,
+    "heterogeneous": heterogeneous,
 }
 
 

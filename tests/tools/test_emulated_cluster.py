@@ -114,6 +114,42 @@ def test_a_capped_node_gets_at_most_its_share_of_a_core(tmp_path, namespaces):
 def test_a_cpu_cap_must_be_positive():
     with pytest.raises(ValueError, match="cpus_per_node=0"):
         ec.CpuCaps("c2z1", 0)
+    with pytest.raises(ValueError, match=r"cpus_per_node=\[0.5, 0\]"):
+        ec.CpuCaps("c2z1", [0.5, 0])
+
+
+def test_nodes_get_their_own_caps_and_a_running_process_can_be_admitted(tmp_path, namespaces):
+    """cpus_per_node as a list (scripts/bench_hetero.py's replicas of different speeds): node i's quota is
+    its own, and `admit` caps a process started uncapped (with its descendants) from then on."""
+    import sys
+
+    with ec.EmulatedCluster(nodes=2, rate=None, cpus_per_node=[0.1, 0.5], cpu_weights=[0.5, 2]) as cluster:
+        quotas = [_quota_cores(cluster.caps, i) for i in range(2)]
+        assert quotas == [0.1, 0.5], quotas
+        weights = [_weight(cluster.caps, i) for i in range(2)]
+        assert weights == [0.5, 2.0], weights
+        busy = cluster.popen(0, [sys.executable, "-c", BUSY_LOOP], log=tmp_path / "late.log", capped=False)
+        cluster.caps.admit(0, busy.pid)
+        assert str(busy.pid) in (cluster.caps.path(0) / "cgroup.procs").read_text().split()
+        assert cluster.wait_all([busy], timeout_s=60) == [0]
+    assert float((tmp_path / "late.log").read_text().split()[-1]) < 0.45
+    with pytest.raises(ValueError, match="3 values for 2 nodes"), ec.EmulatedCluster(2, None, cpus_per_node=[1, 1, 1]):
+        pass
+
+
+def _weight(caps: ec.CpuCaps, i: int) -> float:
+    """Node i's scheduler weight over a plain process's (v2 cpu.weight / 100, v1 cpu.shares / 1024)."""
+    return int((caps.path(i) / "cpu.weight").read_text()) / 100 if caps.v2 else int(
+        (caps.path(i) / "cpu.shares").read_text()) / 1024  # fmt: skip
+
+
+def _quota_cores(caps: ec.CpuCaps, i: int) -> float:
+    """Node i's cgroup quota in cores, as the kernel has it (v2 cpu.max or v1's CFS quota and period)."""
+    if caps.v2:
+        quota, period = (caps.path(i) / "cpu.max").read_text().split()
+    else:
+        quota, period = ((caps.path(i) / f"cpu.cfs_{f}_us").read_text() for f in ("quota", "period"))
+    return int(quota) / int(period)
 
 
 def test_recommend_tau_formula():

@@ -1,0 +1,71 @@
+"""scripts/bench_hetero_report.py's arithmetic on hand-made runs: the time to a loss between held-out
+evaluations, the steady-state tokens/s, and a case's ratios (own speeds, loss and time over the uniform
+run's; torchft's denominator from the same repetition's fixed_tau run)."""
+
+import pytest
+
+from scripts import bench_hetero_report as report
+
+
+def _curve(points, tokens=800):
+    """Evaluations at (seconds, loss), the tokens spread evenly from 0 to `tokens`."""
+    last = len(points) - 1
+    return [{"train_s": t, "tokens": tokens * i // max(last, 1), "val_loss": v, "final": False}
+            for i, (t, v) in enumerate(points)]  # fmt: skip
+
+
+def test_time_to_a_loss_is_interpolated_between_evaluations():
+    curve = _curve([(0.0, 5.0), (10.0, 4.0), (20.0, 3.0)])
+    assert report.time_to(curve, 3.5) == pytest.approx(15.0)
+    assert report.time_to(curve, 4.0) == pytest.approx(10.0)
+    assert report.time_to(curve, 5.5) == 0.0  # already at the start
+    assert report.time_to(curve, 2.9) is None  # never reached
+
+
+def test_steady_state_leaves_out_the_first_round_and_the_end():
+    run = {"tokens": 4000, "round_end_s": [3.0, 5.0, 7.0, 9.0]}  # 4 rounds of 1000 tokens
+    assert report.steady_tokens_per_s(run) == pytest.approx(3000 / 6.0)
+    assert report.steady_tokens_per_s({"tokens": 1000, "round_end_s": [3.0]}) is None
+
+
+def _run(method, rep, tokens, train_s, own, loss, curve):
+    return {"method": method, "rep": rep, "tokens": tokens, "train_s": train_s, "own_tokens_per_s": own,
+            "final_val_loss": loss, "curve": _curve(curve, tokens), "taus": [4, 4], "caps_cores": [0.4, 0.4],
+            "host_before": {}, "round_end_s": []}  # fmt: skip
+
+
+def test_a_case_report_divides_by_own_speeds_and_by_the_uniform_run():
+    runs = [
+        {**_run("ddp", 0, 800, 1.0, [1.0], 2.0, [(0, 5.0), (1, 2.0)]), "command": "ddp"},
+        _run("uniform", 0, 800, 10.0, [50.0, 50.0], 2.1, [(0.0, 5.0), (10.0, 2.0)]),
+        _run("fixed_tau", 0, 800, 20.0, [60.0, 20.0], 2.1, [(0.0, 5.0), (20.0, 2.0)]),
+        {**_run("torchft_diloco", 0, 800, 40.0, None, 2.2, [(0.0, 5.0), (40.0, 2.04)])},
+    ]
+    doc = report.case_report("half", [1.0, 0.5], {"command": "x"}, runs)
+    m = doc["methods"]
+    assert m["uniform"]["tokens_per_s_over_own_speeds"] == [pytest.approx(80 / 100)]
+    assert m["fixed_tau"]["tokens_per_s_over_own_speeds"] == [pytest.approx(40 / 80)]
+    assert m["torchft_diloco"]["tokens_per_s_over_own_speeds"] == [pytest.approx(20 / 80)]  # fixed_tau's speeds
+    assert m["torchft_diloco"]["loss_over_uniform"] == [pytest.approx(2.2 / 2.1)]
+    assert m["fixed_tau"]["time_over_uniform"][0]["0"] == pytest.approx(2.0)
+    assert m["fixed_tau"]["compute_time_over_uniform"][0]["0"] == pytest.approx(2.0 * 80 / 100)
+    assert m["torchft_diloco"]["time_over_uniform"][0]["0"] is None  # 2.04 never reaches 2.0
+    uniform_at_2_04 = 10.0 * (5.0 - 2.04) / (5.0 - 2.0)  # 2% above DDP's 2.0, between its two evaluations
+    assert m["torchft_diloco"]["time_over_uniform"][0]["0.02"] == pytest.approx(40.0 / uniform_at_2_04)
+    assert doc["goals"]["fixed_tau"]["own_speed"] == {"median": pytest.approx(0.5), "met": False}
+    assert doc["goals"]["uniform"]["loss_gap"]["met"] is True
+
+
+def test_a_run_of_fewer_tokens_is_compared_with_the_uniform_run_at_its_tokens():
+    """replica_tau's rounds round the tokens: its loss and its time are measured against what the uniform
+    run had at as many tokens (linear between the uniform run's evaluations)."""
+    runs = [
+        _run("uniform", 0, 800, 10.0, [50.0, 50.0], 2.0, [(0.0, 5.0), (5.0, 3.0), (10.0, 2.0)]),
+        _run("replica_tau", 0, 600, 6.0, [50.0, 50.0], 2.6, [(0.0, 5.0), (6.0, 2.6)]),
+    ]
+    m = report.case_report("half", [1.0, 0.5], {"command": "x"}, runs)["methods"]["replica_tau"]
+    uniform_at_600 = 3.0 + (600 - 400) / 400 * (2.0 - 3.0)  # 2.5, between its evaluations at 400 and 800
+    assert m["loss_over_uniform_equal_tokens"] == [pytest.approx(2.6 / uniform_at_600)]
+    assert m["loss_over_uniform"] == [pytest.approx(2.6 / 2.0)]
+    assert m["time_over_uniform"][0]["uniform"] is None  # 2.6 never reaches the uniform run's 2.5
+    assert report.loss_at(_curve([(0.0, 5.0), (1.0, 4.0)], 100), 150) is None  # past the curve's end
