@@ -4,12 +4,21 @@
    a model of --params parameters with every format (dense fp32, bf16, int8, fp8, int4, int2, and top-k
    in int2/int4/fp32) for two blocking rounds; `last_round["bytes_sent"]` of rank 0's last round, its
    ratio to fp32's, and `co2_state_bytes()`, next to the closed forms of design §5.
-2. The codec's cost on one CPU core (torch.set_num_threads(1)): encode (with error feedback) and
-   decode of an fp32 vector of --codec_elements elements, --repeats times; MB/s of fp32 input.
+2. The codec's cost on one CPU core (torch.set_num_threads(1)): encode (with error feedback; the
+   sparse formats with the decaying residual they are recommended with) and decode of an fp32 vector
+   of --codec_elements elements, --repeats times; MB/s of fp32 input.
 
 Writes <out_dir>/wire.json and wire.md.
 
     OMP_NUM_THREADS=1 python -m scripts.bench_wire --replicas 2 4 --params 1000000 --codec_elements 100000000
+
+With --codec_only, part 2 alone, into <out_dir>/codec.json and codec.md; with --throughput FILE (a
+bench_throughput.py JSON whose cells ran the tuner) also the codec's seconds per round on each cell's
+model and replicas (one round's encodes and decodes, design §5: a dense format encodes (1 + 1/R)·Ψ and
+decodes 2·Ψ, a sparse one encodes Ψ and decodes R payloads of Ψ) and their share of τ inner steps.
+
+    OMP_NUM_THREADS=1 python -m scripts.bench_wire --codec_only --codec_elements 100000000 --repeats 3 \
+        --throughput benchmarks/throughput/throughput_P4_10mbit_wire.json --tau 32
 
 3. With --quality DIR (a bench_quality.py --out_dir): the compressed defaults against the fp32 defaults
    there, seed for seed: final validation loss, its gap to fp32 (mean [min, max] over the seeds both ran)
@@ -67,6 +76,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "wire"))
     p.add_argument("--quality", default=None, help="only summarise a bench_quality.py study of the wire formats")
+    p.add_argument("--codec_only", action="store_true", help="only the codec's cost (codec.json, codec.md)")
+    p.add_argument("--throughput", default=None, help="a bench_throughput.py JSON: the codec's share of its rounds")
+    p.add_argument("--tau", type=int, default=32, help="inner steps per round for that share")
     return p.parse_args(argv)
 
 
@@ -133,19 +145,25 @@ def _timed(fn, repeats: int) -> list[float]:
     return times
 
 
-def _codec(label: str, vector: torch.Tensor, residual: torch.Tensor, out: torch.Tensor):
+def _codec(label: str, vector: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, decay: float = 1.0):
     """(encode, decode) of `label` on the whole vector, as the exchange runs them on a partition."""
     wire = WIRES[label]
     if "topk" in wire:
         layout = SparseLayout.for_length(vector.numel(), wire["topk"], wire["comm_dtype"])
         payload = torch.empty(layout.nbytes, dtype=torch.uint8)
-        return (lambda: encode_with_feedback_(vector.clone(), residual, layout, payload),
+        return (lambda: encode_with_feedback_(vector.clone(), residual, layout, payload, decay),
                 lambda: add_decoded_(payload, layout, out.zero_()))  # fmt: skip
     fmt = FORMATS[wire["comm_dtype"]]
     records = torch.empty(1, RecordLayout.for_length(vector.numel(), bits=fmt.bits).nbytes, dtype=torch.uint8)
     rows, residual_rows, out_rows = vector.view(1, -1), residual.view(1, -1), out.view(1, -1)
     return (lambda: quantize_with_feedback_(rows.clone(), residual_rows, fmt, records),
             lambda: dequantize_into(records, fmt, out=out_rows))  # fmt: skip
+
+
+# the codec's formats: label -> (a WIRES label, the residual's decay)
+CODECS = {"int8": ("int8", 1.0), "int4": ("int4", 1.0), "int2": ("int2", 1.0), "top3%-int2": ("top3%-int2", 1.0),
+          "top1.5%-int2": ("top1.5%-int2", 1.0), "top1.5%-int2-decay": ("top1.5%-int2", 0.95),
+          "top0.9%-int2-decay": ("top0.9%-int2", 0.95)}  # fmt: skip
 
 
 def codec_cost(elements: int, repeats: int) -> list[dict]:
@@ -155,12 +173,30 @@ def codec_cost(elements: int, repeats: int) -> list[dict]:
     residual, out = torch.zeros(elements), torch.zeros(elements)
     copy = statistics.median(_timed(vector.clone, repeats))  # the input's clone is not the codec's
     rows, mb = [], 4 * elements / 1e6
-    for label in ("int8", "int4", "int2", "top1.5%-int2", "top3%-int2"):
-        encode, decode = _codec(label, vector, residual, out)
+    for label, (wire, decay) in CODECS.items():
+        encode, decode = _codec(wire, vector, residual, out, decay)
         enc = [max(t - copy, 1e-9) for t in _timed(encode, repeats)]
         dec = _timed(decode, repeats)
         rows.append({"wire": label, "elements": elements,
                      "encode_MBps": [mb / t for t in enc], "decode_MBps": [mb / t for t in dec]})  # fmt: skip
+    return rows
+
+
+def round_share(codec: Sequence[dict], cells: Sequence[dict], tau: int) -> list[dict]:
+    """The codec's seconds per round on each throughput cell's model and replicas (design §5's encodes and
+    decodes of one round, at the median MB/s) and their share of `tau` inner steps (the tuner's t_step)."""
+    rows = []
+    for cell in cells:
+        tuner = cell["tuners"]["fp32"]
+        psi, replicas, t_step = tuner["params"], cell["nodes"], tuner["compute"]["t_step"]
+        for r in codec:
+            sparse = "topk" in WIRES[CODECS[r["wire"]][0]]
+            encoded, decoded = (psi, replicas * psi) if sparse else ((1 + 1 / replicas) * psi, 2 * psi)
+            seconds = (4 * encoded / 1e6 / statistics.median(r["encode_MBps"])
+                       + 4 * decoded / 1e6 / statistics.median(r["decode_MBps"]))  # fmt: skip
+            rows.append({"wire": r["wire"], "nodes": replicas, "rate": cell["rate"], "params": psi,
+                         "t_step": t_step, "tau": tau, "codec_s_per_round": seconds,
+                         "share_of_round": seconds / (tau * t_step)})  # fmt: skip
     return rows
 
 
@@ -171,13 +207,21 @@ def _span(values: Sequence[float]) -> str:
 def markdown(result: dict) -> str:
     lines = ["| R | wire | bytes/round (rank 0) | closed form | × fewer than fp32 | bits/param | state bytes |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in result["wire"]:
+    for r in result.get("wire", []):
         lines.append(f"| {r['replicas']} | {r['wire']} | {r['bytes_sent']:,} | {r['closed_form']:,} | "
                      f"{r['ratio_to_fp32']:.1f} | {r['bits_per_parameter']:.3f} | {r['state_bytes']:,} |")  # fmt: skip
+    lines = lines if result.get("wire") else []
     lines += ["", f"Codec on one core, {result['codec'][0]['elements']:,} fp32 elements, MB/s of fp32 input, "
               f"median [min–max] of {result['repeats']}:", "", "| wire | encode + feedback | decode |",
               "|---|---|---|"]  # fmt: skip
     lines += [f"| {r['wire']} | {_span(r['encode_MBps'])} | {_span(r['decode_MBps'])} |" for r in result["codec"]]
+    if result.get("round_share"):
+        lines += ["", "The codec's seconds per round per rank (median MB/s) and their share of τ inner steps:", "",
+                  "| P | link | Ψ | t_step | τ | wire | codec s/round | share of τ·t_step |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['nodes']} | {r['rate']} | {r['params']:,} | {r['t_step']:.3f} s | {r['tau']} | "
+                  f"{r['wire']} | {r['codec_s_per_round']:.3f} | {r['share_of_round']:.1%} |"
+                  for r in result["round_share"]]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -225,13 +269,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.quality:
         return summarise_quality(Path(a.quality))
     result = {"command": " ".join(["python -m scripts.bench_wire", *(argv or sys.argv[1:])]), "params": a.params,
-              "repeats": a.repeats, "host": {"cores": os.cpu_count(), "load": os.getloadavg()},
-              "wire": measure_wire(a), "codec": codec_cost(a.codec_elements, a.repeats)}  # fmt: skip
-    out = Path(a.out_dir)
+              "repeats": a.repeats, "host": {"cores": os.cpu_count(), "load": os.getloadavg()}}  # fmt: skip
+    if not a.codec_only:
+        result["wire"] = measure_wire(a)
+    result["codec"] = codec_cost(a.codec_elements, a.repeats)
+    result["host"]["load_after"] = os.getloadavg()
+    if a.throughput:
+        result["round_share"] = round_share(result["codec"], json.loads(Path(a.throughput).read_text())["cells"], a.tau)
+    out, stem = Path(a.out_dir), "codec" if a.codec_only else "wire"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "wire.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
-    (out / "wire.md").write_text(f"`{result['command']}`\n\n{text}\n")
+    (out / f"{stem}.md").write_text(f"`{result['command']}`\n\n{text}\n")
     print(text)
     return 0
 
