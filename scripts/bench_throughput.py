@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from scripts import emulated_cluster as ec
 from scripts import torchft_peer
@@ -239,7 +239,9 @@ def run_peer(cluster: ec.EmulatedCluster, peer: str, flags: list[str], log_dir: 
     return torchft_peer.merge_records([[json.loads(x) for x in p.read_text().splitlines()] for p in parts])
 
 
-def run_cell(nodes: int, rate: str, a, log_root: Path) -> dict:
+def run_cell(nodes: int, rate: str, a, log_root: Path, save: Callable[[dict], None] = lambda cell: None) -> dict:
+    """One cell: the cluster, its self-check, the tuners, every run of every repetition; `save(cell)` after
+    each repetition (the cell so far, with `reps_done`), so that a cell cut short keeps its whole repetitions."""
     cell = {"nodes": nodes, "rate": rate, "host_before": ec.wait_for_quiet_host(a.max_load, a.wait_load_s)}
     print(f"== cell P={nodes} {rate}: {cell['host_before']}", file=sys.stderr, flush=True)
     with ec.EmulatedCluster(nodes, rate) as cluster:
@@ -266,6 +268,7 @@ def run_cell(nodes: int, rate: str, a, log_root: Path) -> dict:
                       + (f" book {100 * run['bookkeeping_fraction']:.1f}%" if "bookkeeping_fraction" in run else "")
                       + (" FEW INTERVALS" if run.get("few_intervals") else ""))
                       + f"  (host before: {run['host_before']})", file=sys.stderr, flush=True)  # fmt: skip
+            save({**cell, "runs": runs, "summary": summarize(runs, labels), "reps_done": rep + 1})
     cell["runs"] = runs
     cell["host_after"] = {"load_avg": ec.load_average()}
     cell["summary"] = summarize(runs, labels)
@@ -348,7 +351,8 @@ def markdown(result: dict) -> str:
               "than --min_intervals steady-state intervals.", ""]  # fmt: skip
     for c in result["cells"]:
         picks = ", ".join(_pick(w, t) for w, t in (c.get("tuners") or {}).items())
-        lines.append(f"- P={c['nodes']} {c['rate']}: tuner picks {picks or '(fixed --tau)'}; host load average "
+        cut = f" (cut short: {c['reps_done']} of the repetitions done)" if "reps_done" in c else ""
+        lines.append(f"- P={c['nodes']} {c['rate']}{cut}: tuner picks {picks or '(fixed --tau)'}; host load average "
                      f"before the cell {c['host_before']['load_avg']}")  # fmt: skip
     lines += ["", "Command:", "", f"    {result['command']}", ""]
     return "\n".join(lines)
@@ -368,10 +372,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }  # fmt: skip
     stem = "throughput" + (f"_{a.tag}" if a.tag else "")
     began = time.time()
+
+    def save(partial: dict) -> None:  # after every repetition: partial results
+        so_far = {**result, "cells": [*result["cells"], partial]}
+        (out_dir / f"{stem}.json").write_text(json.dumps(so_far, indent=1))
+        (out_dir / f"{stem}.md").write_text(markdown(so_far))
+
     for spec in a.cells:
         nodes, rate = spec.split(":")
-        result["cells"].append(run_cell(int(nodes), rate, a, log_root))
-        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))  # after every cell: partial results
+        result["cells"].append(run_cell(int(nodes), rate, a, log_root, save))
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
         (out_dir / f"{stem}.md").write_text(markdown(result))
     result["total_s"] = round(time.time() - began, 1)
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
