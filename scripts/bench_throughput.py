@@ -96,6 +96,10 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--tuned_too", action="store_true",
                    help="with --tau: still tune every co2 wire format, and run each also at its own τ")  # fmt: skip
     p.add_argument("--tuner_flags", default="", help="extra tune_tau.py flags (e.g. --verify_rounds 0), one string")
+    p.add_argument("--tuned_wires", nargs="*", default=None,
+                   help="with --tuned_too: only these wires run at their own τ too (default: every one)")  # fmt: skip
+    p.add_argument("--tuners_from", default=None,
+                   help="reuse the tuners of an earlier run of the same cell: DIR/tune_<wire>/tune.json")  # fmt: skip
     p.add_argument("--min_steps", type=int, default=0, help="steps per run at least (whole rounds; for small τ)")
     p.add_argument("--margin", type=float, default=1.5, help="tune_tau.py --margin")
     p.add_argument("--co2_flags", default="--outer_momentum 0 --gap_penalty adaptive --gap_strength 2",
@@ -172,7 +176,12 @@ def tune_cell(cluster: ec.EmulatedCluster, a, co2_flags: list[str], log_dir: Pat
     tuners = {}
     for wire in wires:
         flags = [*a.model.split(), *co2_flags, *WIRES[wire], *a.tuner_flags.split()]
-        tuners[wire] = run_tuner(cluster, flags, a.margin, log_dir / f"tune_{wire}")
+        earlier = Path(a.tuners_from or "/nonexistent") / f"tune_{wire}" / "tune.json"
+        if earlier.exists():
+            tuners[wire] = {**json.loads(earlier.read_text()), "reused_from": str(earlier)}
+            tuners[wire]["command"] = shlex.join(["scripts/tune_tau.py", *flags, "--margin", str(a.margin)])
+        else:
+            tuners[wire] = run_tuner(cluster, flags, a.margin, log_dir / f"tune_{wire}")
         print(f"   tuner {wire}: {tuners[wire]['recommendation']}", file=sys.stderr, flush=True)
     return tuners
 
@@ -254,7 +263,8 @@ def run_cell(nodes: int, rate: str, a, log_root: Path, save: Callable[[dict], No
         tuned = {dtype: t["recommendation"]["tau"] for dtype, t in cell["tuners"].items()}
         cell["tau"] = a.tau if a.tau > 0 else tuned.get("fp32", max(tuned.values()))
         cell["tuned_tau"] = tuned
-        runs_tau = plan(a.methods, cell["tau"], tuned, every_wire=a.tau > 0 and a.tuned_too)
+        own = {w: t for w, t in tuned.items() if a.tuned_wires is None or w in a.tuned_wires}
+        runs_tau = plan(a.methods, cell["tau"], own, every_wire=a.tau > 0 and a.tuned_too)
         labels = list(runs_tau)
         runs = []
         for rep in range(a.reps):
