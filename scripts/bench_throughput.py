@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from scripts import emulated_cluster as ec
 from scripts import torchft_peer
@@ -50,14 +50,23 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "scripts" / "train_lm.py")
 TUNE = str(ROOT / "scripts" / "tune_tau.py")
 PEERS = {"torchft-diloco": "diloco", "torchft-streaming": "streaming"}  # run label -> torchft_peer --peer
-METHODS = ("none", "ddp", "co2", "co2-bf16", "co2-int8", "localsgd", "slowmo", "diloco", *PEERS)
+# wire name (a co2 run label without its "co2-" prefix; "fp32" for "co2") -> the train_lm.py flags of that format;
+# the sparse exchanges with SparseLoCo's decaying residual, their recommended setting (docs/configuration.md)
+WIRES = {
+    "fp32": ["--comm_dtype", "fp32"], "bf16": ["--comm_dtype", "bf16"], "int8": ["--comm_dtype", "int8"],
+    "int4": ["--comm_dtype", "int4"], "int2": ["--comm_dtype", "int2"],
+    "top1.5%-int2-decay": ["--comm_dtype", "int2", "--topk", "0.015", "--feedback_decay", "0.95"],
+    "top0.9%-int2-decay": ["--comm_dtype", "int2", "--topk", "0.009", "--feedback_decay", "0.95"],
+}  # fmt: skip
+CO2_WIRES = tuple("co2" if w == "fp32" else f"co2-{w}" for w in WIRES)
+METHODS = ("none", "ddp", *CO2_WIRES, "localsgd", "slowmo", "diloco", *PEERS)
 LIGHTHOUSE_PORT = 29510  # on node 0, for the torchft runs
 STORE_PORT = 29400  # each torchft replica's own store (its Manager's), on its node
-CO2_FAMILY = ("co2", "co2-bf16", "co2-int8", "localsgd", "slowmo", "diloco")
+CO2_FAMILY = (*CO2_WIRES, "localsgd", "slowmo", "diloco")
 TUNED = "@tuned"  # suffix of a compressed co2 run at its own tuner's τ
 
 
-def comm_dtype(label: str) -> str:
+def wire_of(label: str) -> str:
     """The wire format of a co2 run label: 'co2' -> fp32, 'co2-int8 @tuned' -> int8."""
     return label.removesuffix(TUNED).strip().partition("-")[2] or "fp32"
 
@@ -70,7 +79,7 @@ def run_flags(label: str, model: list[str], co2_flags: list[str]) -> list[str]:
     if not label.startswith("co2"):
         return ["--method", label, *model]
     # CO2 as published, every wire format: the tables in benchmarks/ were measured with it
-    return ["--method", "co2_published", "--comm_dtype", comm_dtype(label), *model, *co2_flags]
+    return ["--method", "co2_published", *WIRES[wire_of(label)], *model, *co2_flags]
 
 
 def get_args(argv: Optional[Sequence[str]] = None):
@@ -84,6 +93,14 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--max_seconds", type=float, default=25.0, help="cap on each run's training time")
     p.add_argument("--min_intervals", type=int, default=5, help="steady-state intervals a run should have")
     p.add_argument("--tau", type=int, default=0, help="fixed tau (0: what tune_tau.py picks in each cell)")
+    p.add_argument("--tuned_too", action="store_true",
+                   help="with --tau: still tune every co2 wire format, and run each also at its own τ")  # fmt: skip
+    p.add_argument("--tuner_flags", default="", help="extra tune_tau.py flags (e.g. --verify_rounds 0), one string")
+    p.add_argument("--tuned_wires", nargs="*", default=None,
+                   help="with --tuned_too: only these wires run at their own τ too (default: every one)")  # fmt: skip
+    p.add_argument("--tuners_from", default=None,
+                   help="reuse the tuners of an earlier run of the same cell: DIR/tune_<wire>/tune.json")  # fmt: skip
+    p.add_argument("--min_steps", type=int, default=0, help="steps per run at least (whole rounds; for small τ)")
     p.add_argument("--margin", type=float, default=1.5, help="tune_tau.py --margin")
     p.add_argument("--co2_flags", default="--outer_momentum 0 --gap_penalty adaptive --gap_strength 2",
                    help="extra train_lm.py flags of the co2 runs and the tuner (see bench_convergence.py)")  # fmt: skip
@@ -151,24 +168,32 @@ def train_args(label: str, tau: int, steps: int, flags: list[str], max_seconds: 
 
 
 def tune_cell(cluster: ec.EmulatedCluster, a, co2_flags: list[str], log_dir: Path) -> dict:
-    """comm_dtype -> the tuner's result, for every co2 wire format among --methods (none with --tau)."""
-    if a.tau > 0:
+    """wire -> the tuner's result, for every co2 wire format among --methods (none with --tau, unless
+    --tuned_too)."""
+    if a.tau > 0 and not a.tuned_too:
         return {}
-    dtypes = dict.fromkeys(comm_dtype(m) for m in a.methods if m.startswith("co2")) or {"fp32": None}
+    wires = dict.fromkeys(wire_of(m) for m in a.methods if m.startswith("co2")) or {"fp32": None}
     tuners = {}
-    for dtype in dtypes:
-        flags = [*a.model.split(), *co2_flags, "--comm_dtype", dtype]
-        tuners[dtype] = run_tuner(cluster, flags, a.margin, log_dir / f"tune_{dtype}")
-        print(f"   tuner {dtype}: {tuners[dtype]['recommendation']}", file=sys.stderr, flush=True)
+    for wire in wires:
+        flags = [*a.model.split(), *co2_flags, *WIRES[wire], *a.tuner_flags.split()]
+        earlier = Path(a.tuners_from or "/nonexistent") / f"tune_{wire}" / "tune.json"
+        if earlier.exists():
+            tuners[wire] = {**json.loads(earlier.read_text()), "reused_from": str(earlier)}
+            tuners[wire]["command"] = shlex.join(["scripts/tune_tau.py", *flags, "--margin", str(a.margin)])
+        else:
+            tuners[wire] = run_tuner(cluster, flags, a.margin, log_dir / f"tune_{wire}")
+        print(f"   tuner {wire}: {tuners[wire]['recommendation']}", file=sys.stderr, flush=True)
     return tuners
 
 
-def plan(methods: Sequence[str], tau: int, tuned: dict[str, int]) -> dict[str, int]:
-    """run label -> τ: every method at the common τ, and each compressed co2 at its own tuned τ too."""
+def plan(methods: Sequence[str], tau: int, tuned: dict[str, int], every_wire: bool = False) -> dict[str, int]:
+    """run label -> τ: every method at the common τ, and each compressed co2 at its own tuned τ too where
+    that is smaller; with `every_wire` (a fixed common τ) every co2 wire, fp32 included, wherever it differs."""
     runs = dict.fromkeys(methods, tau)
     for m in methods:
-        if m.startswith("co2-") and tuned.get(comm_dtype(m), tau) < tau:
-            runs[m + " " + TUNED] = tuned[comm_dtype(m)]
+        own = tuned.get(wire_of(m), tau) if m.startswith("co2") else tau
+        if (own < tau and m.startswith("co2-")) or (every_wire and own != tau):
+            runs[m + " " + TUNED] = own
     return runs
 
 
@@ -176,7 +201,8 @@ def run_one(cluster: ec.EmulatedCluster, label: str, tau: int, rep: int, a, log_
     """One train_lm.py run in the cluster, on a quiet host; its steady state."""
     out_json = log_dir / "train.jsonl"
     flags = run_flags(label, a.model.split(), a.co2_flags.split())
-    steps = a.rounds * max(tau, 1)
+    rounds = max(a.rounds, -(-a.min_steps // max(tau, 1)))
+    steps = rounds * max(tau, 1)
     args = train_args(label.removesuffix(TUNED).strip(), tau, steps, flags, a.max_seconds, out_json)
     host = ec.wait_for_idle_cpus(a.max_busy, a.wait_busy_s)
     began = time.time()
@@ -222,7 +248,9 @@ def run_peer(cluster: ec.EmulatedCluster, peer: str, flags: list[str], log_dir: 
     return torchft_peer.merge_records([[json.loads(x) for x in p.read_text().splitlines()] for p in parts])
 
 
-def run_cell(nodes: int, rate: str, a, log_root: Path) -> dict:
+def run_cell(nodes: int, rate: str, a, log_root: Path, save: Callable[[dict], None] = lambda cell: None) -> dict:
+    """One cell: the cluster, its self-check, the tuners, every run of every repetition; `save(cell)` after
+    each repetition (the cell so far, with `reps_done`), so that a cell cut short keeps its whole repetitions."""
     cell = {"nodes": nodes, "rate": rate, "host_before": ec.wait_for_quiet_host(a.max_load, a.wait_load_s)}
     print(f"== cell P={nodes} {rate}: {cell['host_before']}", file=sys.stderr, flush=True)
     with ec.EmulatedCluster(nodes, rate) as cluster:
@@ -235,7 +263,8 @@ def run_cell(nodes: int, rate: str, a, log_root: Path) -> dict:
         tuned = {dtype: t["recommendation"]["tau"] for dtype, t in cell["tuners"].items()}
         cell["tau"] = a.tau if a.tau > 0 else tuned.get("fp32", max(tuned.values()))
         cell["tuned_tau"] = tuned
-        runs_tau = plan(a.methods, cell["tau"], tuned)
+        own = {w: t for w, t in tuned.items() if a.tuned_wires is None or w in a.tuned_wires}
+        runs_tau = plan(a.methods, cell["tau"], own, every_wire=a.tau > 0 and a.tuned_too)
         labels = list(runs_tau)
         runs = []
         for rep in range(a.reps):
@@ -249,6 +278,7 @@ def run_cell(nodes: int, rate: str, a, log_root: Path) -> dict:
                       + (f" book {100 * run['bookkeeping_fraction']:.1f}%" if "bookkeeping_fraction" in run else "")
                       + (" FEW INTERVALS" if run.get("few_intervals") else ""))
                       + f"  (host before: {run['host_before']})", file=sys.stderr, flush=True)  # fmt: skip
+            save({**cell, "runs": runs, "summary": summarize(runs, labels), "reps_done": rep + 1})
     cell["runs"] = runs
     cell["host_after"] = {"load_avg": ec.load_average()}
     cell["summary"] = summarize(runs, labels)
@@ -286,6 +316,13 @@ def _pct(row: dict, key: str) -> str:
     return f"{100 * row[key]:.1f}%" if key in row else ""
 
 
+def _pick(wire: str, tuner: dict) -> str:
+    """One wire format's tuner pick, with the one-round exchange it measured (time, bytes per rank)."""
+    comm = tuner.get("comm", {})
+    sent = f", {comm['bytes_sent'] / 1e6:.2f} MB" if "bytes_sent" in comm else ""
+    return f"{wire} τ = {tuner['recommendation']['tau']} (t_comm {comm.get('t_comm', 0):.2f} s{sent})"
+
+
 def markdown(result: dict) -> str:
     lines = [
         "# Throughput on the emulated cluster",
@@ -293,8 +330,8 @@ def markdown(result: dict) -> str:
         f"Model/batch: `{result['model']}`, one thread per rank, {result['host']['cores']} cores. Figure of merit: "
         "steady-state tokens/s as a ratio of `none` (compute only, no communication) in the same repetition. "
         "Medians over repetitions (range of the ratio in brackets). `wait` = blocked on the exchange, "
-        "`book` = round-end bookkeeping, as % of training time. τ: every run at fp32's tuned τ; "
-        f"`{TUNED}`: a compressed co2 at its own tuner's τ.",
+        "`book` = round-end bookkeeping, as % of training time. τ: every run at the cell's common τ (fp32's "
+        f"tuned τ, or --tau); `{TUNED}`: a co2 wire format at its own tuner's τ.",
         "",
         "| P | link | achieved all-reduce | comm/step | run | τ | tokens/s | × none | wait | book |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -323,8 +360,9 @@ def markdown(result: dict) -> str:
               "for a steady state within --max_seconds; its one logged interval, start-up included. `†`: fewer "
               "than --min_intervals steady-state intervals.", ""]  # fmt: skip
     for c in result["cells"]:
-        picks = ", ".join(f"{d} τ = {t}" for d, t in (c.get("tuned_tau") or {}).items())
-        lines.append(f"- P={c['nodes']} {c['rate']}: tuner picks {picks or '(fixed --tau)'}; host load average "
+        picks = ", ".join(_pick(w, t) for w, t in (c.get("tuners") or {}).items())
+        cut = f" (cut short: {c['reps_done']} of the repetitions done)" if "reps_done" in c else ""
+        lines.append(f"- P={c['nodes']} {c['rate']}{cut}: tuner picks {picks or '(fixed --tau)'}; host load average "
                      f"before the cell {c['host_before']['load_avg']}")  # fmt: skip
     lines += ["", "Command:", "", f"    {result['command']}", ""]
     return "\n".join(lines)
@@ -337,17 +375,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     log_root = Path("/tmp") / f"c2z-bench-{int(time.time())}"
     result = {
-        "command": shlex.join(["python", "scripts/bench_throughput.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": shlex.join(["python", "-m", "scripts.bench_throughput", *(sys.argv[1:] if argv is None else argv)]),
         "model": a.model, "co2_flags": a.co2_flags, "methods": a.methods, "reps": a.reps, "rounds": a.rounds,
         "host": {"cores": os.cpu_count(), "load_avg_start": ec.load_average()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cells": [],
     }  # fmt: skip
     stem = "throughput" + (f"_{a.tag}" if a.tag else "")
     began = time.time()
+
+    def save(partial: dict) -> None:  # after every repetition: partial results
+        so_far = {**result, "cells": [*result["cells"], partial]}
+        (out_dir / f"{stem}.json").write_text(json.dumps(so_far, indent=1))
+        (out_dir / f"{stem}.md").write_text(markdown(so_far))
+
     for spec in a.cells:
         nodes, rate = spec.split(":")
-        result["cells"].append(run_cell(int(nodes), rate, a, log_root))
-        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))  # after every cell: partial results
+        result["cells"].append(run_cell(int(nodes), rate, a, log_root, save))
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
         (out_dir / f"{stem}.md").write_text(markdown(result))
     result["total_s"] = round(time.time() - began, 1)
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))

@@ -5,13 +5,21 @@
    in int2/int4/fp32) for two blocking rounds; `last_round["bytes_sent"]` of rank 0's last round, its
    ratio to fp32's, and `co2_state_bytes()`, next to the closed forms of design §5.
 2. The codec's cost on one CPU core (torch.set_num_threads(1)), or on a GPU with --codec_device cuda:
-   encode (with error feedback) and decode of an fp32 vector of --codec_elements elements, --repeats
-   times; MB/s of fp32 input. --codec_only skips 1.
+   encode (with error feedback; the sparse formats with the decaying residual they are recommended with)
+   and decode of an fp32 vector of --codec_elements elements, --repeats times; MB/s of fp32 input.
 
 Writes <out_dir>/wire.json and wire.md.
 
     OMP_NUM_THREADS=1 python -m scripts.bench_wire --replicas 2 4 --params 1000000 --codec_elements 100000000
     python -m scripts.bench_wire --codec_only --codec_device cuda --codec_elements 100000000 --repeats 5
+
+With --codec_only, part 2 alone, into <out_dir>/codec.json and codec.md; with --throughput FILE (a
+bench_throughput.py JSON whose cells ran the tuner) also the codec's seconds per round on each cell's
+model and replicas (one round's encodes and decodes, design §5: a dense format encodes (1 + 1/R)·Ψ and
+decodes 2·Ψ, a sparse one encodes Ψ and decodes R payloads of Ψ) and their share of τ inner steps.
+
+    OMP_NUM_THREADS=1 python -m scripts.bench_wire --codec_only --codec_elements 100000000 --repeats 3 \
+        --throughput benchmarks/throughput/throughput_P4_10mbit_wire.json --tau 32
 
 3. With --quality DIR (a bench_quality.py --out_dir): the compressed defaults against the fp32 defaults
    there, seed for seed: final validation loss, its gap to fp32 (mean [min, max] over the seeds both ran)
@@ -66,11 +74,13 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--params", type=int, default=1_000_000, help="parameters of the model (one square Linear)")
     p.add_argument("--codec_elements", type=int, default=25_000_000, help="elements of the codec's vector")
-    p.add_argument("--codec_device", default="cpu", help="where the codec runs: cpu (one core) or cuda")
-    p.add_argument("--codec_only", action="store_true", help="measure the codec only, not the bytes on the wire")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "wire"))
     p.add_argument("--quality", default=None, help="only summarise a bench_quality.py study of the wire formats")
+    p.add_argument("--codec_only", action="store_true", help="only the codec's cost (codec.json, codec.md)")
+    p.add_argument("--codec_device", default="cpu", help="where the codec runs: cpu (one core) or cuda")
+    p.add_argument("--throughput", default=None, help="a bench_throughput.py JSON: the codec's share of its rounds")
+    p.add_argument("--tau", type=int, default=32, help="inner steps per round for that share")
     return p.parse_args(argv)
 
 
@@ -128,27 +138,29 @@ def measure_wire(a: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _timed(fn, repeats: int, device: torch.device) -> list[float]:
-    """Seconds of each of `repeats` calls of `fn` (one warm-up first), the device's queue drained."""
+def _timed(fn, repeats: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """(wall seconds, this process's CPU seconds) of each of `repeats` calls, after one warm-up, the
+    device's queue drained: on one thread the CPU seconds are the core's work, whatever else shares it."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     sync()
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         fn()
         sync()
-        times.append(time.perf_counter() - began)
-    return times
+        wall.append(time.perf_counter() - began)
+        cpu.append(time.process_time() - began_cpu)
+    return wall, cpu
 
 
-def _codec(label: str, vector: torch.Tensor, residual: torch.Tensor, out: torch.Tensor):
+def _codec(label: str, vector: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, decay: float = 1.0):
     """(encode, decode) of `label` on the whole vector, as the exchange runs them on a partition."""
     wire = WIRES[label]
     if "topk" in wire:
         layout = SparseLayout.for_length(vector.numel(), wire["topk"], wire["comm_dtype"])
         payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=vector.device)
-        return (lambda: encode_with_feedback_(vector.clone(), residual, layout, payload),
+        return (lambda: encode_with_feedback_(vector.clone(), residual, layout, payload, decay),
                 lambda: add_decoded_(payload, layout, out.zero_()))  # fmt: skip
     fmt = FORMATS[wire["comm_dtype"]]
     nbytes = RecordLayout.for_length(vector.numel(), bits=fmt.bits).nbytes
@@ -158,39 +170,80 @@ def _codec(label: str, vector: torch.Tensor, residual: torch.Tensor, out: torch.
             lambda: dequantize_into(records, fmt, out=out_rows))  # fmt: skip
 
 
+# the codec's formats: label -> (a WIRES label, the residual's decay)
+CODECS = {"int8": ("int8", 1.0), "int4": ("int4", 1.0), "int2": ("int2", 1.0), "top3%-int2": ("top3%-int2", 1.0),
+          "top1.5%-int2": ("top1.5%-int2", 1.0), "top1.5%-int2-decay": ("top1.5%-int2", 0.95),
+          "top0.9%-int2-decay": ("top0.9%-int2", 0.95)}  # fmt: skip
+
+
 def codec_cost(elements: int, repeats: int, device: str = "cpu") -> list[dict]:
-    """encode+feedback and decode MB/s (of fp32 input) per format, on one CPU core or on `device`."""
+    """encode+feedback and decode MB/s (of fp32 input) per format, on one CPU core or on `device`: on the
+    CPU by CPU time (`*_MBps`, what the core spends) and by wall time (`*_wall_MBps`, which a shared host
+    lowers); on a GPU both by wall time (the host's CPU time says nothing of the card's)."""
     where = torch.device(device)
     if where.type == "cpu":
         torch.set_num_threads(1)
+    by = 1 if where.type == "cpu" else 0  # the column of `_timed` that `*_MBps` reads
     vector = torch.randn(elements, generator=torch.Generator().manual_seed(0)).to(where)
     residual, out = torch.zeros_like(vector), torch.zeros_like(vector)
-    copy = statistics.median(_timed(vector.clone, repeats, where))  # the input's clone is not the codec's
+    copy = [statistics.median(t) for t in _timed(vector.clone, repeats, where)]  # the input's clone is not the codec's
     rows, mb = [], 4 * elements / 1e6
-    for label in ("int8", "int4", "int2", "top1.5%-int2", "top3%-int2"):
-        encode, decode = _codec(label, vector, residual, out)
-        enc = [max(t - copy, 1e-9) for t in _timed(encode, repeats, where)]
-        dec = _timed(decode, repeats, where)
-        rows.append({"wire": label, "elements": elements, "device": str(where),
-                     "encode_MBps": [mb / t for t in enc], "decode_MBps": [mb / t for t in dec]})  # fmt: skip
+    for label, (wire, decay) in CODECS.items():
+        encode, decode = _codec(wire, vector, residual, out, decay)
+        enc = [[mb / max(t - c, 1e-9) for t in ts] for ts, c in zip(_timed(encode, repeats, where), copy)]
+        dec = [[mb / max(t, 1e-9) for t in ts] for ts in _timed(decode, repeats, where)]
+        rows.append({"wire": label, "elements": elements, "device": str(where), "encode_MBps": enc[by],
+                     "decode_MBps": dec[by], "encode_wall_MBps": enc[0], "decode_wall_MBps": dec[0]})  # fmt: skip
+    return rows
+
+
+def round_share(codec: Sequence[dict], cells: Sequence[dict], tau: int) -> list[dict]:
+    """The codec's seconds per round on each throughput cell's model and replicas (design §5's encodes and
+    decodes of one round, at the median MB/s) and their share of `tau` inner steps (the tuner's t_step)."""
+    rows = []
+    for cell in cells:
+        tuner = cell["tuners"]["fp32"]
+        psi, replicas, t_step = tuner["params"], cell["nodes"], tuner["compute"]["t_step"]
+        for r in codec:
+            sparse = "topk" in WIRES[CODECS[r["wire"]][0]]
+            encoded, decoded = (psi, replicas * psi) if sparse else ((1 + 1 / replicas) * psi, 2 * psi)
+            seconds = (4 * encoded / 1e6 / statistics.median(r["encode_MBps"])
+                       + 4 * decoded / 1e6 / statistics.median(r["decode_MBps"]))  # fmt: skip
+            rows.append({"wire": r["wire"], "nodes": replicas, "rate": cell["rate"], "params": psi,
+                         "t_step": t_step, "tau": tau, "codec_s_per_round": seconds,
+                         "share_of_round": seconds / (tau * t_step)})  # fmt: skip
     return rows
 
 
 def _span(values: Sequence[float]) -> str:
+    if not values:
+        return "–"
     return f"{statistics.median(values):.0f} [{min(values):.0f}–{max(values):.0f}]"
 
 
 def markdown(result: dict) -> str:
     lines = ["| R | wire | bytes/round (rank 0) | closed form | × fewer than fp32 | bits/param | state bytes |",
-             "|---|---|---|---|---|---|---|"] if result["wire"] else []  # fmt: skip
-    for r in result["wire"]:
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in result.get("wire", []):
         lines.append(f"| {r['replicas']} | {r['wire']} | {r['bytes_sent']:,} | {r['closed_form']:,} | "
                      f"{r['ratio_to_fp32']:.1f} | {r['bits_per_parameter']:.3f} | {r['state_bytes']:,} |")  # fmt: skip
-    where = "one core" if result["codec_device"] == "cpu" else result["codec_device"]
-    lines += ["", f"Codec on {where}, {result['codec'][0]['elements']:,} fp32 elements, MB/s of fp32 input, "
-              f"median [min–max] of {result['repeats']}:", "", "| wire | encode + feedback | decode |",
-              "|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['wire']} | {_span(r['encode_MBps'])} | {_span(r['decode_MBps'])} |" for r in result["codec"]]
+    lines = lines if result.get("wire") else []
+    where = result.get("codec_device", "cpu")
+    lines += ["", f"Codec on {'one core' if where == 'cpu' else where}, {result['codec'][0]['elements']:,} fp32 "
+              f"elements, MB/s of fp32 input, median [min–max] of {result['repeats']}, by the process's CPU time "
+              f"(on a GPU: wall time) and by wall time:", "",
+              "| wire | encode + feedback (CPU) | decode (CPU) | encode + feedback (wall) | decode (wall) |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['wire']} | {_span(r['encode_MBps'])} | {_span(r['decode_MBps'])} | "
+              f"{_span(r.get('encode_wall_MBps', []))} | {_span(r.get('decode_wall_MBps', []))} |"
+              for r in result["codec"]]  # fmt: skip
+    if result.get("round_share"):
+        lines += ["", "The codec's CPU seconds per round per rank (median MB/s) and their share of τ inner steps:", "",
+                  "| P | link | Ψ | t_step | τ | wire | codec s/round | share of τ·t_step |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['nodes']} | {r['rate']} | {r['params']:,} | {r['t_step']:.3f} s | {r['tau']} | "
+                  f"{r['wire']} | {r['codec_s_per_round']:.3f} | {r['share_of_round']:.1%} |"
+                  for r in result["round_share"]]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -238,16 +291,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.quality:
         return summarise_quality(Path(a.quality))
     result = {"command": " ".join(["python -m scripts.bench_wire", *(argv or sys.argv[1:])]), "params": a.params,
-              "repeats": a.repeats, "host": {"cores": os.cpu_count(), "load": os.getloadavg()},
-              "wire": [] if a.codec_only else measure_wire(a), "codec_device": a.codec_device,
-              "codec": codec_cost(a.codec_elements, a.repeats, a.codec_device)}  # fmt: skip
+              "repeats": a.repeats, "host": {"cores": os.cpu_count(), "load": os.getloadavg()}}  # fmt: skip
+    if not a.codec_only:
+        result["wire"] = measure_wire(a)
+    result["codec_device"], result["codec"] = a.codec_device, codec_cost(a.codec_elements, a.repeats, a.codec_device)
     if a.codec_device != "cpu":
         result["host"]["device_name"] = torch.cuda.get_device_name()
-    out = Path(a.out_dir)
+    result["host"]["load_after"] = os.getloadavg()
+    if a.throughput:
+        result["round_share"] = round_share(result["codec"], json.loads(Path(a.throughput).read_text())["cells"], a.tau)
+    out, stem = Path(a.out_dir), "codec" if a.codec_only else "wire"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "wire.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
-    (out / "wire.md").write_text(f"`{result['command']}`\n\n{text}\n")
+    (out / f"{stem}.md").write_text(f"`{result['command']}`\n\n{text}\n")
     print(text)
     return 0
 

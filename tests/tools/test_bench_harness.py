@@ -35,11 +35,22 @@ def test_every_method_runs_at_one_tau_and_compressed_co2_also_at_its_own():
     methods = ["none", "ddp", "co2", "co2-bf16", "co2-int8", "localsgd"]
     runs = bt.plan(methods, 40, {"fp32": 40, "bf16": 24, "int8": 40})
     assert runs == {**dict.fromkeys(methods, 40), "co2-bf16 @tuned": 24}
-    assert [bt.comm_dtype(x) for x in ("co2", "co2-int8", "co2-int8 @tuned")] == ["fp32", "int8", "int8"]
+    assert [bt.wire_of(x) for x in ("co2", "co2-int8", "co2-int8 @tuned")] == ["fp32", "int8", "int8"]
     assert bt.run_flags("co2-int8 @tuned", ["--n_layer", "1"], ["--gap_strength", "2"]) == [
         "--method", "co2_published", "--comm_dtype", "int8", "--n_layer", "1", "--gap_strength", "2",
     ]  # fmt: skip
     assert bt.run_flags("localsgd", [], ["--gap_strength", "2"]) == ["--method", "localsgd"]
+
+
+def test_a_fixed_tau_with_tuners_runs_every_wire_also_at_its_own_tau():
+    """--tau 32 --tuned_too: every method at 32, and every co2 wire (fp32 too) at its tuner's τ where that is not
+    32, above or below; a sparse label runs its format's flags (top-k, 2 bits, the decaying residual)."""
+    methods = ["none", "co2", "co2-int4", "co2-top0.9%-int2-decay"]
+    runs = bt.plan(methods, 32, {"fp32": 80, "int4": 32, "top0.9%-int2-decay": 2}, every_wire=True)
+    assert runs == {**dict.fromkeys(methods, 32), "co2 @tuned": 80, "co2-top0.9%-int2-decay @tuned": 2}
+    assert bt.run_flags("co2-top0.9%-int2-decay @tuned", [], []) == [
+        "--method", "co2_published", "--comm_dtype", "int2", "--topk", "0.009", "--feedback_decay", "0.95",
+    ]  # fmt: skip
 
 
 def test_ratios_to_none_are_per_repetition():
@@ -60,20 +71,39 @@ def _exchange_bytes(rank: int, world: int) -> dict:
         dtype: tune_tau.measure_exchange_time(
             4096, CO2Config(collective="reduce_scatter", comm_dtype=dtype, stand_in="shared"), reps=2
         )
-        for dtype in ("fp32", "bf16", "int8")
+        for dtype in ("fp32", "bf16", "int8", "int4", "int2")
+    } | {
+        "top1.5%-int2": tune_tau.measure_exchange_time(
+            4096, CO2Config(comm_dtype="int2", topk=0.015, feedback_decay=0.95, stand_in="shared"), reps=2
+        )
     }
 
 
 def test_tuner_times_the_exchange_in_its_wire_format():
     """The tuner's t_comm comes from the library's own pipeline, so a compressed format sends fewer bytes
-    (what makes its tuned τ smaller): int8 at most 0.27x of fp32 (docs/design.md §5)."""
+    (what makes its tuned τ smaller): int8 at most 0.27x of fp32, int4 0.14x, int2 0.07x, and top-1.5% in
+    int2 (all-gathered, with the decaying residual) under 1/100 (docs/design.md §5)."""
     for got in run_ranks(_exchange_bytes, 2):
-        fp32, bf16, int8 = got["fp32"], got["bf16"], got["int8"]
+        fp32, sparse = got["fp32"], got["top1.5%-int2"]
         # reduce-scatter + all-gather, (R-1)/R of 16 KiB each, plus the outer step's few norms
         assert 4096 * 4 <= fp32["bytes_sent"] < 4096 * 4 + 64
-        assert bf16["bytes_sent"] < 0.76 * fp32["bytes_sent"]
-        assert int8["bytes_sent"] <= 0.27 * fp32["bytes_sent"]
-        assert all(x["t_comm"] > 0 and len(x["samples"]) == 2 for x in (fp32, bf16, int8))
+        assert got["bf16"]["bytes_sent"] < 0.76 * fp32["bytes_sent"]
+        for dtype, share in (("int8", 0.27), ("int4", 0.14), ("int2", 0.07)):
+            assert got[dtype]["bytes_sent"] <= share * fp32["bytes_sent"], (dtype, got[dtype])
+        assert sparse["collective"] == "all_gather" and sparse["bytes_sent"] < fp32["bytes_sent"] / 100, sparse
+        assert all(x["t_comm"] > 0 and len(x["samples"]) == 2 for x in got.values())
+
+
+def test_the_codec_share_of_a_round_counts_design_s_encodes_and_decodes():
+    """bench_wire's round share: a dense format encodes (1 + 1/R)·Ψ and decodes 2·Ψ a round, a sparse one
+    encodes Ψ and decodes R payloads; at 4 MB/s a 1M-element (4 MB) pass takes 1 s."""
+    from scripts import bench_wire
+
+    codec = [{"wire": w, "encode_MBps": [4.0, 2.0, 8.0], "decode_MBps": [4.0]} for w in ("int2", "top0.9%-int2-decay")]
+    cell = {"nodes": 4, "rate": "10mbit", "tuners": {"fp32": {"params": 1_000_000, "compute": {"t_step": 0.5}}}}
+    dense, sparse = bench_wire.round_share(codec, [cell], tau=10)
+    assert dense["codec_s_per_round"] == 1.25 + 2.0 and sparse["codec_s_per_round"] == 1.0 + 4.0
+    assert sparse["share_of_round"] == 5.0 / (10 * 0.5)
 
 
 def _check(tau: int, efficiency: float, passes: bool) -> dict:
