@@ -55,7 +55,7 @@ def _entry(fn: Callable, rank: int, world_size: int, workdir: str, args: tuple, 
 
 
 @contextlib.contextmanager
-def _environment(extra: Mapping[str, str]) -> Iterator[None]:
+def environment(**extra: str) -> Iterator[None]:
     """os.environ with `extra` set (a spawned child inherits it), restored afterwards."""
     saved = {key: os.environ.get(key) for key in extra}
     os.environ.update(extra)
@@ -96,7 +96,7 @@ def launch_ranks(
             for r in range(world_size)
         ]
         for r, p in enumerate(procs):
-            with _environment(rank_env[r] if r < len(rank_env) else {}):
+            with environment(**(rank_env[r] if r < len(rank_env) else {})):
                 p.start()
         ended_at: dict[int, float] = {}
         deadline = time.monotonic() + timeout

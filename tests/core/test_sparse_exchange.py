@@ -38,7 +38,7 @@ from tests.core.test_compress import (
     train_sharded,
     two_rounds_on_the_wide_model,
 )
-from tests.dist_utils import run_ranks
+from tests.dist_utils import environment, run_ranks
 from tests.reference import replica_round_starts, simulate
 from tests.reference_compress import CompressedExchange
 
@@ -358,15 +358,8 @@ def deepspeed_run(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def results_deepspeed(tmp_path_factory):
     pytest.importorskip("deepspeed")
-    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
-    try:
+    with environment(TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch_extensions"))):  # the children's JIT
         return run_ranks(deepspeed_run, 4, timeout=300.0)
-    finally:
-        if previous is None:
-            del os.environ["TORCH_EXTENSIONS_DIR"]
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = previous
 
 
 def test_deepspeed_every_inner_step_matches_the_reference(results_deepspeed):

@@ -7,9 +7,7 @@ which proves nothing about CUDA.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Iterator
 
 import torch
 
@@ -38,18 +36,3 @@ LAYOUTS = {"gloo-shared-gpu": ("gloo", 2), "nccl": (GPU_BACKEND, nccl_world())}
 # The reference runs on the CPU; CUDA kernels sum in another order (no TF32: torch's default for fp32
 # matmuls). A wrong outer step is off by 1e-2 or more.
 RTOL, ATOL = (1e-4, 1e-5) if ON_GPU else (1e-5, 1e-6)
-
-
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """Set environment variables for the processes started inside; restore them afterwards."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

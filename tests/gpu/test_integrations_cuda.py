@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests import compare
-from tests.dist_utils import run_ranks
-from tests.gpu.devices import ATOL, DEVICE, LAYOUTS, ON_GPU, RTOL, environment
+from tests.dist_utils import environment, run_ranks
+from tests.gpu.devices import ATOL, DEVICE, LAYOUTS, ON_GPU, RTOL
 from tests.integrations import test_deepspeed as cpu_deepspeed
 from tests.integrations import test_fairscale as cpu_fairscale
 from tests.integrations import test_optim as cpu_optim

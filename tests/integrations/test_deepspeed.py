@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests import models
-from tests.dist_utils import run_ranks
+from tests.dist_utils import environment, run_ranks
 from tests.reference import resolve_config, simulate
 from tests.scenarios import co2
 
@@ -373,18 +373,11 @@ def run_all(rank: int, world: int, shards: int, directory: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """{world: per-rank results}: world 4 = S 2 x R 2, world 2 = S 1 x R 2."""
-    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))  # the children's JIT
-    try:
+    with environment(TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch_extensions"))):  # the children's JIT
         return {
             world: run_ranks(run_all, world, shards, str(tmp_path_factory.mktemp(f"ckpt{world}")), timeout=240)
             for world, shards in ((4, 2), (2, 1))
         }
-    finally:
-        if previous is None:
-            del os.environ["TORCH_EXTENSIONS_DIR"]
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = previous
 
 
 # ---- the reference ---------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from tests import models
-from tests.dist_utils import run_ranks
+from tests.dist_utils import environment, run_ranks
 from tests.integrations.test_deepspeed import ReferenceInner, _assert_close, _params, ds_config
 from tests.reference import simulate_paced
 
@@ -58,15 +58,8 @@ def _child(rank: int, world: int, directory: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))  # the children's JIT
-    try:
+    with environment(TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch_extensions"))):  # the children's JIT
         return run_ranks(_child, 2 * SHARDS, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
-    finally:
-        if previous is None:
-            del os.environ["TORCH_EXTENSIONS_DIR"]
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = previous
 
 
 def test_every_inner_step_matches_the_reference(results):
@@ -141,15 +134,8 @@ def _auto_child(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_auto_measures_then_matches_the_reference_at_every_step(tmp_path):
-    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path)  # the children's JIT
-    try:
+    with environment(TORCH_EXTENSIONS_DIR=str(tmp_path)):  # the children's JIT
         results = run_ranks(_auto_child, 2 * SHARDS, timeout=300)
-    finally:
-        if previous is None:
-            del os.environ["TORCH_EXTENSIONS_DIR"]
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = previous
     config = _auto_config()
     per_step: list = []
     finals = simulate_paced(lambda: models.make_model("mlp"), lambda p: ReferenceInner(p, config), models.batch,

@@ -20,7 +20,7 @@ pytest.importorskip("co2_zero.deepspeed")
 
 from co2_zero.lightning import CO2DeepSpeedStrategy  # noqa: E402
 from tests import models  # noqa: E402
-from tests.dist_utils import run_ranks  # noqa: E402
+from tests.dist_utils import environment, run_ranks  # noqa: E402
 from tests.integrations.test_deepspeed import ds_config, reference  # noqa: E402
 from tests.lightning_app import Lit, Recorder, as_torchrun, loader, params, trainer  # noqa: E402
 from tests.scenarios import co2  # noqa: E402
@@ -67,15 +67,8 @@ def run_all(rank: int, world: int, directory: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    previous = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))  # the children's JIT
-    try:
+    with environment(TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch_extensions"))):  # the children's JIT
         return run_ranks(run_all, WORLD, str(tmp_path_factory.mktemp("lightning_ds")), timeout=400)
-    finally:
-        if previous is None:
-            del os.environ["TORCH_EXTENSIONS_DIR"]
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = previous
 
 
 def _close(actual: dict, expected: dict, what: str) -> None:
