@@ -19,13 +19,13 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
                       displacement instead) and `sync_delay: SYNC_DELAY`: the average is applied that many
                       steps into the next round, not at its end, the replicas' progress rebased on it: the
                       defaults since 0.2 with the sync delay fixed (`"auto"` measures it on the job)
-  diloco_local_sync_int8  the same with `comm_dtype: int8` (0.254× the bytes a round; τ 32, its outer lr only)
+  diloco_local_sync_int8  the same with `comm_dtype: int8` (0.254× the bytes a round)
   diloco_local_sync_int4, _int2, _topk3_int2, _topk1.5_int2, _topk1_int2, _topk0.9_int2  the same with
                       `comm_dtype` int4 or int2, and with `topk` 3%, 1.5%, 1% or 0.9% of each chunk in int2 (the
-                      sparse exchange); τ 32 (and --taus; 0.9%: τ 32 only), the fp32 defaults' outer lr; each
+                      sparse exchange), every --taus, the fp32 defaults' outer lr; each
                       cell records the bytes its rank 0 sent
-  diloco_local_sync_topk1.5_int2_decay, _topk0.9_int2_decay  the same with SparseLoCo's decaying residual,
-                      `feedback_decay` 0.95 (τ 32; its plain outer step: --grid METHOD:1:0)
+  diloco_local_sync_topk3_int2_decay, _topk1.5_int2_decay, _topk0.9_int2_decay  the same with SparseLoCo's
+                      decaying residual, `feedback_decay` 0.95 (its plain outer step: --grid METHOD:1:0)
   torchft_diloco      torchft's DiLoCo and Streaming DiLoCo (2 fragments), driven by scripts/torchft_peer.py
   torchft_streaming   --replicas P: a Lighthouse and P replicas of one rank, the diloco preset's outer
                       optimizer (Nesterov) at the cell's outer lr / momentum, fp32 (unavailable without torchft)
@@ -76,9 +76,11 @@ WIRE = {"diloco_local_sync_int8": ("int8", 1.0), "diloco_local_sync_int4": ("int
         "diloco_local_sync_int2": ("int2", 1.0), "diloco_local_sync_topk3_int2": ("int2", 0.03),
         "diloco_local_sync_topk1.5_int2": ("int2", 0.015), "diloco_local_sync_topk1_int2": ("int2", 0.01),
         "diloco_local_sync_topk0.9_int2": ("int2", 0.009), "diloco_local_sync_topk1.5_int2_decay": ("int2", 0.015),
-        "diloco_local_sync_topk0.9_int2_decay": ("int2", 0.009)}  # fmt: skip
+        "diloco_local_sync_topk0.9_int2_decay": ("int2", 0.009),
+        "diloco_local_sync_topk3_int2_decay": ("int2", 0.03)}  # fmt: skip
 # SparseLoCo's decaying error feedback (`feedback_decay`) where a wire method sets one
-DECAY = {"diloco_local_sync_topk1.5_int2_decay": 0.95, "diloco_local_sync_topk0.9_int2_decay": 0.95}
+DECAY = {"diloco_local_sync_topk1.5_int2_decay": 0.95, "diloco_local_sync_topk0.9_int2_decay": 0.95,
+         "diloco_local_sync_topk3_int2_decay": 0.95}  # fmt: skip
 CO2_FAMILY = ("diloco", "co2", "co2_eager", "co2_local", "diloco_eager", "diloco_local", "diloco_local_sync",
               *WIRE)  # fmt: skip
 STAND_IN = {"co2_eager": "eager", "co2_local": "local", "diloco_eager": "eager", "diloco_local": "local",
@@ -134,7 +136,7 @@ ABLATION_TAUS = {
     "co2_local": (32,),
     "diloco_eager": (32,),
     "diloco_local": (32,),
-    **{m: (32,) if m == "diloco_local_sync_int8" or "0.9" in m or m in DECAY else (8, 32, 128) for m in WIRE},
+    **{m: (8, 32, 128) for m in WIRE},
 }
 # method -> bench_throughput run labels whose tokens/s it has on a link, first found wins: blocking
 # DiLoCo exchanges exactly what blocking Local SGD does (the outer step differs only in its math)

@@ -23,7 +23,10 @@ Results: <out_dir>/throughput.json (every run, with the load average and CPU-bus
 host before it, the self-check, the tuner's measurements and the exact command) and
 <out_dir>/throughput.md (medians). Numbers measured while other programs load the host are
 meaningless: by default it waits for the 1-minute load average to fall below --max_load before a
-cell, and for the host's CPUs to be idle (busy < --max_busy over 1 s) before every run.
+cell, and for the host's CPUs to be idle (busy < --max_busy over 1 s) before every run. On a host that
+cannot be kept quiet, --cpus_per_node caps every node (compute-only included) at a fixed share of a core
+and --cpu_weight puts the nodes ahead of the other programs, so that each node runs at the same speed
+whatever else runs (`emulated_cluster.CpuCaps`).
 
     python -m scripts.bench_throughput --cells 4:1gbit 2:1gbit --reps 3        # the 1 Gbit/s table
     python -m scripts.bench_throughput --cells 4:100mbit --methods none ddp co2 co2-bf16 co2-int8 localsgd \
@@ -110,6 +113,10 @@ def get_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--wait_load_s", type=float, default=1800, help="give up waiting after this (and say so)")
     p.add_argument("--max_busy", type=float, default=0.15, help="before every run: wait for CPU busy below this")
     p.add_argument("--wait_busy_s", type=float, default=120, help="... for at most this long (and say so)")
+    p.add_argument("--cpus_per_node", type=float, default=0.0,
+                   help="cap each node at this many cores in a cgroup (root; 0: the nodes share the host)")  # fmt: skip
+    p.add_argument("--cpu_weight", type=float, default=1.0,
+                   help="the capped nodes' scheduler weight beside other tasks (1: a plain process's)")  # fmt: skip
     p.add_argument("--strict_check", action=argparse.BooleanOptionalAction, default=True,
                    help="abort a cell whose bandwidth self-check fails")  # fmt: skip
     # the model and batch (train_lm.py flags): tokens/rank/step small enough that DDP is communication-bound
@@ -253,7 +260,8 @@ def run_cell(nodes: int, rate: str, a, log_root: Path, save: Callable[[dict], No
     each repetition (the cell so far, with `reps_done`), so that a cell cut short keeps its whole repetitions."""
     cell = {"nodes": nodes, "rate": rate, "host_before": ec.wait_for_quiet_host(a.max_load, a.wait_load_s)}
     print(f"== cell P={nodes} {rate}: {cell['host_before']}", file=sys.stderr, flush=True)
-    with ec.EmulatedCluster(nodes, rate) as cluster:
+    caps = {"cpus_per_node": a.cpus_per_node, "cpu_weights": [a.cpu_weight] * nodes} if a.cpus_per_node else {}
+    with ec.EmulatedCluster(nodes, rate, **caps) as cluster:
         check = cluster.self_check(strict=False)
         cell["self_check"] = check
         print(f"   self-check: {json.dumps(check)}", file=sys.stderr, flush=True)
