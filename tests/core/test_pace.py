@@ -414,7 +414,8 @@ def _sharded_child(rank: int, world: int, integration: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("integration", list(SHARDED))
+# FSDP2 by default; FairScale's 2 x 2 (another layout of the same grid) among the slow extras
+@pytest.mark.parametrize("integration", ["fsdp2", pytest.param("fairscale", marks=pytest.mark.slow)])
 def test_two_by_two_matches_the_reference_at_every_step(integration):
     results = run_ranks(_sharded_child, 4, integration, timeout=300)
     per_step, finals = _reference(SCENARIOS["defaults"], shards=SHARDS)
