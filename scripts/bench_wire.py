@@ -77,6 +77,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "wire"))
     p.add_argument("--quality", default=None, help="only summarise a bench_quality.py study of the wire formats")
+    p.add_argument("--baseline", default=None, help="with --quality: a study whose fp32 cells complete its own")
     p.add_argument("--codec_only", action="store_true", help="only the codec's cost (codec.json, codec.md)")
     p.add_argument("--codec_device", default="cpu", help="where the codec runs: cpu (one core) or cuda")
     p.add_argument("--throughput", default=None, help="a bench_throughput.py JSON: the codec's share of its rounds")
@@ -247,11 +248,18 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def quality_rows(cells: Sequence[dict]) -> list[dict]:
-    """Per (method, τ, outer lr, momentum): the seeds, losses, gaps to fp32 at the same τ and seed, bytes ratio."""
-    fp32 = {(c["tau"], c["seed"]): c for c in cells if c["method"] == "diloco_local_sync"}
+def quality_rows(cells: Sequence[dict], baseline: Sequence[dict] = ()) -> list[dict]:
+    """Per (method, τ, outer lr, momentum): the seeds, losses, gaps to fp32 at the same τ and seed, bytes ratio.
+    fp32's cells are the study's own, else `baseline`'s (the quality study's, same flags, run before the bytes
+    were recorded): their bytes per round are then any of the study's fp32 cells' (the model's, whatever τ)."""
+    fp32 = {(c["tau"], c["seed"]): c for c in [*baseline, *cells] if c["method"] == "diloco_local_sync"}
+    measured = [c["bytes_per_round"] for c in cells if c["method"] == "diloco_local_sync" and "bytes_per_round" in c]
+    fp32 = {key: {**c, "bytes_per_round": c.get("bytes_per_round", measured[0] if measured else None)}
+            for key, c in fp32.items()}  # fmt: skip
+    taus = {c["tau"] for c in cells}
+    runs = [*(c for c in cells if c["method"] != "diloco_local_sync"), *(c for c in fp32.values() if c["tau"] in taus)]
     groups: dict = {}
-    for c in cells:
+    for c in runs:
         groups.setdefault((c["method"], c["tau"], c["outer_lr"], c["momentum"]), []).append(c)
     rows = []
     for (method, tau, lr, momentum), runs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -276,12 +284,26 @@ def quality_markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def summarise_quality(directory: Path) -> int:
-    cells = [json.loads(p.read_text()) for p in sorted((directory / "cells").glob("*.json"))]
-    rows = quality_rows(cells)
+def _cells(directory: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((directory / "cells").glob("*.json"))]
+
+
+def _best_fp32(study: Path) -> list[dict]:
+    """The fp32 defaults' cells of a quality study at its best setting per τ (its quality.json's table)."""
+    best = {(r["tau"], r["outer_lr"], r["momentum"]) for r in json.loads((study / "quality.json").read_text())["table"]
+            if r["method"] == "diloco_local_sync"}  # fmt: skip
+    return [c for c in _cells(study) if c["method"] == "diloco_local_sync"
+            and (c["tau"], c["outer_lr"], c["momentum"]) in best]  # fmt: skip
+
+
+def summarise_quality(directory: Path, baseline: Optional[Path] = None) -> int:
+    """wire_quality.{json,md} of a bench_quality.py study of the wire formats; fp32's cells it lacks from
+    `baseline` (a quality study with the same flags, at its best setting per τ), named in the command."""
+    rows = quality_rows(_cells(directory), _best_fp32(baseline) if baseline else ())
     (directory / "wire_quality.json").write_text(json.dumps({"rows": rows}, indent=1))
     text = quality_markdown(rows)
-    (directory / "wire_quality.md").write_text(f"`python -m scripts.bench_wire --quality {directory}`\n\n{text}\n")
+    command = f"python -m scripts.bench_wire --quality {directory}" + (f" --baseline {baseline}" if baseline else "")
+    (directory / "wire_quality.md").write_text(f"`{command}`\n\n{text}\n")
     print(text)
     return 0
 
@@ -289,7 +311,7 @@ def summarise_quality(directory: Path) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = get_args(argv)
     if a.quality:
-        return summarise_quality(Path(a.quality))
+        return summarise_quality(Path(a.quality), Path(a.baseline) if a.baseline else None)
     result = {"command": " ".join(["python -m scripts.bench_wire", *(argv or sys.argv[1:])]), "params": a.params,
               "repeats": a.repeats, "host": {"cores": os.cpu_count(), "load": os.getloadavg()}}  # fmt: skip
     if not a.codec_only:
