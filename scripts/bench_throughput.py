@@ -58,6 +58,8 @@ PEERS = {"torchft-diloco": "diloco", "torchft-streaming": "streaming"}  # run la
 WIRES = {
     "fp32": ["--comm_dtype", "fp32"], "bf16": ["--comm_dtype", "bf16"], "int8": ["--comm_dtype", "int8"],
     "int4": ["--comm_dtype", "int4"], "int2": ["--comm_dtype", "int2"],
+    **{f"top{p}%-int2": ["--comm_dtype", "int2", "--topk", f"{float(p) / 100:g}"] for p in ("3", "1.5", "1", "0.9")},
+    "top3%-int2-decay": ["--comm_dtype", "int2", "--topk", "0.03", "--feedback_decay", "0.95"],
     "top1.5%-int2-decay": ["--comm_dtype", "int2", "--topk", "0.015", "--feedback_decay", "0.95"],
     "top0.9%-int2-decay": ["--comm_dtype", "int2", "--topk", "0.009", "--feedback_decay", "0.95"],
 }  # fmt: skip

@@ -22,9 +22,8 @@ decodes 2·Ψ, a sparse one encodes Ψ and decodes R payloads of Ψ) and their s
         --throughput benchmarks/throughput/throughput_P4_10mbit_wire.json --tau 32
 
 3. With --quality DIR (a bench_quality.py --out_dir): the compressed defaults against the fp32 defaults
-   there, seed for seed: final validation loss, its gap to fp32 (mean [min, max] over the seeds both ran)
-   and the bytes per round as a ratio of fp32's, from the bytes rank 0 sent over each run. Writes
-   DIR/wire_quality.json and .md; nothing else runs.
+   there, seed for seed, and with --throughput the wall-clock each needs to DDP's loss on that link
+   (`scripts/wire_quality.py`); nothing else runs.
 
     python -m scripts.bench_wire --quality benchmarks/quality_wire
 """
@@ -248,70 +247,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def quality_rows(cells: Sequence[dict], baseline: Sequence[dict] = ()) -> list[dict]:
-    """Per (method, τ, outer lr, momentum): the seeds, losses, gaps to fp32 at the same τ and seed, bytes ratio.
-    fp32's cells are the study's own, else `baseline`'s (the quality study's, same flags, run before the bytes
-    were recorded): their bytes per round are then any of the study's fp32 cells' (the model's, whatever τ)."""
-    fp32 = {(c["tau"], c["seed"]): c for c in [*baseline, *cells] if c["method"] == "diloco_local_sync"}
-    measured = [c["bytes_per_round"] for c in cells if c["method"] == "diloco_local_sync" and "bytes_per_round" in c]
-    fp32 = {key: {**c, "bytes_per_round": c.get("bytes_per_round", measured[0] if measured else None)}
-            for key, c in fp32.items()}  # fmt: skip
-    taus = {c["tau"] for c in cells}
-    runs = [*(c for c in cells if c["method"] != "diloco_local_sync"), *(c for c in fp32.values() if c["tau"] in taus)]
-    groups: dict = {}
-    for c in runs:
-        groups.setdefault((c["method"], c["tau"], c["outer_lr"], c["momentum"]), []).append(c)
-    rows = []
-    for (method, tau, lr, momentum), runs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        pairs = [(c, fp32[(tau, c["seed"])]) for c in runs if (tau, c["seed"]) in fp32]
-        gaps = [c["final_val_loss"] / f["final_val_loss"] - 1 for c, f in pairs]
-        ratios = [f["bytes_per_round"] / c["bytes_per_round"] for c, f in pairs]
-        rows.append({"method": method, "tau": tau, "outer_lr": lr, "momentum": momentum,
-                     "seeds": sorted(c["seed"] for c in runs), "val_loss": [c["final_val_loss"] for c in runs],
-                     "gap_to_fp32": gaps, "bytes_ratio_to_fp32": ratios})  # fmt: skip
-    return rows
-
-
-def quality_markdown(rows: Sequence[dict]) -> str:
-    lines = ["| method | τ | outer lr, β | seeds | final val loss (mean) | gap to fp32 (per seed) | × fewer bytes |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        gap = (f"{statistics.mean(r['gap_to_fp32']):+.1%} [{min(r['gap_to_fp32']):+.1%}, {max(r['gap_to_fp32']):+.1%}]"
-               if r["gap_to_fp32"] else "–")  # fmt: skip
-        ratio = f"{statistics.mean(r['bytes_ratio_to_fp32']):.1f}" if r["bytes_ratio_to_fp32"] else "–"
-        lines.append(f"| {r['method']} | {r['tau']} | {r['outer_lr']:g}, {r['momentum']:g} | {len(r['seeds'])} | "
-                     f"{statistics.mean(r['val_loss']):.4f} | {gap} | {ratio} |")  # fmt: skip
-    return "\n".join(lines)
-
-
-def _cells(directory: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((directory / "cells").glob("*.json"))]
-
-
-def _best_fp32(study: Path) -> list[dict]:
-    """The fp32 defaults' cells of a quality study at its best setting per τ (its quality.json's table)."""
-    best = {(r["tau"], r["outer_lr"], r["momentum"]) for r in json.loads((study / "quality.json").read_text())["table"]
-            if r["method"] == "diloco_local_sync"}  # fmt: skip
-    return [c for c in _cells(study) if c["method"] == "diloco_local_sync"
-            and (c["tau"], c["outer_lr"], c["momentum"]) in best]  # fmt: skip
-
-
-def summarise_quality(directory: Path, baseline: Optional[Path] = None) -> int:
-    """wire_quality.{json,md} of a bench_quality.py study of the wire formats; fp32's cells it lacks from
-    `baseline` (a quality study with the same flags, at its best setting per τ), named in the command."""
-    rows = quality_rows(_cells(directory), _best_fp32(baseline) if baseline else ())
-    (directory / "wire_quality.json").write_text(json.dumps({"rows": rows}, indent=1))
-    text = quality_markdown(rows)
-    command = f"python -m scripts.bench_wire --quality {directory}" + (f" --baseline {baseline}" if baseline else "")
-    (directory / "wire_quality.md").write_text(f"`{command}`\n\n{text}\n")
-    print(text)
-    return 0
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = get_args(argv)
     if a.quality:
-        return summarise_quality(Path(a.quality), Path(a.baseline) if a.baseline else None)
+        from scripts import wire_quality
+
+        throughput = json.loads(Path(a.throughput).read_text()) if a.throughput else None
+        return wire_quality.summarise(Path(a.quality), Path(a.baseline) if a.baseline else None, throughput)
     result = {"command": " ".join(["python -m scripts.bench_wire", *(argv or sys.argv[1:])]), "params": a.params,
               "repeats": a.repeats, "host": {"cores": os.cpu_count(), "load": os.getloadavg()}}  # fmt: skip
     if not a.codec_only:

@@ -106,6 +106,31 @@ def test_the_codec_share_of_a_round_counts_design_s_encodes_and_decodes():
     assert sparse["share_of_round"] == 5.0 / (10 * 0.5)
 
 
+def test_every_wire_method_of_the_quality_study_has_its_run_in_bench_throughput():
+    """The wall-clock table finds each wire format's tokens/s under its bench_throughput label."""
+    from scripts import bench_quality, bench_throughput, wire_quality
+
+    for method in ("ddp", "none", wire_quality.FP32, *bench_quality.WIRE):
+        assert wire_quality.throughput_label(method) in bench_throughput.METHODS, method
+
+
+def test_the_wall_clock_divides_the_tokens_to_each_target_by_the_tokens_per_second():
+    """DDP ends at 1.0 after 400 tokens at 5 tokens/s: 80 s. The format's curve crosses 1.10 at 183.3 tokens
+    and 1.05 at 275 (linear between validation points) and never gets to 1.0 or 1.02: at 10 tokens/s,
+    18.3 s and 27.5 s, its 300 tokens in 30 s."""
+    from scripts import wire_quality
+
+    ddp = [{"final_val_loss": 1.0, "tokens": [0, 200, 400], "val_loss": [3.0, 1.5, 1.0]}]
+    row = {"method": "diloco_local_sync_int4", "tau": 32, "curve": ([0, 100, 200, 300], [3.0, 1.2, 1.08, 1.04])}
+    summary = {"none": {"tokens_per_s": 20.0, "tau": 32}, "ddp": {"tokens_per_s": 5.0, "tau": 32},
+               "co2-int4": {"tokens_per_s": 10.0, "tau": 32}}  # fmt: skip
+    throughput = {"cells": [{"nodes": 4, "rate": "10mbit", "summary": summary}]}
+    ddp_row, row_got = wire_quality.wall_clock([row], ddp, throughput, nodes=4)
+    assert (ddp_row["method"], ddp_row["over_none"], ddp_row["seconds"][0]) == ("ddp", 0.25, 80.0)
+    assert row_got["seconds"][:2] == [None, None] and row_got["budget_seconds"] == 30.0
+    assert row_got["seconds"][2:] == [pytest.approx(27.5), pytest.approx(18.333, abs=1e-3)]
+
+
 def _check(tau: int, efficiency: float, passes: bool) -> dict:
     return {"tau": tau, "efficiency": efficiency, "passes": passes}
 
