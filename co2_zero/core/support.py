@@ -165,9 +165,6 @@ TABLE: tuple[Refusal, ...] = (
     _row("replica_tau", besides(None, "auto"), "null or 'auto' (each replica measures its own steps per round)",
          "a list is keyed by the replica's place in a fixed grid, and each round's quorum changes who is averaged",
          elastic=_ELASTIC),
-    _row("replica_tau", one_of("auto"), "null, or one rank per replica launch (plain CO2Optimizer)",
-         "the S shards of a replica would each measure their own step time; untested", elastic=_ELASTIC,
-         plan__shards=besides(1)),
     # where the config runs
     _row("shards_per_replica", besides("node", 1), "1 or 'node' (read as 1); shard a replica with FSDP2 "
          "(co2_zero.fsdp.replica_mesh), co2_zero.fairscale.CO2OSS or co2_zero.deepspeed",

@@ -8,7 +8,7 @@ average leaves the base as the next start point. The membership itself lives in 
 from __future__ import annotations
 
 import warnings
-from typing import Any, NamedTuple, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ class Quorums(Protocol):
     def background_quorum(self, round_index: int) -> Peers: ...
     def final_quorum(self, round_index: int) -> Peers: ...
     def settle(self, peers: Peers, round_index: int, contributors: Optional[tuple[int, ...]], error: Any) -> bool: ...
+    def replica_max(self, values: Sequence[int], round_index: int) -> list[int]: ...
     def end(self, peers: Peers, error: Optional[Exception]) -> None: ...
     def close(self) -> None: ...
 
@@ -79,7 +80,7 @@ class ElasticExchange(OuterExchange):
         self.measures_speed = plan.config.replica_tau == "auto"  # each round's steps from the quorum's speeds
         self._weight, self._step_us = 0, 0  # this replica's for the round in flight: its steps, its step time
         self._chosen: Optional[int] = None  # the steps the last exchange's speeds give (written by the worker)
-        self._next_steps: Optional[int] = None  # ... as of the last launch: the next round's (`steps_next_round`)
+        self._next_steps: Optional[int] = None  # ... agreed by the replica's ranks at the last launch: the next round's
         self.cut = False  # the last exchange was cut on this replica (set by the worker)
         self._abandoned: list[tuple[Any, Any]] = []  # (group, collective) given up on, until it ends
         self._fields: Optional[dict[str, Any]] = None  # what the quorum agrees on (agreement.py), made once
@@ -87,6 +88,8 @@ class ElasticExchange(OuterExchange):
 
     def launch(self, job: PipelineJob):
         membership = self.membership
+        self.round_index = job.round_index
+        self._take_round_steps(membership.engine)  # before the quorum: no peer counts on this replica yet
         if self.joined is not None:  # attach met this round end's quorum
             self.peers, self.joined = self.joined, None
         elif self.cut:  # this replica may be behind: heal before the next round starts from the start point
@@ -96,17 +99,22 @@ class ElasticExchange(OuterExchange):
             self.peers = None
         # A replica that healed in the quorum holds its peer's gap norms now.
         job = job._replace(previous_update_sq_norms=membership.engine.previous_update_sq_norms)
-        self.round_index = job.round_index
-        self._take_round_steps(membership.engine)
         return super().launch(job)
 
     def _take_round_steps(self, engine: Any) -> None:
         """At the launch (main thread, no pipeline in flight): the steps this replica trained in the round
-        that ended (its weight), its step time over them, and the steps the last exchange chose for it."""
+        that ended (its weight), its step time over them, and the steps the last exchange chose for it.
+        Its ranks (S > 1) agree on both in one all-reduce: the replica's step time is its slowest rank's,
+        its steps the fewest any rank's exchange chose. So every shard's outer group gets the same row for
+        this replica, and its ranks, whose collectives run together, train the same steps."""
         self._weight, trained_s = engine.round_steps, engine.round_train_s
-        measured = self.measures_speed and trained_s is not None and self._weight > 0
-        self._step_us = max(1, round(1e6 * trained_s / self._weight)) if measured else 0
-        self._next_steps = self._chosen
+        if not self.measures_speed:
+            return
+        measured = trained_s is not None and self._weight > 0
+        step_us = max(1, round(1e6 * trained_s / self._weight)) if measured else 0
+        chosen = self.config.tau if self._chosen is None else self._chosen
+        self._step_us, fewest = self.membership.replica_max([step_us, -chosen], self.round_index)
+        self._next_steps = -fewest
 
     def steps_next_round(self, tau: int) -> int:
         """`replica_tau: "auto"`: what this replica's speed against the quorum's fastest gives (`speeds.py`), from

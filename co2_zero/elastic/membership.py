@@ -11,7 +11,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -251,16 +251,22 @@ class Membership:
             )
 
     def _check_replica_whole(self, round_index: int) -> None:
-        """Every rank of this replica (S > 1) reached the round end, within timeout_s: one tiny all-reduce
-        on the replica's control group. The replica is the unit that fails: a lost rank takes it out
-        here (the engine fails and stops the Manager), so the other replicas go on after the Lighthouse's
-        heartbeat timeout instead of waiting for a replica that will never ask for the quorum."""
+        """Every rank of this replica (S > 1) reached the round end, within timeout_s. The replica is the
+        unit that fails: a lost rank takes it out here (the engine fails and stops the Manager), so the
+        other replicas go on after the Lighthouse's heartbeat timeout instead of waiting for a replica
+        that will never ask for the quorum."""
+        self.replica_max([0], round_index)
+
+    def replica_max(self, values: Sequence[int], round_index: int) -> list[int]:
+        """Each of `values` at its largest over every rank of this replica, on the main thread at round
+        end `round_index`: one tiny all-reduce on the replica's control group, within timeout_s (a lost
+        or stuck rank of the replica is a CO2Error naming the replica, `_check_replica_whole`)."""
         topology = self.engine.topology
         if topology.world_size == 1:
-            return
-        probe = torch.zeros(1, device=collective_device(topology.control_group))
+            return list(values)
+        probe = torch.tensor(values, dtype=torch.int64, device=collective_device(topology.control_group))
         try:
-            work = dist.all_reduce(probe, group=topology.control_group, async_op=True)
+            work = dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=topology.control_group, async_op=True)
             work.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as error:
             raise CO2Error(
@@ -269,6 +275,7 @@ class Membership:
                 f"({type(error).__name__}: {error}); a rank of this replica died or is stuck, so the replica "
                 f"leaves the job and the others go on: restart every rank of it to rejoin"
             ) from error
+        return probe.tolist()
 
     def _quorum(self, round_index: int, joining: bool, serve_now: bool = True) -> Peers:
         """serve_now: a peer that heals from this replica gets its state as of now (main thread, between

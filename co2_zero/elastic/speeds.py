@@ -5,7 +5,9 @@ g = Σ τ_r·D_r / Σ τ_r, as design §3 does for a fixed grid; here the weight
 (`agreement.row`), so they follow whoever is in the quorum. With `replica_tau: "auto"` each replica also
 posts its step time and sets its next rounds' steps from the quorum's fastest: τ_r = round(τ · t_fastest /
 t_r), at least 1, re-measured every round, so a replica that slows down mid-run ends its rounds with the
-others instead of falling behind the Lighthouse's join timeout. Pure arithmetic; the exchange calls it.
+others instead of falling behind the Lighthouse's join timeout. A replica of several ranks is one speed: its
+slowest rank's time, and the fewest steps any of its ranks chose (`ElasticExchange._take_round_steps`). Pure
+arithmetic; the exchange calls it.
 """
 
 from __future__ import annotations

@@ -26,14 +26,13 @@ from tests import models
 from tests.dist_utils import run_ranks
 
 TAU = 2
-ELASTIC, PLAIN, FAIRSCALE, DEEPSPEED, LIGHTNING, TRAIN, FSDP2 = (
+ELASTIC, PLAIN, FAIRSCALE, DEEPSPEED, LIGHTNING, TRAIN = (
     "elastic",
     "plain",
     "fairscale",
     "deepspeed",
     "lightning",
     "train",
-    "fsdp2",
 )
 
 # str(row) -> (entry point, co2 section): the cheapest real build that meets the row (and no row before it)
@@ -54,7 +53,6 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     "stand_in: 'eager' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "stand_in": "eager"}),
     "replica_tau: not null with driver: 'lightning', 'co2-train', 'hf-trainer'": (LIGHTNING, {"replica_tau": [2, 1]}),
     "replica_tau: not null, 'auto' with elastic: true": (ELASTIC, {"replica_tau": [2, 1]}),
-    "replica_tau: 'auto' with elastic: true and plan.shards: not 1": (FSDP2 + "+" + ELASTIC, {"replica_tau": "auto"}),
     "shards_per_replica: not 'node', 1 with integration: 'plain'": (PLAIN, {"shards_per_replica": 2}),
     "elastic: true with integration: 'fairscale', 'deepspeed'": (FAIRSCALE + "+" + ELASTIC, {}),
     "topk: not 1.0 with elastic: true": (ELASTIC, {"topk": 0.5}),
@@ -120,14 +118,6 @@ def _build(entry: str, section: dict[str, Any]) -> Any:
         return check_given(CO2Config.from_dict(co2), driver="co2-train")
     from co2_zero import CO2Optimizer
 
-    if entry.startswith(FSDP2):  # one replica of the 2 ranks (S = 2)
-        from co2_zero import CO2Config
-        from co2_zero.fsdp import replica_mesh
-        from tests.integrations.test_fsdp import shard
-
-        config = CO2Config(**{**co2, "shards_per_replica": 2})
-        model = shard(models.make_model("mlp"), replica_mesh(config))
-        return CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), config, model=model, membership=membership)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)) if "buffers" in entry else None
     model = model or models.make_model("mlp")
     return CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), co2, model=model, membership=membership)

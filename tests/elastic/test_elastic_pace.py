@@ -23,7 +23,7 @@ import torch
 
 from co2_zero.elastic.speeds import displacement_scale, steps_for
 from tests import models
-from tests.elastic.test_elastic import job_factory  # noqa: F401  (the fixture)
+from tests.elastic.test_elastic import _full, _model, job_factory  # noqa: F401  (job_factory: the fixture)
 from tests.elastic.test_elastic_faults import documented_join_timeout_ms
 from tests.reference import simulate_paced
 
@@ -36,44 +36,52 @@ FIRST_MEASURED = 3  # rounds 0-2 run tau: round 0 is not timed, round 1's speeds
 
 
 def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, rounds: int, plan: dict) -> None:
-    """One replica (one rank, its own world): train until `rounds` rounds ended, each step followed by a sleep
-    of plan["step_s"] (plan["slow_s"] on replica plan["slow"] from round plan["slow_from"]); record the steps its
-    loop trained per round, every displacement it sent and average it received, its history, its final model."""
+    """Rank `rank` of one replica (its own world of plan["shards"] ranks, 1 by default; with 2, FSDP2's model):
+    train until `rounds` rounds ended, each step followed by a sleep of plan["step_s"] (plan["slow_s"] on the
+    ranks plan["slow_ranks"], default all, of replica plan["slow"] from round plan["slow_from"]); record the steps
+    its loop trained per round, every displacement it sent and average it received (its partition), its history,
+    the whole model at every round start and at the end. plan["skew"] = (replica, rank, factor): that rank reads
+    each round's training time `factor` times longer than it was."""
+    shards = plan.get("shards", 1)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from co2_zero import CO2Optimizer
+    from co2_zero import CO2Config, CO2Optimizer
     from co2_zero.elastic import Membership
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(port)
-    dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=0, world_size=1,
+    dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=rank, world_size=shards,
                             timeout=timedelta(seconds=60))  # fmt: skip
     Path(plan["pid_files"][rank]).write_text(str(os.getpid()))
     averages = _record_averages()
+    if plan.get("skew", (None,))[:2] == (replica, rank):
+        _skew_round_time(plan["skew"][2])
     if plan.get("fail_exchange", (None,))[0] == replica:  # (replica, round): its copy of that average is lost
         from tests.elastic.test_elastic import _fail_exchange_at
 
         _fail_exchange_at(plan["fail_exchange"][1])
     if plan.get("announce"):
         Path(plan["announce"]).touch()
-    model = models.make_model("mlp")
+    config = CO2Config(**CONFIG, **({"shards_per_replica": shards} if shards > 1 else {}))
+    model = _model(config, shards)
     membership = Membership(lighthouse, replica, start_replicas=plan.get("start_replicas", 2))
-    opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), CONFIG, model, membership=membership)
+    opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), config, model, membership=membership)
     trained, in_round, step, joined_at = {}, 0, 0, opt.engine.rounds
-    starts = {opt.engine.rounds: _flat_model(model)}
+    starts = {opt.engine.rounds: _full(model)}
+    slow_rank = replica == plan.get("slow") and rank in plan.get("slow_ranks", range(shards))
     while opt.engine.rounds < rounds:
-        slow = replica == plan.get("slow") and opt.engine.rounds >= plan.get("slow_from", 0)
+        slow = slow_rank and opt.engine.rounds >= plan.get("slow_from", 0)
         # a replica is starting: step slowly (few steps, round ends still met) until it is in the quorum
         joining = plan.get("wait_for") and opt.engine.rounds >= plan["wait_for"][0] and _joining(plan, membership)
-        x, y = models.batch(replica, step)
+        x, y = models.shard_batch(replica, rank, step, shards) if shards > 1 else models.batch(replica, step)
         opt.zero_grad()
         models.loss_fn(model(x), y).backward()
         opt.step()
         step, in_round = step + 1, in_round + 1
         if opt.round_ended:
             trained[opt.engine.rounds - 1], in_round = in_round, 0
-            starts[opt.engine.rounds] = _flat_model(model)
+            starts[opt.engine.rounds] = _full(model)
             if plan.get("reached") and opt.engine.rounds == plan["reached"][0]:
                 Path(plan["reached"][1]).touch()
         time.sleep(1.0 if joining else plan["slow_s"] if slow else plan["step_s"])
@@ -85,18 +93,29 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
         "inner_steps": opt.engine.inner_steps,
         "joined_at": joined_at,
         "starts": starts,
-        "final": _flat_model(model),
+        "final": _full(model),
     }
     torch.save(result, f"{out}.tmp")
     os.replace(f"{out}.tmp", out)
     dist.destroy_process_group()
 
 
-def _flat_model(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+def _skew_round_time(factor: float) -> None:
+    """Make this rank read each round's training time (`RoundEngine.round_train_s`) `factor` times longer than
+    it was, where the exchange takes it: its measure of the replica's speed differs from its siblings'."""
+    from co2_zero import elastic
+
+    original = elastic.ElasticExchange._take_round_steps
+
+    def skewed(self, engine):
+        if engine.round_train_s is not None:
+            engine.round_train_s *= factor
+        return original(self, engine)
+
+    elastic.ElasticExchange._take_round_steps = skewed
 
 
-def _assert_the_reference_at_every_round_start(results: list[dict], rounds: int) -> None:
+def _assert_the_reference_at_every_round_start(results: list[dict], rounds: int, shards: int = 1) -> None:
     """`simulate_paced` (tests/reference.py) run with the steps each replica's loop counted in each round:
     every replica's parameters at every round start (its stand-in) and the final model."""
     taus = [tuple(result["trained"][t] for result in results) for t in range(rounds)]
@@ -109,12 +128,14 @@ def _assert_the_reference_at_every_round_start(results: list[dict], rounds: int)
         {k: v for k, v in CONFIG.items() if k not in ("timeout_s", "replica_tau")},
         [TAU] * len(results),
         rounds,
+        shards=shards,
+        shard_batch=lambda r, s, k: models.shard_batch(r, s, k, shards),
         round_taus=taus,
         step_record=record,
     )
     for r, result in enumerate(results):
         ends = [sum(tau[r] for tau in taus[: t + 1]) - 1 for t in range(rounds)]  # its step that ended round t
-        expected = [_flat_model(models.make_model("mlp"))] + [_flat_params(record[r][k]) for k in ends]
+        expected = [_full(models.make_model("mlp"))] + [_flat_params(record[r][k]) for k in ends]
         for t in range(rounds + 1):
             torch.testing.assert_close(result["starts"][t], expected[t], rtol=1e-5, atol=1e-6, msg=f"{r}, {t}")
     torch.testing.assert_close(results[0]["final"], _flat_params(out[0]), rtol=1e-5, atol=1e-6)
@@ -149,7 +170,13 @@ def _record_averages() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _run(job_factory, rounds: int, **plan: Any) -> list[dict]:  # noqa: F811
-    """Replicas 0 and 1 beside a busy loop, under the documented Lighthouse settings; both exit 0."""
+    """`_run_ranks`: each replica's rank 0."""
+    return [ranks[0] for ranks in _run_ranks(job_factory, rounds, **plan)]
+
+
+def _run_ranks(job_factory, rounds: int, **plan: Any) -> list[list[dict]]:  # noqa: F811
+    """Replicas 0 and 1 (plan["shards"] ranks each) beside a busy loop, under the documented Lighthouse settings;
+    every rank exits 0. Per replica, its ranks' results."""
     job = job_factory(rounds, join_timeout_ms=documented_join_timeout_ms())
     job.target = paced_main
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -159,8 +186,8 @@ def _run(job_factory, rounds: int, **plan: Any) -> list[dict]:  # noqa: F811
     finally:
         busy.kill()
         busy.wait()
-    assert [p.exitcode for p in processes] == [0, 0]
-    return [job.result(r) for r in range(2)]
+    assert [p.exitcode for p in processes] == [0] * len(processes)
+    return [[job.result(r, rank=s) for s in range(plan.get("shards", 1))] for r in range(2)]
 
 
 def _assert_every_round_averaged_both(results: list[dict], rounds: int) -> None:
@@ -186,16 +213,48 @@ def test_a_replica_at_half_speed_keeps_its_place_with_half_the_steps_and_a_weigh
     fast, slow = (results[r]["trained"] for r in range(2))
     assert [fast[t] for t in range(rounds)] == [TAU] * rounds, fast
     assert [slow[t] for t in range(rounds)] == [TAU] * FIRST_MEASURED + [TAU // 2] * (rounds - FIRST_MEASURED), slow
+    _assert_weighted_averages(results, rounds)
+    _assert_the_reference_at_every_round_start(results, rounds)
+
+
+def _assert_weighted_averages(results: list[dict], rounds: int) -> None:
+    """Each round's average, the same on both replicas, is Σ τ_r·D_r / Σ τ_r of the displacements the two sent
+    (one rank of each; τ_r the steps its loop counted): the plain mean bit for bit when the steps are equal."""
     for t in range(rounds):
         (d0, g), (d1, g1) = results[0]["averages"][t], results[1]["averages"][t]
+        w0, w1 = results[0]["trained"][t], results[1]["trained"][t]
         assert torch.equal(g, g1), t
-        if fast[t] == slow[t]:
+        if w0 == w1:
             assert torch.equal(g, (d0 + d1) / 2), f"round {t}: equal weights, not the plain mean bit for bit"
         else:
-            w0, w1 = fast[t], slow[t]
             expected = (w0 * d0.double() + w1 * d1.double()) / (w0 + w1)
             torch.testing.assert_close(g.double(), expected, rtol=1e-6, atol=1e-9)
-    _assert_the_reference_at_every_round_start(results, rounds)
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_slow_fsdp2_replica_agree_on_its_steps(job_factory):  # noqa: F811
+    """S × R = 2 × 2 (FSDP2 over each replica's two ranks), under CPU load. Rank 1 of replica 1 steps slowly (a
+    sleep in its steps only; its sibling waits for it in FSDP2's collectives) and reads each round's time 3 times
+    longer than its sibling, so on their own the two would choose different steps and their collectives would
+    not meet. The replica's ranks agree (its step time is its slowest rank's, its steps the fewest either chose):
+    both ranks of each replica train the same steps every round, the slow replica fewer than τ from round 3 on
+    and the fast one τ; each shard's average is Σ τ_r·D_r / Σ τ_r of that shard's displacements; every round
+    start matches the reference, and the model ends identical on every rank."""
+    rounds = 6
+    plan = {"shards": 2, "step_s": 0.05, "slow": 1, "slow_ranks": [1], "slow_s": 0.1, "skew": (1, 1, 3.0)}
+    replicas = _run_ranks(job_factory, rounds, **plan)
+    for ranks in replicas:
+        assert ranks[0]["trained"] == ranks[1]["trained"], [rank["trained"] for rank in ranks]
+        assert ranks[0]["history"] == ranks[1]["history"]
+    fast, slow = (replicas[r][0]["trained"] for r in range(2))
+    assert [fast[t] for t in range(rounds)] == [TAU] * rounds, fast
+    assert [slow[t] for t in range(FIRST_MEASURED)] == [TAU] * FIRST_MEASURED, slow
+    assert all(slow[t] < TAU for t in range(FIRST_MEASURED, rounds)), slow
+    for shard in range(2):
+        _assert_every_round_averaged_both([ranks[shard] for ranks in replicas], rounds)
+        _assert_weighted_averages([ranks[shard] for ranks in replicas], rounds)
+    _assert_the_reference_at_every_round_start([ranks[0] for ranks in replicas], rounds, shards=2)
+    assert all(torch.equal(rank["final"], replicas[0][0]["final"]) for ranks in replicas for rank in ranks)
 
 
 def test_a_replica_that_slows_mid_run_is_absorbed(job_factory):  # noqa: F811
