@@ -67,28 +67,24 @@ def throughput() -> str:
     rows = [["τ (fp32 / bf16 / int8 tuner)", *taus], ["comm/step (fp32)", *comm]]
     for title, label in THROUGHPUT_ROWS:
         rows.append([title, *(_ratio(c["summary"].get(label), label.endswith("@tuned")) for c in cells)])
-    rows.append([HETEROGENEOUS_ROW, *(_heterogeneous(c) for c in cells)])
+    cases = [_load(f"heterogeneous/{case}.json") for case in ("half", "quarter")]
+    rows.append([HETEROGENEOUS_ROW, *(_heterogeneous(c, cases) for c in cells)])
     return _table(["run", *(_cell_title(c) for c in cells)], rows)
 
 
 HETEROGENEOUS_ROW = "`co2`, `replica_tau`, speeds 1, 1, 1, ½ · 1, 1, ½, ¼ (÷ the replicas' own speeds; one τ)"
 
 
-def _heterogeneous(cell: dict[str, Any]) -> str:
-    """The job's tokens/s over its replicas' own speeds, `replica_tau` (one τ's median in brackets), for the
-    cell that scripts/bench_hetero.py measures (P = 4 at its rate); – for the others."""
-    cases = [_load(f"heterogeneous/{case}.json") for case in ("half", "quarter")]
+def _heterogeneous(cell: dict[str, Any], cases: list[dict[str, Any]]) -> str:
+    """The job's tokens/s over its replicas' own speeds, `replica_tau` (one τ's median in brackets), in the
+    cell that scripts/bench_hetero.py's `cases` measured (P = 4 at their rate); – in the others."""
     if (cell["nodes"], cell["rate"]) != (len(cases[0]["speeds"]), cases[0]["rate"]):
         return "–"
-
-    def median(case: dict[str, Any], method: str) -> float:
-        return statistics.median(case["methods"][method]["tokens_per_s_over_own_speeds"])
-
     parts = []
     for case in cases:
         ratios = case["methods"]["replica_tau"]["tokens_per_s_over_own_speeds"]
-        parts.append(f"{median(case, 'replica_tau'):.3f} [{min(ratios):.2f}–{max(ratios):.2f}] "
-                     f"({median(case, 'fixed_tau'):.3f})")  # fmt: skip
+        one_tau = statistics.median(case["methods"]["fixed_tau"]["tokens_per_s_over_own_speeds"])
+        parts.append(f"{statistics.median(ratios):.3f} [{min(ratios):.2f}–{max(ratios):.2f}] ({one_tau:.3f})")
     return " · ".join(parts)
 
 
