@@ -37,8 +37,10 @@ FIRST_MEASURED = 3  # rounds 0-2 run tau: round 0 is not timed, round 1's speeds
 
 def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, rounds: int, plan: dict) -> None:
     """Rank `rank` of one replica (its own world of plan["shards"] ranks, 1 by default; with 2, FSDP2's model):
-    train until `rounds` rounds ended, each step followed by a sleep of plan["step_s"] (plan["slow_s"] on the
-    ranks plan["slow_ranks"], default all, of replica plan["slow"] from round plan["slow_from"]); record the steps
+    train until `rounds` rounds ended, each step plan["step_s"] from the end of the last (plan["slow_s"] on the
+    ranks plan["slow_ranks"], default all, of replica plan["slow"] from round plan["slow_from"]): the forward and
+    backward, then a sleep for the rest, so that what the job times does not depend on the host's load, as long
+    as a step's compute is shorter than its period; record the steps
     its loop trained per round, every displacement it sent and average it received (its partition), its history,
     the whole model at every round start and at the end. plan["skew"] = (replica, rank, factor): that rank reads
     each round's training time `factor` times longer than it was."""
@@ -70,6 +72,7 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
     trained, in_round, step, joined_at = {}, 0, 0, opt.engine.rounds
     starts = {opt.engine.rounds: _full(model)}
     slow_rank = replica == plan.get("slow") and rank in plan.get("slow_ranks", range(shards))
+    stepped = time.perf_counter()
     while opt.engine.rounds < rounds:
         slow = slow_rank and opt.engine.rounds >= plan.get("slow_from", 0)
         # a replica is starting: step slowly (few steps, round ends still met) until it is in the quorum
@@ -77,14 +80,16 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
         x, y = models.shard_batch(replica, rank, step, shards) if shards > 1 else models.batch(replica, step)
         opt.zero_grad()
         models.loss_fn(model(x), y).backward()
+        period = 1.0 if joining else plan["slow_s"] if slow else plan["step_s"]
+        time.sleep(max(0.0, stepped + period - time.perf_counter()))  # the step time the job measures: period
         opt.step()
+        stepped = time.perf_counter()
         step, in_round = step + 1, in_round + 1
         if opt.round_ended:
             trained[opt.engine.rounds - 1], in_round = in_round, 0
             starts[opt.engine.rounds] = _full(model)
             if plan.get("reached") and opt.engine.rounds == plan["reached"][0]:
                 Path(plan["reached"][1]).touch()
-        time.sleep(1.0 if joining else plan["slow_s"] if slow else plan["step_s"])
     opt.finalize()
     result = {
         "trained": trained,
@@ -351,3 +356,4 @@ def test_a_replica_that_joins_a_job_of_replicas_at_different_speeds_trains_with_
     assert all(contributors[t] == (0, 1, 2) for t in range(joined_at, rounds)), results[0]["history"]
     _assert_weights_are_the_steps_trained(results)
     assert all(torch.equal(result["final"], results[0]["final"]) for result in results)
+
