@@ -96,6 +96,7 @@ class Membership:
         self._served: Optional[dict[str, Any]] = None  # what a healing peer gets now (`RoundEngine.state_for_peer`)
         self._background_round: Optional[int] = None  # the round whose quorum runs on the exchange's worker
         self._round_in_place: Optional[int] = None  # the round whose quorum runs on the main thread, mid-job
+        self._whole_at: Optional[int] = None  # the last round end every rank of this replica was seen to reach
 
     # ---- the engine's seam ---------------------------------------------------------------------------
 
@@ -254,8 +255,10 @@ class Membership:
         """Every rank of this replica (S > 1) reached the round end, within timeout_s. The replica is the
         unit that fails: a lost rank takes it out here (the engine fails and stops the Manager), so the
         other replicas go on after the Lighthouse's heartbeat timeout instead of waiting for a replica
-        that will never ask for the quorum."""
-        self.replica_max([0], round_index)
+        that will never ask for the quorum. An agreement at this round end already (`replica_max`, the
+        exchange's step counts with `replica_tau: "auto"`) is that check: one all-reduce, not two."""
+        if self._whole_at != round_index:
+            self.replica_max([0], round_index)
 
     def replica_max(self, values: Sequence[int], round_index: int) -> list[int]:
         """Each of `values` at its largest over every rank of this replica, on the main thread at round
@@ -275,6 +278,7 @@ class Membership:
                 f"({type(error).__name__}: {error}); a rank of this replica died or is stuck, so the replica "
                 f"leaves the job and the others go on: restart every rank of it to rejoin"
             ) from error
+        self._whole_at = round_index
         return probe.tolist()
 
     def _quorum(self, round_index: int, joining: bool, serve_now: bool = True) -> Peers:

@@ -16,6 +16,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -357,3 +358,25 @@ def test_a_replica_that_joins_a_job_of_replicas_at_different_speeds_trains_with_
     _assert_weights_are_the_steps_trained(results)
     assert all(torch.equal(result["final"], results[0]["final"]) for result in results)
 
+
+def test_the_round_end_agreement_of_a_replica_is_also_its_check_that_every_rank_is_there(monkeypatch):
+    """S > 1 with `replica_tau: "auto"`: the replica's ranks agree on their steps at a round end in one
+    all-reduce (`replica_max`); the check before the quorum that every rank reached that round end sends
+    no second one. At a round end with no agreement the check sends its own."""
+    from co2_zero.elastic import membership as membership_module
+
+    sent = []
+
+    class Done:
+        def wait(self, timeout: timedelta) -> bool:
+            return True
+
+    monkeypatch.setattr(membership_module.dist, "all_reduce", lambda t, **kwargs: sent.append(t.tolist()) or Done())
+    monkeypatch.setattr(membership_module, "collective_device", lambda group: torch.device("cpu"))
+    member = membership_module.Membership("http://localhost:1", replica_id=0)
+    member.engine = SimpleNamespace(topology=SimpleNamespace(world_size=2, control_group=None), state_for_peer=dict)
+    assert member.replica_max([1500, -3], 4) == [1500, -3]
+    member.prepare_background_round(4)
+    assert sent == [[1500, -3]]
+    member.prepare_background_round(5)
+    assert sent == [[1500, -3], [0]]
