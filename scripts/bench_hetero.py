@@ -13,10 +13,13 @@ Per case and repetition, in a rotated order:
   replica_tau    CO2, τ_r = taus_for_speeds(speeds measured by the ranks at the run's start, τ), as many
                  rounds as give the same tokens (rounded); every CO2 run with the defaults but the sync
                  delay, the round end (what replica_tau runs with), so pacing is the only difference
+  auto           CO2, `replica_tau: "auto"`: the job times its first rounds at τ and fixes the τ_r itself
+                 (those rounds run at the slowest replica's pace), then as many rounds as give the tokens
   torchft_diloco torchft 0.2.0's DiLoCo (scripts/torchft_peer.py), one τ, the case's caps, the same outer
                  lr and momentum as CO2's
-and once per repetition (its seed) DDP, unshaped and uncapped on the host (its loss at these tokens is the
-target; its speed is not measured here).
+and once per repetition (its seed) DDP, unshaped and uncapped on the host, for --ddp_rounds rounds' tokens
+(default: the methods'; fewer make its final loss a target the local-step runs reach), its final loss the
+target of the times below; its speed is not measured here.
 
 Per method and repetition: `tokens_per_s_over_own_speeds` (the job's tokens over its training seconds,
 over the sum of its ranks' own speeds: each rank's tokens per step over its mean inner-step time, round
@@ -51,9 +54,10 @@ from scripts import torchft_peer
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "scripts" / "hetero_worker.py")
 CASES = {"half": [1.0, 1.0, 1.0, 0.5], "quarter": [1.0, 1.0, 0.5, 0.25]}
-METHODS = ("uniform", "fixed_tau", "replica_tau", "torchft_diloco")
+METHODS = ("uniform", "fixed_tau", "replica_tau", "auto", "torchft_diloco")
 LIGHTHOUSE_PORT, STORE_PORT = 29510, 29400
 RUN_TIMEOUT_S = 900
+PACING = {"uniform": "fixed", "fixed_tau": "fixed", "replica_tau": "replica_tau", "auto": "auto"}  # hetero_worker's
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -67,6 +71,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--tau", type=int, default=12)
     p.add_argument("--rounds", type=int, default=8, help="rounds at one τ (every method trains these tokens)")
+    p.add_argument("--ddp_rounds", type=int, default=None, help="DDP's tokens in rounds at one τ (default: --rounds)")
     p.add_argument("--eval_every", type=int, default=2, help="rounds between held-out evaluations")
     p.add_argument("--model", default="--n_layer 4 --n_embd 320 --n_head 4 --block_size 64 --batch_size 4",
                    help="the training job's model/batch flags (5 M parameters, 256 tokens/rank/step)")  # fmt: skip
@@ -159,7 +164,7 @@ def run_method(method: str, speeds: list[float], a: argparse.Namespace, seed: in
         if method == "torchft_diloco":
             run = run_torchft(cluster, flags, a.rounds, a.tau, work)
         else:
-            pacing = "replica_tau" if method == "replica_tau" else "fixed"
+            pacing = PACING[method]
             run = run_worker(cluster, [*flags, "--pacing", pacing, "--rounds", str(a.rounds)], work)
             run["command"] = shlex.join(["scripts/hetero_worker.py", *flags, "--pacing", pacing,
                                          "--rounds", str(a.rounds)])  # fmt: skip
@@ -170,7 +175,8 @@ def run_method(method: str, speeds: list[float], a: argparse.Namespace, seed: in
 
 def run_ddp(a: argparse.Namespace, seed: int, work: Path) -> dict:
     """DDP on the host's loopback, uncapped: the target loss at the methods' tokens."""
-    flags = [*common_flags(a, seed), "--eval_every", str(a.eval_every), "--pacing", "ddp", "--rounds", str(a.rounds)]
+    rounds = a.rounds if a.ddp_rounds is None else a.ddp_rounds
+    flags = [*common_flags(a, seed), "--eval_every", str(a.eval_every), "--pacing", "ddp", "--rounds", str(rounds)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", WORKER, *flags,
            "--result", str(work / "ddp.json")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -194,7 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     meta = {"command": shlex.join(["python", "-m", "scripts.bench_hetero", *given]),
             "self_check": check, "host": {"cores": os.cpu_count(), "shared": True}, "rate": a.rate,
-            "tau": a.tau, "rounds": a.rounds, "core_at_speed_1": a.core, "weight_at_speed_1": a.weight,
+            "tau": a.tau, "rounds": a.rounds, "ddp_rounds": a.ddp_rounds or a.rounds,
+            "core_at_speed_1": a.core, "weight_at_speed_1": a.weight,
             "model": a.model, "extra": a.extra,
             "reps": a.reps}  # fmt: skip
     runs: list[dict] = json.loads(Path(a.out, "runs.json").read_text())["runs"] if a.resume else []

@@ -26,12 +26,14 @@ def from_peer_records(records: Sequence[dict], tau: int, flags: Sequence[str]) -
 
 
 def steady_tokens_per_s(run: dict) -> Optional[float]:
-    """Tokens/s from the first round end to the last (start-up and the last exchange's wait left out):
-    every round the same tokens, so (rounds - 1) rounds' tokens over that time."""
-    ends = run.get("round_end_s") or []
-    if len(ends) < 2:
+    """Tokens/s from the end of the first round at the run's own τ_r to the last round end: start-up,
+    `"auto"`'s measuring rounds (`measured_rounds`) and the last exchange's wait left out. Each round's
+    tokens from `round_tokens` (else the run's tokens spread evenly over its rounds)."""
+    ends, first = run.get("round_end_s") or [], run.get("measured_rounds", 0)
+    if len(ends) < first + 2:
         return None
-    return run["tokens"] * (len(ends) - 1) / len(ends) / (ends[-1] - ends[0])
+    tokens = run.get("round_tokens") or [run["tokens"] / len(ends)] * len(ends)
+    return sum(tokens[first + 1 :]) / (ends[-1] - ends[first])
 
 
 def time_to(curve: Sequence[dict], target: float) -> Optional[float]:

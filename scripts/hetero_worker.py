@@ -10,7 +10,9 @@ refuses `replica_tau`.
   all-gather the speeds and every rank builds `replica_tau = taus_for_speeds(speeds, tau)`; the
   rounds are then as many as give the tokens of --rounds rounds at one τ (rounded). Both with the
   CO2 defaults but the sync delay, the round end (what `replica_tau` runs with), so pacing is the
-  only difference. `--pacing ddp`: DistributedDataParallel for --rounds × τ steps.
+  only difference. `--pacing auto`: `replica_tau: "auto"` (the job times its first rounds at τ and
+  fixes the τ_r itself); once they are fixed, the rounds are as many as give the tokens of --rounds
+  rounds at one τ (rounded). `--pacing ddp`: DistributedDataParallel for --rounds × τ steps.
 - `--handshake DIR`: after start-up (imports, process group, model, data) the rank writes DIR/ready<rank>
   (its pid) and waits for DIR/go: the harness puts it in its node's CPU cap in between, so start-up
   runs uncapped and training starts capped on every rank.
@@ -36,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from co2_zero.core.pace import taus_for_speeds
+from co2_zero.core.pace import Pace, taus_for_speeds
 from co2_zero.train.args import co2_config
 from co2_zero.train.args import get_args as train_get_args
 from co2_zero.train.data import Batches, get_batch
@@ -44,7 +46,7 @@ from co2_zero.train.engines import adamw_kwargs, lr_lambda
 from co2_zero.train.loop import evaluate, setup_dist
 from co2_zero.train.model import gpt_from_args
 
-PACINGS = ("fixed", "replica_tau", "ddp")
+PACINGS = ("fixed", "replica_tau", "auto", "ddp")
 HANDSHAKE_TIMEOUT_S = 300.0
 
 
@@ -161,25 +163,42 @@ def run_co2(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
 
     world, config = dist.get_world_size(), co2_config(args)
     speeds = [s[0] for s in gather([calibrate(model, batches, args)])]
-    taus, rounds = [config.tau] * world, args.rounds
-    if args.pacing == "replica_tau":
-        taus = taus_for_speeds(speeds, config.tau)
-        rounds = round(args.rounds * config.tau * world / sum(taus))
-    config = dataclasses.replace(config, sync_delay=None, replica_tau=taus if args.pacing == "replica_tau" else None)
+    budget = args.rounds * config.tau * world  # the tokens of --rounds rounds at one τ, in steps
+    replica_tau = {"fixed": None, "replica_tau": taus_for_speeds(speeds, config.tau), "auto": "auto"}[args.pacing]
+    config = dataclasses.replace(config, sync_delay=None, replica_tau=replica_tau)
     inner = torch.optim.AdamW(model.parameters(), **adamw_kwargs(args))
     opt = CO2Optimizer(inner, config, model=model)
-    run = Run(model, batches, args, rounds * config.tau)
+    rounds = rounds_for(opt.engine.pace, budget)
+    run = Run(model, batches, args, args.rounds * config.tau)
     dist.barrier()
-    run.began, per_round = time.perf_counter(), sum(taus) * args.batch_size * args.block_size * args.grad_accum
+    run.began, per_step = time.perf_counter(), args.batch_size * args.block_size * args.grad_accum
     run.validate(0)
-    for r in range(rounds):
+    r = 0
+    while r < rounds:
         for i in range(opt.steps_per_round):
             run.inner_step(opt, inner, opt.clock_step, round_end=i == opt.steps_per_round - 1)
+        r += 1
         run.round_ends.append(run.seconds())
-        if args.eval_every and (r + 1) % args.eval_every == 0 and r + 1 < rounds:
-            run.validate((r + 1) * per_round)
+        rounds = rounds_for(opt.engine.pace, budget)  # "auto": the τ_r are fixed from a round end on
+        if args.eval_every and r % args.eval_every == 0 and r < rounds:
+            run.validate(steps_through(opt.engine.pace, r) * per_step)
     opt.finalize()
-    run.finish(rounds * opt.steps_per_round, taus, rounds, speeds, {"config": config.to_dict()})
+    pace = opt.engine.pace
+    extra = {"config": config.to_dict(), "measured_rounds": pace.from_round,
+             "round_tokens": [sum(pace.tau(q, k) for q in range(world)) * per_step for k in range(rounds)]}  # fmt: skip
+    run.finish(pace.steps_at_round(dist.get_rank(), rounds), list(pace.taus), rounds, speeds, extra)
+
+
+def rounds_for(pace: Pace, budget: int) -> int:
+    """The rounds whose steps, summed over the replicas, come nearest `budget` (the rounds before
+    `pace.from_round` at the job's τ, the others at each replica's τ_r)."""
+    first = pace.from_round * max(pace.taus) * len(pace.taus)
+    return pace.from_round + max(round((budget - first) / sum(pace.taus)), 1)
+
+
+def steps_through(pace: Pace, rounds: int) -> int:
+    """Inner steps of every replica together in the first `rounds` rounds."""
+    return sum(pace.steps_at_round(q, rounds) for q in range(len(pace.taus)))
 
 
 def run_ddp(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) -> None:

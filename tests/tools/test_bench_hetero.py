@@ -28,6 +28,15 @@ def test_steady_state_leaves_out_the_first_round_and_the_end():
     assert report.steady_tokens_per_s({"tokens": 1000, "round_end_s": [3.0]}) is None
 
 
+def test_steady_state_of_auto_starts_after_its_measuring_rounds():
+    """replica_tau "auto": 2 rounds at τ (400 tokens each, at the slowest pace), then rounds of 300 tokens
+    at the τ_r; the steady state is the rounds after the first at the τ_r."""
+    run = {"tokens": 1700, "round_end_s": [4.0, 8.0, 9.0, 10.0, 11.5], "measured_rounds": 2,
+           "round_tokens": [400, 400, 300, 300, 300]}  # fmt: skip
+    assert report.steady_tokens_per_s(run) == pytest.approx(600 / 2.5)
+    assert report.steady_tokens_per_s({**run, "round_end_s": [4.0, 8.0, 9.0]}) is None
+
+
 def _run(method, rep, tokens, train_s, own, loss, curve):
     return {"method": method, "rep": rep, "tokens": tokens, "train_s": train_s, "own_tokens_per_s": own,
             "final_val_loss": loss, "curve": _curve(curve, tokens), "taus": [4, 4], "caps_cores": [0.4, 0.4],
