@@ -163,7 +163,7 @@ def markdown(doc: dict) -> str:
              f"`{doc['command']}`; P = 4, {doc['rate']}, τ = {doc['tau']}, {doc['rounds']} rounds at one τ, "
              f"speed 1 = {doc['core_at_speed_1']:g} core (cgroup CFS quota), {doc['reps']} repetitions, "
              f"{doc['host']['cores']}-core host shared with other jobs; DDP's final loss "
-             f"{spread(doc['ddp']['final_val_loss'], '.4f')}.", "",
+             f"{spread(doc['ddp']['final_val_loss'], '.4f')}{_ddp_tokens(doc)}.", "",
              "| method | τ_r (rep. 1) | tokens | tok/s ÷ Σ own speeds | steady state | final val loss | ÷ uniform's, "
              "equal tokens | time to DDP's loss +0 / 2 / 5 / 10% ÷ uniform's | time to uniform's loss (equal "
              "tokens) ÷ uniform's | the same per unit of compute |",
@@ -178,6 +178,14 @@ def markdown(doc: dict) -> str:
                      f"{spread([t['uniform'] for t in m['compute_time_over_uniform']], '.2f', 'not reached')} |"
                      )  # fmt: skip
     return "\n".join([*lines, "", goals_line(doc["goals"])]) + "\n"
+
+
+def _ddp_tokens(doc: dict) -> str:
+    """' at N tokens' where DDP trained other tokens than the methods (--ddp_rounds)."""
+    tokens = doc["ddp"]["tokens"]
+    if not tokens or doc.get("ddp_rounds", doc["rounds"]) == doc["rounds"]:
+        return ""
+    return f" at {tokens[0]:,} tokens ({doc['ddp_rounds']} rounds' worth)"
 
 
 def goals_line(found: dict) -> str:

@@ -9,6 +9,7 @@ benchmarks/ are added to the site at their repository paths, so a page links the
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import statistics
@@ -30,7 +31,7 @@ THROUGHPUT_ROWS = (  # (label in the table, run label in the JSON)
     ("`co2`, bf16 at its own τ", "co2-bf16 @tuned"),
     ("`co2`, int8 at its own τ", "co2-int8 @tuned"),
 )
-MARKER = re.compile(r"^<!-- benchmark: ([a-z_]+) -->$", re.MULTILINE)
+MARKER = re.compile(r"^<!-- benchmark: ([a-z0-9_]+) -->$", re.MULTILINE)
 
 
 def _load(relative: str) -> dict[str, Any]:
@@ -161,12 +162,12 @@ def quality_overview() -> list[str]:
     return bench_quality.overview(json.loads(QUALITY.read_text()))
 
 
-def heterogeneous() -> str:
-    """Replicas of different speeds (benchmarks/heterogeneous/, scripts/bench_hetero.py): a table per case."""
+def heterogeneous(folder: str = "heterogeneous") -> str:
+    """Replicas of different speeds (benchmarks/<folder>/, scripts/bench_hetero.py): a table per case."""
     sys.path.insert(0, str(ROOT))
     from scripts import bench_hetero_report
 
-    cases = [BENCH / "heterogeneous" / f"{case}.json" for case in ("half", "quarter")]
+    cases = [BENCH / folder / f"{case}.json" for case in ("half", "quarter")]
     return "\n".join(bench_hetero_report.markdown(json.loads(p.read_text())) for p in cases if p.exists())
 
 
@@ -177,6 +178,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "elastic": elastic,
     "quality": quality,
     "heterogeneous": heterogeneous,
+    "heterogeneous_tau32": functools.partial(heterogeneous, "heterogeneous_tau32"),
 }
 
 
