@@ -126,10 +126,12 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
 # Where a replica can SIGKILL itself in the library: the method, wrapped in the dying process only, and
 # how to read the round it is called for.
 # "average": after the small all-reduce of who contributes, so the peers are inside the average's.
+# "agreement": as the replica's ranks agree on their steps (`replica_tau: "auto"`, S > 1), before the quorum.
 DYING_POINTS = {
     "exchange": ("ElasticExchange", "_average", lambda self, args: self.round_index, "before"),
     "average": ("ElasticExchange", "_who_contributes", lambda self, args: self.round_index, "after"),
     "round_end": ("Membership", "_check_replica_whole", lambda self, args: args[0], "before"),
+    "agreement": ("Membership", "replica_max", lambda self, args: args[1], "before"),
 }
 
 

@@ -11,6 +11,7 @@ the average it received, and computes the weighted average from them itself.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ import torch
 
 from co2_zero.elastic.speeds import displacement_scale, steps_for
 from tests import models
-from tests.elastic.test_elastic import _full, _model, job_factory  # noqa: F401  (job_factory: the fixture)
+from tests.elastic.test_elastic import DYING_POINTS, _die_at, _full, _model, job_factory  # noqa: F401  (job_factory: the fixture)
 from tests.elastic.test_elastic_faults import documented_join_timeout_ms
 from tests.reference import simulate_paced
 
@@ -44,13 +45,14 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
     as a step's compute is shorter than its period; record the steps
     its loop trained per round, every displacement it sent and average it received (its partition), its history,
     the whole model at every round start and at the end. plan["skew"] = (replica, rank, factor): that rank reads
-    each round's training time `factor` times longer than it was."""
+    each round's training time `factor` times longer than it was. plan["die"], plan["die_ranks"]: as
+    test_elastic.replica_main's; a replica that leaves with a CO2Error records it."""
     shards = plan.get("shards", 1)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from co2_zero import CO2Config, CO2Optimizer
+    from co2_zero import CO2Config, CO2Error, CO2Optimizer
     from co2_zero.elastic import Membership
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(port)
@@ -58,6 +60,8 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
                             timeout=timedelta(seconds=60))  # fmt: skip
     Path(plan["pid_files"][rank]).write_text(str(os.getpid()))
     averages = _record_averages()
+    if plan.get("die") and rank in plan.get("die_ranks", range(shards)):
+        _die_at(*DYING_POINTS[plan["die"][0]], plan["die"][1], plan)
     if plan.get("skew", (None,))[:2] == (replica, rank):
         _skew_round_time(plan["skew"][2])
     if plan.get("fail_exchange", (None,))[0] == replica:  # (replica, round): its copy of that average is lost
@@ -69,38 +73,41 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
     config = CO2Config(**CONFIG, **({"shards_per_replica": shards} if shards > 1 else {}))
     model = _model(config, shards)
     membership = Membership(lighthouse, replica, start_replicas=plan.get("start_replicas", 2))
-    opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), config, model, membership=membership)
-    trained, in_round, step, joined_at = {}, 0, 0, opt.engine.rounds
-    starts = {opt.engine.rounds: _full(model)}
-    slow_rank = replica == plan.get("slow") and rank in plan.get("slow_ranks", range(shards))
-    stepped = time.perf_counter()
-    while opt.engine.rounds < rounds:
-        slow = slow_rank and opt.engine.rounds >= plan.get("slow_from", 0)
-        # a replica is starting: step slowly (few steps, round ends still met) until it is in the quorum
-        joining = plan.get("wait_for") and opt.engine.rounds >= plan["wait_for"][0] and _joining(plan, membership)
-        x, y = models.shard_batch(replica, rank, step, shards) if shards > 1 else models.batch(replica, step)
-        opt.zero_grad()
-        models.loss_fn(model(x), y).backward()
-        period = 1.0 if joining else plan["slow_s"] if slow else plan["step_s"]
-        time.sleep(max(0.0, stepped + period - time.perf_counter()))  # the step time the job measures: period
-        opt.step()
+    try:
+        opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), config, model, membership=membership)
+        trained, in_round, step, joined_at = {}, 0, 0, opt.engine.rounds
+        starts = {opt.engine.rounds: _full(model)}
+        slow_rank = replica == plan.get("slow") and rank in plan.get("slow_ranks", range(shards))
         stepped = time.perf_counter()
-        step, in_round = step + 1, in_round + 1
-        if opt.round_ended:
-            trained[opt.engine.rounds - 1], in_round = in_round, 0
-            starts[opt.engine.rounds] = _full(model)
-            if plan.get("reached") and opt.engine.rounds == plan["reached"][0]:
-                Path(plan["reached"][1]).touch()
-    opt.finalize()
-    result = {
-        "trained": trained,
-        "averages": averages,
-        "history": [(r.round, r.replicas, r.contributors, r.committed, r.weights) for r in membership.history],
-        "inner_steps": opt.engine.inner_steps,
-        "joined_at": joined_at,
-        "starts": starts,
-        "final": _full(model),
-    }
+        while opt.engine.rounds < rounds:
+            slow = slow_rank and opt.engine.rounds >= plan.get("slow_from", 0)
+            # a replica is starting: step slowly (few steps, round ends still met) until it is in the quorum
+            joining = plan.get("wait_for") and opt.engine.rounds >= plan["wait_for"][0] and _joining(plan, membership)
+            x, y = models.shard_batch(replica, rank, step, shards) if shards > 1 else models.batch(replica, step)
+            opt.zero_grad()
+            models.loss_fn(model(x), y).backward()
+            period = 1.0 if joining else plan["slow_s"] if slow else plan["step_s"]
+            time.sleep(max(0.0, stepped + period - time.perf_counter()))  # the step time the job measures: period
+            opt.step()
+            stepped = time.perf_counter()
+            step, in_round = step + 1, in_round + 1
+            if opt.round_ended:
+                trained[opt.engine.rounds - 1], in_round = in_round, 0
+                starts[opt.engine.rounds] = _full(model)
+                if plan.get("reached") and opt.engine.rounds == plan["reached"][0]:
+                    Path(plan["reached"][1]).touch()
+        opt.finalize()
+        result = {
+            "trained": trained,
+            "averages": averages,
+            "history": [(r.round, r.replicas, r.contributors, r.committed, r.weights) for r in membership.history],
+            "inner_steps": opt.engine.inner_steps,
+            "joined_at": joined_at,
+            "starts": starts,
+            "final": _full(model),
+        }
+    except CO2Error as error:  # this replica left the job (a lost sibling rank): what it said
+        result = {"error": str(error)}
     torch.save(result, f"{out}.tmp")
     os.replace(f"{out}.tmp", out)
     dist.destroy_process_group()
@@ -275,6 +282,34 @@ def test_a_replica_that_slows_mid_run_is_absorbed(job_factory):  # noqa: F811
     assert [slow[t] for t in range(absorbed, rounds)] == [2] * (rounds - absorbed), slow
     assert [fast[t] for t in range(absorbed, rounds)] == [TAU] * (rounds - absorbed), fast
     _assert_the_reference_at_every_round_start(results, rounds)
+
+
+@pytest.mark.slow
+def test_a_rank_lost_as_its_replica_agrees_on_its_steps_takes_the_replica_out(job_factory):  # noqa: F811
+    """S × R = 2 × 2 (FSDP2) with `replica_tau: "auto"`: rank 1 of replica 1 is SIGKILLed as its round end 4
+    begins, before the replica's ranks agree on their steps (the one all-reduce that also checks that every
+    rank of the replica is there). Its sibling leaves with the CO2Error naming the replica and the round
+    (never a hang); replica 0 goes on alone from round 4 and ends, both its ranks with one model."""
+    rounds, lost_round, lost_rank = 7, 4, 1
+    job = job_factory(rounds, join_timeout_ms=documented_join_timeout_ms())
+    job.target = paced_main
+    plan = {"shards": 2, "step_s": 0.05}
+    survivor = job.start(0, **plan)
+    broken = job.start(1, die=("agreement", lost_round), die_ranks=[lost_rank], **plan)
+    job.wait([*survivor, *broken], timeout=300)
+    assert broken[lost_rank].exitcode == -signal.SIGKILL
+    assert [p.exitcode for p in survivor] == [0, 0]
+    left = job.result(1, rank=1 - lost_rank)
+    assert f"round {lost_round}: not every rank of replica 1 (2 ranks) reached the round end" in left.get(
+        "error", ""
+    ), left
+    ranks = [job.result(0, rank=s) for s in range(2)]
+    assert ranks[0]["history"] == ranks[1]["history"]
+    assert ranks[0]["trained"] == ranks[1]["trained"]
+    quorums = {t: set(replicas) for t, replicas, _, _, _ in ranks[0]["history"]}
+    assert [quorums[t] for t in range(lost_round)] == [{0, 1}] * lost_round, quorums
+    assert [quorums[t] for t in range(lost_round, rounds)] == [{0}] * (rounds - lost_round), quorums
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])
 
 
 @pytest.mark.parametrize("replicas", [2, 3, 4, 7])
