@@ -75,11 +75,12 @@ def wall_clock(rows: Sequence[dict], ddp: Sequence[dict], throughput: dict, node
     final = statistics.mean(c["final_val_loss"] for c in ddp)
     none = bq.link_tokens_per_s(throughput, nodes, "none", labels=("none",))
     out = []
-    for r in [{"method": "ddp", "tau": None, "curve": bq.mean_curve(ddp)}, *rows]:
+    for r in [{"method": "ddp", "tau": None, "outer_lr": None, "momentum": None, "curve": bq.mean_curve(ddp)}, *rows]:
         speed = bq.link_tokens_per_s(throughput, nodes, r["method"], r["tau"], labels=(throughput_label(r["method"]),))
         per_s = speed["tokens_per_s"] if speed else None
         reach = [seconds_to_reach(r["curve"], final * (1 + m)) for m in bq.TARGET_MARGINS]
-        out.append({"method": r["method"], "tau": r["tau"], "throughput": speed,
+        out.append({"method": r["method"], "tau": r["tau"], "outer_lr": r["outer_lr"], "momentum": r["momentum"],
+                    "throughput": speed,
                     "over_none": per_s / none["tokens_per_s"] if per_s and none else None,
                     "seconds": [t / per_s if t is not None and per_s else None for t in reach],
                     "budget_seconds": r["curve"][0][-1] / per_s if per_s else None})  # fmt: skip
@@ -93,13 +94,15 @@ def _minutes(seconds: Optional[float]) -> str:
 def wall_clock_markdown(rows: Sequence[dict], rate: str) -> str:
     head = " | ".join(["to DDP's final loss", *(f"within {m:.0%}" for m in bq.TARGET_MARGINS[1:])])
     lines = [f"Minutes at {rate} (–: not within the budget or not measured):", "",
-             f"| method | τ | tokens/s (× compute-only) | {head} | the whole budget |",
-             "|---|---|---|" + "---|" * (len(bq.TARGET_MARGINS) + 1)]  # fmt: skip
+             f"| method | τ | outer lr, β | tokens/s (× compute-only) | {head} | the whole budget |",
+             "|---|---|---|---|" + "---|" * (len(bq.TARGET_MARGINS) + 1)]  # fmt: skip
     for r in rows:
         speed, over = r["throughput"], r["over_none"]
         rate_text = "–" if speed is None else f"{speed['tokens_per_s']:,.0f} ({over:.3f}, run at τ {speed['tau']})"
         cells = " | ".join(_minutes(s) for s in r["seconds"])
-        lines.append(f"| {r['method']} | {r['tau'] or '–'} | {rate_text} | {cells} | {_minutes(r['budget_seconds'])} |")
+        outer = "–" if r["outer_lr"] is None else f"{r['outer_lr']:g}, {r['momentum']:g}"
+        lines.append(f"| {r['method']} | {r['tau'] or '–'} | {outer} | {rate_text} | {cells} | "
+                     f"{_minutes(r['budget_seconds'])} |")  # fmt: skip
     return "\n".join(lines)
 
 

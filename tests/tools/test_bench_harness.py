@@ -121,7 +121,8 @@ def test_the_wall_clock_divides_the_tokens_to_each_target_by_the_tokens_per_seco
     from scripts import wire_quality
 
     ddp = [{"final_val_loss": 1.0, "tokens": [0, 200, 400], "val_loss": [3.0, 1.5, 1.0]}]
-    row = {"method": "diloco_local_sync_int4", "tau": 32, "curve": ([0, 100, 200, 300], [3.0, 1.2, 1.08, 1.04])}
+    row = {"method": "diloco_local_sync_int4", "tau": 32, "outer_lr": 0.5, "momentum": 0.9,
+           "curve": ([0, 100, 200, 300], [3.0, 1.2, 1.08, 1.04])}  # fmt: skip
     summary = {"none": {"tokens_per_s": 20.0, "tau": 32}, "ddp": {"tokens_per_s": 5.0, "tau": 32},
                "co2-int4": {"tokens_per_s": 10.0, "tau": 32}}  # fmt: skip
     throughput = {"cells": [{"nodes": 4, "rate": "10mbit", "summary": summary}]}
@@ -129,6 +130,8 @@ def test_the_wall_clock_divides_the_tokens_to_each_target_by_the_tokens_per_seco
     assert (ddp_row["method"], ddp_row["over_none"], ddp_row["seconds"][0]) == ("ddp", 0.25, 80.0)
     assert row_got["seconds"][:2] == [None, None] and row_got["budget_seconds"] == 30.0
     assert row_got["seconds"][2:] == [pytest.approx(27.5), pytest.approx(18.333, abs=1e-3)]
+    table = wire_quality.wall_clock_markdown([ddp_row, row_got], "10mbit").splitlines()
+    assert table[-1].startswith("| diloco_local_sync_int4 | 32 | 0.5, 0.9 | 10 (0.500, run at τ 32) |"), table[-1]
 
 
 def _check(tau: int, efficiency: float, passes: bool) -> dict:
