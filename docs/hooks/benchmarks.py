@@ -68,24 +68,28 @@ def throughput() -> str:
     rows = [["τ (fp32 / bf16 / int8 tuner)", *taus], ["comm/step (fp32)", *comm]]
     for title, label in THROUGHPUT_ROWS:
         rows.append([title, *(_ratio(c["summary"].get(label), label.endswith("@tuned")) for c in cells)])
-    cases = [_load(f"heterogeneous/{case}.json") for case in ("half", "quarter")]
+    cases = [_load(f"{HETEROGENEOUS_STUDY}/{case}.json") for case in ("half", "quarter")]
     rows.append([HETEROGENEOUS_ROW, *(_heterogeneous(c, cases) for c in cells)])
     return _table(["run", *(_cell_title(c) for c in cells)], rows)
 
 
-HETEROGENEOUS_ROW = "`co2`, `replica_tau`, speeds 1, 1, 1, ½ · 1, 1, ½, ¼ (÷ the replicas' own speeds; one τ)"
+HETEROGENEOUS_STUDY = "heterogeneous_tau32"  # the README row's study (benchmarks/<it>/)
+HETEROGENEOUS_ROW = (
+    "`co2`, `replica_tau`, τ = 32, speeds 1, 1, 1, ½ · 1, 1, ½, ¼ (÷ the replicas' own speeds, whole run; "
+    "a uniform cluster's)"
+)
 
 
 def _heterogeneous(cell: dict[str, Any], cases: list[dict[str, Any]]) -> str:
-    """The job's tokens/s over its replicas' own speeds, `replica_tau` (one τ's median in brackets), in the
-    cell that scripts/bench_hetero.py's `cases` measured (P = 4 at their rate); – in the others."""
+    """The job's tokens/s over its replicas' own speeds, `replica_tau` (a uniform cluster's median in brackets),
+    in the cell that scripts/bench_hetero.py's `cases` measured (P = 4 at their rate); – in the others."""
     if (cell["nodes"], cell["rate"]) != (len(cases[0]["speeds"]), cases[0]["rate"]):
         return "–"
     parts = []
     for case in cases:
         ratios = case["methods"]["replica_tau"]["tokens_per_s_over_own_speeds"]
-        one_tau = statistics.median(case["methods"]["fixed_tau"]["tokens_per_s_over_own_speeds"])
-        parts.append(f"{statistics.median(ratios):.3f} [{min(ratios):.2f}–{max(ratios):.2f}] ({one_tau:.3f})")
+        uniform = statistics.median(case["methods"]["uniform"]["tokens_per_s_over_own_speeds"])
+        parts.append(f"{statistics.median(ratios):.3f} [{min(ratios):.2f}–{max(ratios):.2f}] ({uniform:.3f})")
     return " · ".join(parts)
 
 
