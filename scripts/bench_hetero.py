@@ -81,7 +81,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "heterogeneous"))
     p.add_argument("--summary", action="store_true", help="only rebuild the tables from <out>/runs.json")
     p.add_argument("--resume", action="store_true", help="keep <out>/runs.json's runs, run only the others")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.ddp_rounds = a.rounds if a.ddp_rounds is None else a.ddp_rounds
+    return a
 
 
 def caps(method: str, speeds: Sequence[float], core: float) -> list[float]:
@@ -175,8 +177,8 @@ def run_method(method: str, speeds: list[float], a: argparse.Namespace, seed: in
 
 def run_ddp(a: argparse.Namespace, seed: int, work: Path) -> dict:
     """DDP on the host's loopback, uncapped: the target loss at the methods' tokens."""
-    rounds = a.rounds if a.ddp_rounds is None else a.ddp_rounds
-    flags = [*common_flags(a, seed), "--eval_every", str(a.eval_every), "--pacing", "ddp", "--rounds", str(rounds)]
+    flags = [*common_flags(a, seed), "--eval_every", str(a.eval_every), "--pacing", "ddp",
+             "--rounds", str(a.ddp_rounds)]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", WORKER, *flags,
            "--result", str(work / "ddp.json")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -200,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     meta = {"command": shlex.join(["python", "-m", "scripts.bench_hetero", *given]),
             "self_check": check, "host": {"cores": os.cpu_count(), "shared": True}, "rate": a.rate,
-            "tau": a.tau, "rounds": a.rounds, "ddp_rounds": a.ddp_rounds or a.rounds,
+            "tau": a.tau, "rounds": a.rounds, "ddp_rounds": a.ddp_rounds,
             "core_at_speed_1": a.core, "weight_at_speed_1": a.weight,
             "model": a.model, "extra": a.extra,
             "reps": a.reps}  # fmt: skip

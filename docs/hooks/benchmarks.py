@@ -182,7 +182,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "elastic": elastic,
     "quality": quality,
     "heterogeneous": heterogeneous,
-    "heterogeneous_tau32": functools.partial(heterogeneous, "heterogeneous_tau32"),
+    HETEROGENEOUS_STUDY: functools.partial(heterogeneous, HETEROGENEOUS_STUDY),
 }
 
 
