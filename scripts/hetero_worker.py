@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -224,6 +225,8 @@ def run_ddp(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("co2_zero.core.engine").setLevel(logging.INFO)  # "auto": the τ_r fixed and their times
     torch.set_num_threads(args.threads)
     setup_dist("cpu")
     torch.manual_seed(args.seed)
