@@ -62,9 +62,8 @@ class PaceMeter:
                 self._steps_s.append(self._entered - self._began)
 
     def waited(self, seconds: float) -> None:
-        """The engine was blocked for `seconds` (the exchange, a peer); counted inside `inner_step_done` only
-        (a wait between two calls, a checkpoint's, is the loop's time)."""
-        if self.fixed is None and self._entered is not None:
+        """The engine was blocked for `seconds` (the exchange, a peer) inside `inner_step_done`."""
+        if self.fixed is None:
             self._waits_s += seconds
 
     def step_began(self) -> None:
