@@ -10,14 +10,11 @@ Per case and repetition, in a rotated order:
 
   uniform        CO2, one τ, every node capped at the mean of the case's caps (equal total compute)
   fixed_tau      CO2, one τ, the case's caps
-  replica_tau    CO2, the τ_r the same repetition's `auto` run fixed, set from the first round (what a user
-                 who has measured them once sets to rerun without measuring; without an `auto` run,
-                 taus_for_speeds(speeds measured by the ranks at the run's start, τ)), as many rounds as
-                 give the same tokens (rounded); every CO2 run with the defaults but the sync delay, the
-                 round end (what replica_tau runs with), so pacing is the only difference
+  replica_tau    CO2, τ_r = taus_for_speeds(speeds measured by the ranks at the run's start, τ), as many
+                 rounds as give the same tokens (rounded); every CO2 run with the defaults but the sync
+                 delay, the round end (what replica_tau runs with), so pacing is the only difference
   auto           CO2, `replica_tau: "auto"`: the job times its first rounds at τ and fixes the τ_r itself
-                 (those rounds run at the slowest replica's pace), then as many rounds as give the tokens;
-                 it runs before replica_tau in every repetition
+                 (those rounds run at the slowest replica's pace), then as many rounds as give the tokens
   torchft_diloco torchft 0.2.0's DiLoCo (scripts/torchft_peer.py), one τ, the case's caps, the same outer
                  lr and momentum as CO2's
 and once per repetition (its seed) DDP, unshaped and uncapped on the host, for --ddp_rounds rounds' tokens
@@ -158,13 +155,10 @@ def _check(codes: list[int], work: Path) -> None:
         raise ec.HarnessError(f"bench_hetero: exit codes {codes}; logs in {work}")
 
 
-def run_method(method: str, speeds: list[float], a: argparse.Namespace, seed: int, taus: Optional[list[int]],
-               work: Path) -> dict:  # fmt: skip
-    """One run of `method` in a fresh cluster with its caps (`taus`: replica_tau's τ_r, None: measured)."""
+def run_method(method: str, speeds: list[float], a: argparse.Namespace, seed: int, work: Path) -> dict:
+    """One run of `method` in a fresh cluster with its caps."""
     node_caps = caps(method, speeds, a.core)
     flags = [*common_flags(a, seed), "--eval_every", str(a.eval_every)]
-    if method == "replica_tau" and taus:
-        flags += ["--replica_tau", *map(str, taus)]
     before = host_facts()
     began = time.time()
     weights = [a.weight * c / a.core for c in node_caps]
@@ -220,25 +214,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if not a.no_ddp and (None, "ddp", rep) not in done:
                 runs.append(_logged(Path(tmp, f"ddp_{rep}"), "", rep, run_ddp, a, seed))
             for case in a.cases:
-                for method in (m for m in run_order(a.methods, rep) if (case, m, rep) not in done):
+                order = a.methods[rep % len(a.methods) :] + a.methods[: rep % len(a.methods)]
+                for method in (m for m in order if (case, m, rep) not in done):
                     work = Path(tmp, f"{case}_{method}_{rep}")
-                    taus = next((r["taus"] for r in runs if (r["case"], r["method"], r["rep"]) == (case, "auto", rep)),
-                                None)  # fmt: skip
-                    runs.append(_logged(work, case, rep, run_method, method, CASES[case], a, seed, taus))
+                    runs.append(_logged(work, case, rep, run_method, method, CASES[case], a, seed))
                     write(a, {**meta, "budget_s": round(time.time() - began), "reps_done": rep}, runs)
     for case in a.cases:
         print(Path(a.out, f"{case}.md").read_text())
     return 0
-
-
-def run_order(methods: Sequence[str], rep: int) -> list[str]:
-    """The methods rotated by `rep` (no method always first), then `auto` moved before `replica_tau`, whose
-    τ_r it fixes."""
-    order = list(methods[rep % len(methods) :]) + list(methods[: rep % len(methods)])
-    if "auto" in order and "replica_tau" in order and order.index("auto") > order.index("replica_tau"):
-        order.remove("auto")
-        order.insert(order.index("replica_tau"), "auto")
-    return order
 
 
 def write(a: argparse.Namespace, meta: dict, runs: list[dict]) -> None:

@@ -5,11 +5,10 @@ co2_zero.train (model, data streams, AdamW, LR schedule, held-out loss), so the 
 training job's; the loop is this file's because `co2-train` runs the same steps on every replica and
 refuses `replica_tau`.
 
-- `--pacing fixed`: τ on every replica. `--pacing replica_tau`: `--replica_tau` if given (bench_hetero
-  gives the τ_r its `auto` run fixed), else each rank first measures its own speed (forward and backward
-  for --calibrate_s on batches outside its data stream), the ranks all-gather the speeds and every rank
-  builds `replica_tau = taus_for_speeds(speeds, tau)`; the rounds are then as many as give the tokens of
-  --rounds rounds at one τ (rounded). Both with the
+- `--pacing fixed`: τ on every replica. `--pacing replica_tau`: each rank first measures its own
+  speed (forward and backward for --calibrate_s on batches outside its data stream), the ranks
+  all-gather the speeds and every rank builds `replica_tau = taus_for_speeds(speeds, tau)`; the
+  rounds are then as many as give the tokens of --rounds rounds at one τ (rounded). Both with the
   CO2 defaults but the sync delay, the round end (what `replica_tau` runs with), so pacing is the
   only difference. `--pacing auto`: `replica_tau: "auto"` (the job times its first rounds at τ and
   fixes the τ_r itself); once they are fixed, the rounds are as many as give the tokens of --rounds
@@ -60,7 +59,6 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--result", required=True, help="rank 0's JSON result")
     p.add_argument("--handshake", default=None, help="directory of the ready/go handshake (default: none)")
     p.add_argument("--calibrate_s", type=float, default=3.0, help="seconds of the speed measurement, at least")
-    p.add_argument("--replica_tau", type=int, nargs="+", default=None, help="--pacing replica_tau: these τ_r")
     own, rest = p.parse_known_args(argv)
     args = train_get_args([*rest, "--method", "ddp" if own.pacing == "ddp" else "co2"])
     vars(args).update(vars(own))
@@ -167,8 +165,7 @@ def run_co2(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
     world, config = dist.get_world_size(), co2_config(args)
     speeds = [s[0] for s in gather([calibrate(model, batches, args)])]
     budget = args.rounds * config.tau * world  # the tokens of --rounds rounds at one τ, in steps
-    given = args.replica_tau or taus_for_speeds(speeds, config.tau)
-    replica_tau = {"fixed": None, "replica_tau": given, "auto": "auto"}[args.pacing]
+    replica_tau = {"fixed": None, "replica_tau": taus_for_speeds(speeds, config.tau), "auto": "auto"}[args.pacing]
     config = dataclasses.replace(config, sync_delay=None, replica_tau=replica_tau)
     inner = torch.optim.AdamW(model.parameters(), **adamw_kwargs(args))
     opt = CO2Optimizer(inner, config, model=model)

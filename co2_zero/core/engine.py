@@ -35,7 +35,7 @@ from .comm import OuterExchange, PipelineJob, largest_abs
 from .config import CO2Config
 from .errors import CO2Error, collective_error, inner_reset_warning, skipped_round_warning
 from .in_flight import Phase, finished, result_watching_steps, shutdown
-from .pace_meter import fixed_message
+from .pace_meter import STEP_NS, fixed_message
 from .parameter_order import StepAnnouncements, announcement_failure, steps_mismatch
 from .partition import ParameterWatch, Partition
 from .plan import resolve
@@ -197,8 +197,8 @@ class RoundEngine(StateReads):
         self._check_steps()  # the last round end's (arrived with its pipeline)
         measured = self.state.delay_meter.to_post() if self.state.delay_meter is not None else 0
         meter = self.state.pace_meter
-        step_ns, round_ns = meter.to_post(self.state.rounds) if meter is not None else (0, 0)
-        self.announcements.post(self.state.inner_steps, False, measured, step_ns, round_ns)
+        step_ns = meter.to_post(self.state.rounds) if meter is not None else 0
+        self.announcements.post(self.state.inner_steps, False, exchange_steps=measured, step_ns=step_ns)
         self._announced_round = self.state.rounds
         sent = self._exchange_bytes_since_last_report()
         plan = self.state.plan_round()
@@ -254,7 +254,7 @@ class RoundEngine(StateReads):
         except ValueError as error:  # a rank posted no time: it was not at the deciding round end
             self._fail(CO2Error(f"co2: round {self.state.rounds}: {error}"))
         self.state.fix_pace(pace, self.config, self.topology.replica_index)
-        logger.info(fixed_message(pace, rows))
+        logger.info(fixed_message(pace, [row[STEP_NS] for row in rows]))
 
     def _launch(self, plan: RoundPlan) -> bool:
         """D = (this replica's round start) - x into `plan.work`; a stand-in: the next own start from D,
@@ -320,14 +320,12 @@ class RoundEngine(StateReads):
         """Collect the step announcement in flight (within timeout_s) and fail, naming every rank's
         count, if a peer finalized at another step (or this rank finalizes and a peer did not). Returns
         the rows collected (None: none was in flight)."""
-        began = time.perf_counter()
         try:
             rows = self.announcements.collect(time.monotonic() + self.config.timeout_s)
         except CO2Error as error:  # the deadline passed, or the control group failed (a peer left)
             where = "co2 finalize" if finalizing else f"co2: round {self._announced_round}"
             failure = announcement_failure(error, where, self.topology, self.state.inner_steps, self.config.timeout_s)
             self._fail(failure, error)
-        self._blocked(time.perf_counter() - began)
         if rows is not None and self.state.delay_meter is not None:
             self.state.delay_meter.collected([row[2] for row in rows])
         steps, shards = self.state.inner_steps, self.topology.shards
@@ -344,14 +342,11 @@ class RoundEngine(StateReads):
 
     def _average_buffers(self, where: str) -> tuple[int, bool]:
         """`ModuleBuffers.average`; its failure (a collective, or non-finite buffers under "raise")
-        fails the engine. A wait for the peers (`_blocked`)."""
-        began = time.perf_counter()
+        fails the engine."""
         try:
             return self.buffers.average(where)
         except CO2Error as error:
             self._fail(error)
-        finally:
-            self._blocked(time.perf_counter() - began)
 
     def _set_live(self, flat: torch.Tensor) -> None:
         """live partition <- flat, then let the integration spread it over its replica."""
@@ -380,14 +375,7 @@ class RoundEngine(StateReads):
         if self.state.take_result(result):
             skipped = skipped_round_warning(round_index, result.skipped_replicas, self.state.skipped_rounds)
             warnings.warn(skipped, stacklevel=5)
-        return self._blocked(time.perf_counter() - began)
-
-    def _blocked(self, seconds: float) -> float:
-        """The engine waited `seconds` for the exchange or its peers: with replica_tau "auto" that is not this
-        replica's own round cost (`PaceMeter.waited`). Returns `seconds`."""
-        if self.state.pace_meter is not None:
-            self.state.pace_meter.waited(seconds)
-        return seconds
+        return time.perf_counter() - began
 
     # ---- the round state (round_state.RoundState): adopting a whole state (read methods: `StateReads`) ---
 

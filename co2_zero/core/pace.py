@@ -10,7 +10,6 @@ count reads as rounds (what it combines with is the support table's, `co2_zero.c
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -104,21 +103,3 @@ def taus_for_speeds(speeds: Sequence[float], tau: int) -> list[int]:
     if not speeds or any(not s > 0 for s in speeds):
         raise ValueError(f"co2: speeds={list(speeds)!r}; expected a positive number per replica")
     return [max(1, round(tau * s / max(speeds))) for s in speeds]
-
-
-ROUND_SLACK = 0.01  # the share of the fastest round a slower replica's round may overrun (measurement noise)
-
-
-def taus_for_rounds(step_s: Sequence[float], round_s: Sequence[float], tau: int) -> list[int]:
-    """`replica_tau` from each replica's inner-step time `step_s[r]` and per-round cost `round_s[r]` (its
-    round end and the exchange's own work, seconds or any one unit): the replica whose round of `tau` steps
-    is shortest runs `tau`, each other the most steps whose round, τ_r·step + round cost, fits in that one
-    (`ROUND_SLACK` more), at least 1. Rounded down, not to nearest: a round that overruns delays every
-    replica, one that falls short idles only its own."""
-    if len(step_s) != len(round_s) or not step_s or any(not t > 0 for t in step_s) or min(round_s) < 0:
-        raise ValueError(
-            f"co2: step times {list(step_s)!r} and round costs {list(round_s)!r}; expected one positive step "
-            "time and one non-negative round cost per replica"
-        )
-    fastest = min(tau * t + c for t, c in zip(step_s, round_s)) * (1 + ROUND_SLACK)
-    return [min(tau, max(1, math.floor((fastest - c) / t))) for t, c in zip(step_s, round_s)]

@@ -131,9 +131,9 @@ def _parameters_message(position: int, ranks: tuple[int, int], details: Sequence
 
 
 class StepAnnouncements:
-    """Every rank's [inner steps, finalizing, exchange steps, step ns, round ns] all-gathered without blocking,
-    on the main thread's group (exchange steps: what `schedule.DelayMeter.to_post` measured, else 0; step ns
-    and round ns: the inner step and the round's own cost `pace_meter.PaceMeter.to_post` measured, else 0).
+    """Every rank's [inner steps, finalizing, exchange steps, step ns] all-gathered without blocking, on the
+    main thread's group (exchange steps: what `schedule.DelayMeter.to_post` measured, else 0; step ns: the
+    mean inner step `pace_meter.PaceMeter.to_post` measured, else 0).
 
     Each rank posts one at every round end and one in `finalize()`, so the k-th announcements of all
     ranks meet even when one rank finalizes while another trains on: the one that trains on reads a
@@ -146,12 +146,11 @@ class StepAnnouncements:
         self._work: Any = None
         self._rows: list[torch.Tensor] = []
 
-    def post(self, steps: int, finalizing: bool, exchange_steps: int = 0, step_ns: int = 0, round_ns: int = 0) -> None:
+    def post(self, steps: int, finalizing: bool, exchange_steps: int = 0, step_ns: int = 0) -> None:
         if self._work is not None:
             raise RuntimeError("co2: a step announcement is still in flight; collect it first")
         device = collective_device(self.group)
-        row = [steps, int(finalizing), exchange_steps, step_ns, round_ns]
-        mine = torch.tensor(row, dtype=torch.int64, device=device)
+        mine = torch.tensor([steps, int(finalizing), exchange_steps, step_ns], dtype=torch.int64, device=device)
         self._rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         self._work = dist.all_gather(self._rows, mine, group=self.group, async_op=True)
 
@@ -168,8 +167,8 @@ class StepAnnouncements:
         return self._work is not None and self._work.is_completed()
 
     def collect(self, deadline: float) -> Optional[list[list[int]]]:
-        """The rows [steps, finalizing, exchange steps, step ns, round ns] of every rank for the announcement in
-        flight (None if there is none), waiting until the `time.monotonic()` deadline: CO2TimeoutError past it (or past
+        """The rows [steps, finalizing, exchange steps, step ns] of every rank for the announcement in flight (None
+        if there is none), waiting until the `time.monotonic()` deadline: CO2TimeoutError past it (or past
         the group's own), CO2Error when the group failed otherwise (a peer's connection closed)."""
         if self._work is None:
             return None

@@ -78,14 +78,3 @@ def test_a_run_of_fewer_tokens_is_compared_with_the_uniform_run_at_its_tokens():
     assert m["loss_over_uniform"] == [pytest.approx(2.6 / 2.0)]
     assert m["time_over_uniform"][0]["uniform"] is None  # 2.6 never reaches the uniform run's 2.5
     assert report.loss_at(_curve([(0.0, 5.0), (1.0, 4.0)], 100), 150) is None  # past the curve's end
-
-
-def test_auto_runs_before_replica_tau_which_takes_its_taus():
-    """The methods rotate by repetition, but `auto` always precedes `replica_tau`, which runs its τ_r."""
-    from scripts.bench_hetero import run_order
-
-    methods = ["uniform", "replica_tau", "auto"]
-    assert run_order(methods, 0) == ["uniform", "auto", "replica_tau"]
-    assert run_order(methods, 1) == ["auto", "replica_tau", "uniform"]
-    assert run_order(methods, 2) == ["auto", "uniform", "replica_tau"]
-    assert run_order(["replica_tau", "uniform"], 1) == ["uniform", "replica_tau"]
