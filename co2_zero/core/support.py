@@ -86,7 +86,7 @@ INTEGRATIONS = {
 }
 DRIVERS = {
     "lightning": "Lightning's CO2Strategy (its Trainer runs the same steps on every replica)",
-    "co2-train": "co2-train (it runs the same steps on every replica)",
+    "co2-train": "co2-train",
     "hf-trainer": "Hugging Face Trainer with CO2Callback (it runs the same steps on every replica)",
 }
 ELASTIC_ONES = (
@@ -161,7 +161,10 @@ TABLE: tuple[Refusal, ...] = (
     _row("stand_in", _EAGER, "'auto', 'shared' or 'local'", "eager's share would be 1/R, not the replica's weight",
          replica_tau=_SET),
     _row("replica_tau", _SET, "null", "each replica has to run rounds x its own steps_per_round steps; a loop "
-         "of your own runs it", driver=one_of("lightning", "co2-train", "hf-trainer")),
+         "of your own runs it, or co2-train", driver=one_of("lightning", "hf-trainer")),
+    _row("replica_tau", _SET, "null; or CO2Optimizer with the membership in a loop of your own",
+         "co2-train's elastic replicas count their own steps, and with 'auto' each round's differ",
+         driver=one_of("co2-train"), elastic=_ELASTIC),
     _row("replica_tau", besides(None, "auto"), "null or 'auto' (each replica measures its own steps per round)",
          "a list is keyed by the replica's place in a fixed grid, and each round's quorum changes who is averaged",
          elastic=_ELASTIC),

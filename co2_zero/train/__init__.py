@@ -58,6 +58,8 @@ CO2 methods train whole rounds: a --max_steps (optimizer steps) shorter than one
 another that is not a multiple of tau is rounded up to one, with a warning (finalize() would drop a partial
 round). A world of one process (no torchrun) warns that R = 1 has nothing to average. The
 LR schedule (warmup, then cosine to --min_lr) spans --max_steps even when --max_seconds stops early.
+With --replica_tau (replicas of different speeds, pacing.py) every step count above is the fastest
+replica's: each replica takes its own steps per round, and the tokens logged are what they trained.
 """
 
 from .loop import main

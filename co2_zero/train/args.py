@@ -39,7 +39,7 @@ CO2_FLAGS = {
     "gap_value": ("gap_penalty", "value"), "clip": ("clip", "mode"), "clip_threshold": ("clip", "threshold"),
     "shards_per_replica": "shards_per_replica", "collective": "collective", "comm_dtype": "comm_dtype",
     "timeout_s": "timeout_s", "nonfinite": "nonfinite", "stand_in": "stand_in",
-    "sync_delay": "sync_delay", "topk": "topk", "feedback_decay": "feedback_decay",
+    "sync_delay": "sync_delay", "topk": "topk", "feedback_decay": "feedback_decay", "replica_tau": "replica_tau",
 }  # fmt: skip
 PRESET = "default: the --method preset, else the config's co2 section, else CO2Config's"
 INTEGRATIONS = {"plain": "plain", "fsdp": "fsdp2", "fairscale": "fairscale", "deepspeed": "deepspeed"}  # by --engine
@@ -124,6 +124,18 @@ def _sync_delay(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
+def _replica_tau(text: str) -> list[int] | str:
+    """--replica_tau: "auto", or one integer per replica, comma-separated (CO2Config checks the range)."""
+    if text == "auto":
+        return text
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: accepted: 'auto' or one integer per replica, comma-separated (e.g. 32,32,16)"
+        ) from None
+
+
 def _co2_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("CO2", f"each flag given overrides the CO2Config field ({PRESET})").add_argument
     a("--tau", type=int, default=None, help=f"local steps per round; {PRESET} 32")
@@ -140,6 +152,9 @@ def _co2_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"inner steps of the next round the exchange must finish in, or auto (design §3); {PRESET} auto",
     )
+    a("--replica_tau", type=_replica_tau, default=None, metavar="auto|N,N,...",
+      help="each replica's inner steps per round, or auto to measure them (replicas of different speeds; "
+           f"--max_steps, --save_every and the LR schedule count the fastest's steps); {PRESET} null: tau")  # fmt: skip
     a("--gap_penalty", default=None, choices=("none", "constant", "adaptive"), help=f"{PRESET} none")
     a("--gap_strength", type=float, default=None, help=f"adaptive: 1 + strength*|gap|/|g|; {PRESET} 2.0")
     a("--gap_value", type=float, default=None, help=f"constant: divide by this; {PRESET} 1.0")
@@ -245,7 +260,7 @@ def _inconsistency(args: argparse.Namespace) -> Optional[str]:
         return "--reshard applies to --resume; accepted: --reshard together with --resume"
     if args.reshard and args.method not in CO2_METHODS:
         return f"--reshard with --method {args.method}: only the CO2 methods ({', '.join(CO2_METHODS)}) reshard"
-    return _shorter_than_a_round(args) or _elastic_inconsistency(args)
+    return _shorter_than_a_round(args) or _saves_inside_a_round(args) or _elastic_inconsistency(args)
 
 
 def _shorter_than_a_round(args: argparse.Namespace) -> Optional[str]:
@@ -255,6 +270,21 @@ def _shorter_than_a_round(args: argparse.Namespace) -> Optional[str]:
         return None
     tau = co2_config(args).tau
     return step_budget_problem(args.max_steps, tau, "--max_steps", "--tau") if args.max_steps < tau else None
+
+
+def _saves_inside_a_round(args: argparse.Namespace) -> Optional[str]:
+    """With --replica_tau a checkpoint is taken at a round end (where every replica is at the same job step),
+    so --save_every must be whole rounds; else None."""
+    if args.method not in CO2_METHODS or not args.save_every:
+        return None
+    config = co2_config(args)
+    if config.replica_tau is None or args.save_every % config.tau == 0:
+        return None
+    paced = support.describe("replica_tau", config.leaves())
+    return (
+        f"--save_every={args.save_every} with {paced}: a checkpoint is taken at a round end, where every replica "
+        f"is at the same step; accepted: a multiple of tau={config.tau}"
+    )
 
 
 def _elastic_inconsistency(args: argparse.Namespace) -> Optional[str]:
@@ -276,7 +306,9 @@ def _elastic_inconsistency(args: argparse.Namespace) -> Optional[str]:
         )
     if args.start_replicas < 1:
         return f"--start_replicas={args.start_replicas} is invalid; accepted: an integer >= 1"
-    return None
+    facts = {"elastic": True, "driver": "co2-train", "replica_tau": co2_config(args).replica_tau}
+    row = support.refusal(facts)
+    return row.message(facts) if row is not None else None
 
 
 def co2_config(args: argparse.Namespace):

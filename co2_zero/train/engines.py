@@ -69,10 +69,13 @@ def maybe_compile(module: nn.Module, args) -> nn.Module:
     return torch.compile(module) if args.compile else module
 
 
-def lr_lambda(args) -> Callable[[int], float]:
-    """The multiplier on --lr at inner step `step` (0-based): linear warmup, then cosine to --min_lr."""
+def lr_lambda(args, clock: Optional[Callable[[int], float]] = None) -> Callable[[int], float]:
+    """The multiplier on --lr after `own` optimizer steps: linear warmup, then cosine to --min_lr. `clock`
+    maps them to the job's steps (`co2_zero.train.pacing.JobSteps.clock`: with --replica_tau, the fastest
+    replica's, so that every replica is at the same point of the schedule at every round end)."""
 
-    def f(step):
+    def f(own):
+        step = own if clock is None else clock(own)
         if step < args.warmup_steps:
             return (step + 1) / args.warmup_steps
         t = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
@@ -105,9 +108,9 @@ def accumulating_step(args, module, opt, sched, clip, no_sync=None, set_to_none=
     return train_step
 
 
-def _scheduled(args, opt) -> tuple[Any, Callable[[], float]]:
-    """The LR schedule on `opt` and a reader of its current LR."""
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
+def _scheduled(args, opt, clock: Callable[[int], float]) -> tuple[Any, Callable[[], float]]:
+    """The LR schedule on `opt`, read on `clock` (`lr_lambda`), and a reader of its current LR."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, clock))
     return sched, lambda: sched.get_last_lr()[0]
 
 
@@ -120,9 +123,9 @@ def _fast_forward(sched: Any, steps: int) -> None:
         sched.step()
 
 
-def _scheduled_from_job(args, opt, membership: Any) -> tuple[Any, Callable[[], float]]:
+def _scheduled_from_job(args, opt, membership: Any, clock: Callable[[int], float]) -> tuple[Any, Callable[[], float]]:
     """`_scheduled`; an elastic replica that joined a running job starts its schedule at the job's step."""
-    sched, lr = _scheduled(args, opt)
+    sched, lr = _scheduled(args, opt, clock)
     if membership is not None and opt.engine.inner_steps:
         _fast_forward(sched, opt.engine.inner_steps)
     return sched, lr
@@ -142,7 +145,7 @@ def elastic_membership(args) -> Any:
     return Membership(args.lighthouse, args.replica_id, start_replicas=args.start_replicas, agree=agree)
 
 
-def build_plain(args, model, co2) -> Trainer:
+def build_plain(args, model, co2, clock: Callable[[int], float]) -> Trainer:
     """torch AdamW; CO2Optimizer around it for the CO2 methods (elastic with --lighthouse: it joins the
     job, and a replica that joins a running job starts at its step), DDP for ddp, nothing for none."""
     opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(args))
@@ -155,7 +158,7 @@ def build_plain(args, model, co2) -> Trainer:
 
         membership = elastic_membership(args)
         opt = CO2Optimizer(opt, co2, model=model, membership=membership)
-    sched, lr = _scheduled_from_job(args, opt, membership)
+    sched, lr = _scheduled_from_job(args, opt, membership, clock)
 
     def clip(max_norm):
         nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -164,7 +167,7 @@ def build_plain(args, model, co2) -> Trainer:
     return Trainer(step, opt, lr, model, co2=co2 is not None, sched=sched, membership=membership)
 
 
-def build_fairscale(args, model, co2) -> Trainer:
+def build_fairscale(args, model, co2, clock: Callable[[int], float]) -> Trainer:
     """CO2OSS (OSS shards AdamW over the replica) + the fixed ShardedDataParallel inside the replica."""
     from co2_zero.fairscale import CO2OSS, ShardedDataParallel  # FairScale's SDP, fixed for replica groups
 
@@ -172,7 +175,7 @@ def build_fairscale(args, model, co2) -> Trainer:
         raise ValueError("--engine fairscale runs the CO2-family methods; use --engine plain for ddp/none")
     opt = CO2OSS(model.parameters(), optim=torch.optim.AdamW, co2=co2, **adamw_kwargs(args))
     module = ShardedDataParallel(maybe_compile(model, args), opt, process_group=opt.group)
-    sched, lr = _scheduled(args, opt)
+    sched, lr = _scheduled(args, opt, clock)
     # the gradients are sharded: opt.clip_grad_norm takes the norm over the replica, as OSS computes it;
     # OSS + SDP keep their gradient buckets, so gradients are zeroed in place
     step = accumulating_step(args, module, opt, sched, opt.clip_grad_norm, module.no_sync, set_to_none=False)
@@ -197,7 +200,7 @@ def _deepspeed_config(args, co2) -> dict:
     return config
 
 
-def build_deepspeed(args, model, co2) -> Trainer:
+def build_deepspeed(args, model, co2, clock: Callable[[int], float]) -> Trainer:
     """DeepSpeed from --deepspeed_config: its ZeRO stage and precision (unless --dtype), this job's
     batch, accumulation, clipping, AdamW and LR schedule, and the co2 section `co2_config` resolved
     (--method ddp: none, i.e. plain DeepSpeed data parallelism)."""
@@ -210,7 +213,7 @@ def build_deepspeed(args, model, co2) -> Trainer:
         model=model,
         model_parameters=model.parameters(),
         config=_deepspeed_config(args, co2),
-        lr_scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(args)),
+        lr_scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(args, clock)),
     )
     if args.compile:
         engine.compile()
@@ -227,7 +230,7 @@ def build_deepspeed(args, model, co2) -> Trainer:
     return Trainer(train_step, opt, lambda: sched.get_last_lr()[0], model, co2=co2 is not None, ds_engine=engine)
 
 
-def build_fsdp(args, model, co2) -> Trainer:
+def build_fsdp(args, model, co2, clock: Callable[[int], float]) -> Trainer:
     """PyTorch's FSDP2 inside each replica (fully_shard per block and the root over the replica's 1-D
     mesh), CO2Optimizer across replicas on the local shards (elastic with --lighthouse, as the plain engine)."""
     from torch.distributed.fsdp import fully_shard
@@ -245,7 +248,7 @@ def build_fsdp(args, model, co2) -> Trainer:
     opt = CO2Optimizer(
         torch.optim.AdamW(model.parameters(), **adamw_kwargs(args)), co2, model=model, membership=membership
     )
-    sched, lr = _scheduled_from_job(args, opt, membership)
+    sched, lr = _scheduled_from_job(args, opt, membership, clock)
 
     def clip(max_norm):  # DTensor gradients: the norm is taken over the replica
         nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -254,7 +257,7 @@ def build_fsdp(args, model, co2) -> Trainer:
     return Trainer(step, opt, lr, model, co2=True, sched=sched, membership=membership)
 
 
-BUILDERS: dict[str, Callable[[Any, nn.Module, Optional[Any]], Trainer]] = {
+BUILDERS: dict[str, Callable[[Any, nn.Module, Optional[Any], Callable[[int], float]], Trainer]] = {
     "plain": build_plain,
     "fairscale": build_fairscale,
     "deepspeed": build_deepspeed,
@@ -262,6 +265,7 @@ BUILDERS: dict[str, Callable[[Any, nn.Module, Optional[Any]], Trainer]] = {
 }
 
 
-def build_trainer(args, model: nn.Module, co2) -> Trainer:
-    """The --engine's Trainer around `model`; `co2`: the CO2Config, None for ddp / none."""
-    return BUILDERS[args.engine](args, model, co2)
+def build_trainer(args, model: nn.Module, co2, clock: Callable[[int], float]) -> Trainer:
+    """The --engine's Trainer around `model`; `co2`: the CO2Config, None for ddp / none; `clock`: the job's
+    step after a number of optimizer steps, which the LR schedule reads (`lr_lambda`)."""
+    return BUILDERS[args.engine](args, model, co2, clock)

@@ -27,6 +27,7 @@ from .data import Batches, elastic_stream
 from .engines import Trainer, autocast, build_trainer
 from .events import Events, parameter_digest, stop_step
 from .model import flops_per_token, gpt_from_args
+from .pacing import JobSteps
 from .preflight import fit_to_whole_rounds, warn_single_process
 from .state import Clock, Console, RoundEnd, Tally
 
@@ -70,7 +71,7 @@ class Job:
     batches: Batches
     console: Console
     n_params: int
-    tokens_per_step: int  # global, per optimizer step
+    steps: JobSteps  # the job's step and tokens from this rank's optimizer steps (--replica_tau: they differ)
     start_step: int  # 0, or the step a resumed run (or an elastic replica that joined a running job) starts at
     joined_at: Optional[int] = None  # elastic: the step at which this replica joined a running job
     events: Events = dataclasses.field(default_factory=lambda: Events(None))  # --events_jsonl (rank 0)
@@ -128,14 +129,16 @@ def build(args) -> Job:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     config = co2_config(args) if args.method in CO2_METHODS else None
     if config is not None:
-        check_given(config, driver="co2-train")
+        check_given(config, driver="co2-train", elastic=args.lighthouse is not None)
     fit_to_whole_rounds(args, config, rank)
     warn_single_process(args, config, world)
     batches = Batches(args, elastic_stream(args.replica_id, rank, world) if args.lighthouse else rank, device)
     torch.manual_seed(args.seed)  # identical init on every rank
     with device:
         model = gpt_from_args(args)
-    trainer = build_trainer(args, model, config)  # elastic: joins the job
+    steps = JobSteps(args.batch_size * args.block_size * args.grad_accum, world)
+    trainer = build_trainer(args, model, config, steps.clock)  # elastic: joins the job
+    steps.bind(trainer)
     console = Console(rank == 0, args.out_json, progress=not args.no_progress)
     joined_at = joined_step(args, trainer, console)
     start_step = joined_at
@@ -143,10 +146,9 @@ def build(args) -> Job:
         start_step = resume(args, trainer, batches, console) if args.resume else 0
     if args.lighthouse:  # this replica's own stream (by --replica_id), at the step it starts from
         batches.seek(start_step)
-    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * world
     n_params = sum(p.numel() for p in model.parameters())
     events = Events(args.events_jsonl if rank == 0 else None)
-    job = Job(args, rank, world, device, config, trainer, batches, console, n_params, tokens_per_step, start_step,
+    job = Job(args, rank, world, device, config, trainer, batches, console, n_params, steps, start_step,
               joined_at, events)  # fmt: skip
     console.line(header(job))
     if not args.resume:
@@ -183,10 +185,11 @@ def header(job: Job) -> str:
     b = job.batches
     data = f"--data {a.data}" if a.data else "stdlib bytes"
     dtype = a.dtype or str(next(job.trainer.model.parameters()).dtype).replace("torch.", "")  # deepspeed: its config's
+    per_step = job.steps.tokens_per_rank_step * job.world  # one optimizer step of every rank
     line = (
         f"method={a.method} engine={a.engine} world={job.world} R x S = {replicas} x {shards} device={a.device} "
         f"dtype={dtype} model={a.model} params={job.n_params / 1e6:.2f}M data={data} "
-        f"train={len(b.train) / 1e6:.2f}M val={b.val_tokens / 1e6:.2f}M tokens tokens/step={job.tokens_per_step} "
+        f"train={len(b.train) / 1e6:.2f}M val={b.val_tokens / 1e6:.2f}M tokens tokens/step={per_step} "
         f"max_steps={a.max_steps}"
     )
     if job.config is not None:
@@ -238,7 +241,7 @@ def start(job: Job, clock: Clock) -> Optional[float]:
     v0 = validate(job, clock)
     if job.master:
         job.console.line(f"step {step} | val {v0:.4f}")
-    job.console.record(method=a.method, step=step, tokens=step * job.tokens_per_step, elapsed_s=0.0, loss=None,
+    job.console.record(method=a.method, step=step, tokens=job.steps.tokens(step), elapsed_s=0.0, loss=None,
                        tokens_per_s=None, wait_s=None, round_end_s=None, val_loss=v0)  # fmt: skip
     clock.start(step)  # after validate's barrier
     job.events.emit("start", step=step, replica_id=a.replica_id, joined_at=job.joined_at)
@@ -252,10 +255,12 @@ def train(job: Job, clock: Clock, tally: Tally) -> int:
     step = job.start_step
     job.console.open_bar(a.max_steps, step)
     trainer.model.train()
+    own = job.steps.own_at(step)  # this rank's optimizer steps (--replica_tau: fewer on a slower replica)
     while step < a.max_steps:
         tally.add_loss(trainer.train_step(job.batches.micro_batches()))
-        step += 1
-        job.console.advance()
+        own += 1
+        step, before = job.steps.after(own), step
+        job.console.advance(step - before)
         if a.save_every and step % a.save_every == 0:
             save_job(job, clock, step)
         end = round_end(job, step)
@@ -347,7 +352,7 @@ def log_point(job: Job, clock: Clock, tally: Tally, step: int, end: RoundEnd) ->
     # so the time rank 0 waits for the others is counted in this interval, not lost between two.
     now = time.perf_counter()
     tally.log_lines += 1
-    tps = (step - clock.step_last) * job.tokens_per_step / max(now - clock.t_last, 1e-9)
+    tps = (job.steps.tokens(step) - job.steps.tokens(clock.step_last)) / max(now - clock.t_last, 1e-9)
     mfu = job_mfu(job, tps)
     tally.last_mfu = mfu
     v = None
@@ -359,9 +364,10 @@ def log_point(job: Job, clock: Clock, tally: Tally, step: int, end: RoundEnd) ->
     msg += f" | mfu {100 * mfu:.1f}% | mem {job.memory_gib():.1f} GiB" if mfu is not None else ""
     msg += f" | val {v:.4f}" if v is not None else ""
     job.console.line(msg + f" | lr {job.trainer.lr():.2e}")
-    job.console.record(method=a.method, step=step, tokens=step * job.tokens_per_step,
+    job.console.record(method=a.method, step=step, tokens=job.steps.tokens(step),
                        elapsed_s=clock.training_s(now), loss=loss, tokens_per_s=tps, wait_s=end.wait_s,
-                       round_end_s=end.round_end_s, val_loss=v, mfu=mfu, max_memory_gib=job.memory_gib())  # fmt: skip
+                       round_end_s=end.round_end_s, val_loss=v, mfu=mfu, max_memory_gib=job.memory_gib(),
+                       lr=job.trainer.lr())  # fmt: skip
     clock.mark(step)
     return stop
 
@@ -386,7 +392,7 @@ def finish(job: Job, clock: Clock, tally: Tally, step: int, initial: Optional[fl
     job.events.close()
     train_s = clock.training_s()
     steps_run = step - job.start_step  # by this process (a resumed run: since the resume)
-    tokens_per_s = steps_run * job.tokens_per_step / train_s
+    tokens_per_s = (job.steps.tokens(step) - job.steps.tokens(job.start_step)) / train_s
     final = validate(job, clock)
     replicas, shards = trainer.grid(job.world)
     if job.master:
@@ -396,7 +402,7 @@ def finish(job: Job, clock: Clock, tally: Tally, step: int, initial: Optional[fl
         job.console.line(line + elastic_summary(job))
     job.console.record(summary=True, method=a.method, engine=a.engine, world_size=job.world, steps=step,
                        steps_run=steps_run, resumed_at=job.start_step if a.resume else None,
-                       tokens=step * job.tokens_per_step, elapsed_s=train_s, tokens_per_s=tokens_per_s,
+                       tokens=job.steps.tokens(step), elapsed_s=train_s, tokens_per_s=tokens_per_s,
                        wait_s=tally.wait_s if trainer.co2 or a.method == "none" else None,
                        round_end_s=tally.round_end_s if trainer.co2 else None, initial_val_loss=initial,
                        val_loss=final, replicas=replicas, shards=shards,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -17,15 +18,23 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
+# The library's INFO lines (what `replica_tau: "auto"` fixed) among the job's own, on rank 0's stderr
+LIBRARY_LOG = logging.StreamHandler()
+LIBRARY_LOG.setFormatter(logging.Formatter("%(message)s"))
+
 
 class Console:
     """Rank 0's output: log lines on stderr, under a progress bar only when stderr is a terminal (piped
-    to a file, bar and lines would run together), and the --out_json records."""
+    to a file, bar and lines would run together), the library's INFO lines, and the --out_json records."""
 
     def __init__(self, master: bool, out_json: Optional[str], progress: bool) -> None:
         self.master, self.out_json = master, out_json
         self.progress = master and progress and sys.stderr.isatty()
         self.bar: Any = None
+        if self.master:
+            library = logging.getLogger("co2_zero")
+            library.addHandler(LIBRARY_LOG)  # once per process: the same handler is not added twice
+            library.setLevel(logging.INFO)
 
     def line(self, msg: str) -> None:
         if not self.master:
@@ -53,9 +62,9 @@ class Console:
 
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stderr, mininterval=0.1)
 
-    def advance(self) -> None:
+    def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(steps)
 
     def close_bar(self) -> None:
         if self.bar is not None:

@@ -51,7 +51,8 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     "sync_delay: not null, 'auto' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "sync_delay": 1}),
     "comm_dtype: 'bf16' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "comm_dtype": "bf16"}),
     "stand_in: 'eager' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "stand_in": "eager"}),
-    "replica_tau: not null with driver: 'lightning', 'co2-train', 'hf-trainer'": (LIGHTNING, {"replica_tau": [2, 1]}),
+    "replica_tau: not null with driver: 'lightning', 'hf-trainer'": (LIGHTNING, {"replica_tau": [2, 1]}),
+    "replica_tau: not null with driver: 'co2-train' and elastic: true": (f"{TRAIN}+{ELASTIC}", {"replica_tau": "auto"}),
     "replica_tau: not null, 'auto' with elastic: true": (ELASTIC, {"replica_tau": [2, 1]}),
     "shards_per_replica: not 'node', 1 with integration: 'plain'": (PLAIN, {"shards_per_replica": 2}),
     "elastic: true with integration: 'fairscale', 'deepspeed'": (FAIRSCALE + "+" + ELASTIC, {}),
@@ -64,10 +65,9 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     "replicas: not 1 with elastic: true": (ELASTIC, {}),
     "float_buffers: not 0 with elastic: true": (ELASTIC + "+buffers", {}),
 }
-# Also refused: the deepspeed entry point with a membership (the same row as FairScale's), co2-train's driver row.
+# Also refused: the deepspeed entry point with a membership (the same row as FairScale's).
 EXTRA_WITNESSES = [
     ("elastic: true with integration: 'fairscale', 'deepspeed'", DEEPSPEED + "+" + ELASTIC, {}),
-    ("replica_tau: not null with driver: 'lightning', 'co2-train', 'hf-trainer'", TRAIN, {"replica_tau": [2, 1]}),
 ]
 
 # Allowed: every stand-in with overlap and without, each wire format, and a few more; each runs a round.
@@ -111,11 +111,11 @@ def _build(entry: str, section: dict[str, Any]) -> Any:
         from co2_zero.lightning import CO2Strategy
 
         return CO2Strategy(co2=co2)
-    if entry == TRAIN:  # co2-train's own check, as co2_zero.train.loop.build makes it (no flag sets replica_tau)
+    if entry.startswith(TRAIN):  # co2-train's own check, as co2_zero.train.loop.build makes it
         from co2_zero import CO2Config
         from co2_zero.core.plan import check_given
 
-        return check_given(CO2Config.from_dict(co2), driver="co2-train")
+        return check_given(CO2Config.from_dict(co2), driver="co2-train", elastic=membership is not None)
     from co2_zero import CO2Optimizer
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)) if "buffers" in entry else None

@@ -286,11 +286,11 @@ def test_a_joined_replica_starts_at_the_jobs_step_with_its_lr_schedule():
     args = train_args.get_args([*TINY, *ELASTIC_FLAGS, "--max_steps", "40"])
     model = torch.nn.Linear(2, 2)
     stepped = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    sched, _ = train_engines._scheduled(args, stepped)
+    sched, _ = train_engines._scheduled(args, stepped, float)
     for _ in range(12):
         stepped.step()
         sched.step()
-    jumped, _ = train_engines._scheduled(args, torch.optim.AdamW(model.parameters(), lr=args.lr))
+    jumped, _ = train_engines._scheduled(args, torch.optim.AdamW(model.parameters(), lr=args.lr), float)
     train_engines._fast_forward(jumped, 12)
     assert jumped.get_last_lr() == sched.get_last_lr() and jumped.last_epoch == 12
     console = train_state.Console(master=False, out_json=None, progress=False)
