@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .args import deepspeed_config_path
+from .pacing import JobSteps
 
 
 @dataclass
@@ -265,7 +266,9 @@ BUILDERS: dict[str, Callable[[Any, nn.Module, Optional[Any], Callable[[int], flo
 }
 
 
-def build_trainer(args, model: nn.Module, co2, clock: Callable[[int], float]) -> Trainer:
-    """The --engine's Trainer around `model`; `co2`: the CO2Config, None for ddp / none; `clock`: the job's
-    step after a number of optimizer steps, which the LR schedule reads (`lr_lambda`)."""
-    return BUILDERS[args.engine](args, model, co2, clock)
+def build_trainer(args, model: nn.Module, co2, steps: JobSteps) -> Trainer:
+    """The --engine's Trainer around `model`; `co2`: the CO2Config, None for ddp / none. The LR schedule
+    reads the job's steps (`lr_lambda`), which `steps` then counts on the trainer's CO2 pace."""
+    trainer = BUILDERS[args.engine](args, model, co2, steps.clock)
+    steps.bind(trainer)
+    return trainer

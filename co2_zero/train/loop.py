@@ -137,8 +137,7 @@ def build(args) -> Job:
     with device:
         model = gpt_from_args(args)
     steps = JobSteps(args.batch_size * args.block_size * args.grad_accum, world)
-    trainer = build_trainer(args, model, config, steps.clock)  # elastic: joins the job
-    steps.bind(trainer)
+    trainer = build_trainer(args, model, config, steps)  # elastic: joins the job
     console = Console(rank == 0, args.out_json, progress=not args.no_progress)
     joined_at = joined_step(args, trainer, console)
     start_step = joined_at
@@ -185,11 +184,10 @@ def header(job: Job) -> str:
     b = job.batches
     data = f"--data {a.data}" if a.data else "stdlib bytes"
     dtype = a.dtype or str(next(job.trainer.model.parameters()).dtype).replace("torch.", "")  # deepspeed: its config's
-    per_step = job.steps.tokens_per_rank_step * job.world  # one optimizer step of every rank
     line = (
         f"method={a.method} engine={a.engine} world={job.world} R x S = {replicas} x {shards} device={a.device} "
         f"dtype={dtype} model={a.model} params={job.n_params / 1e6:.2f}M data={data} "
-        f"train={len(b.train) / 1e6:.2f}M val={b.val_tokens / 1e6:.2f}M tokens tokens/step={per_step} "
+        f"train={len(b.train) / 1e6:.2f}M val={b.val_tokens / 1e6:.2f}M tokens tokens/step={job.steps.per_step} "
         f"max_steps={a.max_steps}"
     )
     if job.config is not None:
@@ -364,10 +362,9 @@ def log_point(job: Job, clock: Clock, tally: Tally, step: int, end: RoundEnd) ->
     msg += f" | mfu {100 * mfu:.1f}% | mem {job.memory_gib():.1f} GiB" if mfu is not None else ""
     msg += f" | val {v:.4f}" if v is not None else ""
     job.console.line(msg + f" | lr {job.trainer.lr():.2e}")
-    job.console.record(method=a.method, step=step, tokens=job.steps.tokens(step),
+    job.console.record(method=a.method, step=step, tokens=job.steps.tokens(step), lr=job.trainer.lr(),
                        elapsed_s=clock.training_s(now), loss=loss, tokens_per_s=tps, wait_s=end.wait_s,
-                       round_end_s=end.round_end_s, val_loss=v, mfu=mfu, max_memory_gib=job.memory_gib(),
-                       lr=job.trainer.lr())  # fmt: skip
+                       round_end_s=end.round_end_s, val_loss=v, mfu=mfu, max_memory_gib=job.memory_gib())  # fmt: skip
     clock.mark(step)
     return stop
 

@@ -21,6 +21,11 @@ class JobSteps:
         self.tokens_per_rank_step, self.world = tokens_per_rank_step, world
         self.opt: Any = None
 
+    @property
+    def per_step(self) -> int:
+        """Tokens of one optimizer step of every rank."""
+        return self.tokens_per_rank_step * self.world
+
     def bind(self, trainer: Any) -> None:
         """Count on `trainer`'s CO2 pace (ddp / none: every optimizer step is a job step)."""
         self.opt = trainer.opt if trainer.co2 else None
@@ -56,7 +61,7 @@ class JobSteps:
         """Tokens every rank of the job trained by job step `step` (with replica_tau, a round end)."""
         pace = self._pace()
         if pace is None:
-            return step * self.tokens_per_rank_step * self.world
+            return step * self.per_step
         replicas = len(pace.taus)
         rounds = step // max(pace.taus)
         steps = sum(pace.steps_at_round(r, rounds) for r in range(replicas))
