@@ -3,9 +3,9 @@
 Real launches (one torchrun launch of 2 ranks, each run a process of its own, tests.dist_utils.launch_jobs):
 replica 0 trains 2 steps per round, replica 1 the job's tau = 4. What the job counts on the fastest
 replica's clock (--max_steps, the log's steps, checkpoints, the LR schedule) and what each replica really
-trains (its steps, its tokens); a checkpoint resumed mid-run continues the uninterrupted run bit for bit;
-DeepSpeed's own scheduler reads the same clock; `"auto"` fixes the τ_r and ends with one model. The
-refusals are parsed in process. `JobSteps` itself is checked against `Pace` by hand-counted cases.
+trains (its steps, its tokens), on every engine (DeepSpeed's own scheduler reads the same clock); a
+checkpoint resumed mid-run continues the uninterrupted run bit for bit; `"auto"` fixes the τ_r and ends
+with one model. The refusals are parsed in process. `JobSteps` itself is checked against `Pace` by hand-counted cases.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tests.tools.test_train_lm_smoke import SCRIPT, TINY, TOKENS, _env, by_step,
 
 TAU, SLOW = 4, 2  # replica 0 trains SLOW steps per round, replica 1 TAU
 PACED = ["--tau", str(TAU), "--replica_tau", f"{SLOW},{TAU}", "--max_steps", "16", "--eval_every", "1"]
+OTHER_ENGINES = ("deepspeed", "fsdp", "fairscale")  # besides plain; each replica one rank (S = 1)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def paced(tmp_path_factory):
     planned = {
         "straight": [*PACED, "--save_dir", "ckpt", "--save_every", "8", "--events_jsonl", "events.jsonl"],
         "again": [*PACED, "--resume", "ckpt/step00000008"],
-        "deepspeed": [*PACED, "--engine", "deepspeed", "--shards_per_replica", "1"],
+        **{engine: [*PACED, "--engine", engine, "--shards_per_replica", "1"] for engine in OTHER_ENGINES},
         "auto": ["--tau", str(TAU), "--replica_tau", "auto", "--max_steps", "24"],
     }
     jobs = [([str(SCRIPT), *common, *flags, "--out_json", str(root / f"{name}.jsonl")], root) for name, flags in
@@ -50,11 +51,11 @@ def expected_lr(step: int) -> float:
     return args.lr * lr_lambda(args)(step)
 
 
-@pytest.mark.parametrize("name", ["straight", "deepspeed"])
+@pytest.mark.parametrize("name", ["straight", *OTHER_ENGINES])
 def test_each_replica_trains_its_own_steps_on_the_fastest_replicas_clock(paced, name):
     """Every log point is a round end on the fastest replica's clock (4, 8, 12, 16); the tokens are what
     the replicas trained (2 + 4 steps a round, not 2 x 4); rank 0, the slow replica, reads the LR schedule
-    at the job's step, not at its own (it took half as many): the plain engine's scheduler and DeepSpeed's."""
+    at the job's step, not at its own (it took half as many): on every engine (DeepSpeed: its own scheduler)."""
     records, _, _ = paced[name]
     points = by_step(records)
     assert sorted(points) == [0, 4, 8, 12, 16], sorted(points)
