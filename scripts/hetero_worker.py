@@ -2,8 +2,8 @@
 
 Run under torchrun, one rank per node of the emulated cluster. Everything but the loop comes from
 co2_zero.train (model, data streams, AdamW, LR schedule, held-out loss), so the runs match the
-training job's; the loop is this file's because `co2-train` runs the same steps on every replica and
-refuses `replica_tau`.
+training job's; the loop is this file's because it runs the rounds that give a budget of tokens and
+times each inner step apart from its round end, which `co2-train` (`--replica_tau`) does not.
 
 - `--pacing fixed`: τ on every replica. `--pacing replica_tau`: each rank first measures its own
   speed (forward and backward for --calibrate_s on batches outside its data stream), the ranks
