@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 from .. import configs
 from ..core import support
-from ..core.config import PUBLISHED, STAND_INS
+from ..core.config import PUBLISHED, STAND_INS, CO2Config
 from ..core.step_budget import step_budget_problem
 from .data import BYTE_VOCAB, TOKEN_VOCAB
 from .model import MODEL_PRESETS
@@ -260,24 +260,27 @@ def _inconsistency(args: argparse.Namespace) -> Optional[str]:
         return "--reshard applies to --resume; accepted: --reshard together with --resume"
     if args.reshard and args.method not in CO2_METHODS:
         return f"--reshard with --method {args.method}: only the CO2 methods ({', '.join(CO2_METHODS)}) reshard"
-    return _shorter_than_a_round(args) or _saves_inside_a_round(args) or _elastic_inconsistency(args)
+    config = co2_config(args) if args.method in CO2_METHODS else None  # resolved once, for every check below
+    return (
+        _shorter_than_a_round(args, config)
+        or _saves_inside_a_round(args, config)
+        or _elastic_inconsistency(args, config)
+    )
 
 
-def _shorter_than_a_round(args: argparse.Namespace) -> Optional[str]:
+def _shorter_than_a_round(args: argparse.Namespace, config: Optional[CO2Config]) -> Optional[str]:
     """A CO2 run whose --max_steps is shorter than one round, or None: it would train a whole round it
     was not asked for (a longer run that is not whole rounds is rounded up, with a warning: `build`)."""
-    if args.method not in CO2_METHODS:
+    if config is None or args.max_steps >= config.tau:
         return None
-    tau = co2_config(args).tau
-    return step_budget_problem(args.max_steps, tau, "--max_steps", "--tau") if args.max_steps < tau else None
+    return step_budget_problem(args.max_steps, config.tau, "--max_steps", "--tau")
 
 
-def _saves_inside_a_round(args: argparse.Namespace) -> Optional[str]:
+def _saves_inside_a_round(args: argparse.Namespace, config: Optional[CO2Config]) -> Optional[str]:
     """With --replica_tau a checkpoint is taken at a round end (where every replica is at the same job step),
     so --save_every must be whole rounds; else None."""
-    if args.method not in CO2_METHODS or not args.save_every:
+    if config is None or not args.save_every:
         return None
-    config = co2_config(args)
     if config.replica_tau is None or args.save_every % config.tau == 0:
         return None
     paced = support.describe("replica_tau", config.leaves())
@@ -287,15 +290,16 @@ def _saves_inside_a_round(args: argparse.Namespace) -> Optional[str]:
     )
 
 
-def _elastic_inconsistency(args: argparse.Namespace) -> Optional[str]:
-    """What is wrong with the elastic flags, or None: --lighthouse only where the job can run elastically."""
+def _elastic_inconsistency(args: argparse.Namespace, config: Optional[CO2Config]) -> Optional[str]:
+    """What is wrong with the elastic flags, or None: --lighthouse only where the job can run elastically
+    (`config`: the run's CO2Config, None for a method that is not CO2's)."""
     if args.lighthouse is None:
         given = {"--replica_id": args.replica_id is not None, "--start_replicas": args.start_replicas != 1}
         flags = " and ".join(flag for flag, set_ in given.items() if set_)
         return f"{flags}: elastic training's; accepted: together with --lighthouse" if flags else None
     if support.refusal({"elastic": True, "integration": INTEGRATIONS[args.engine]}) is not None:
         return f"--lighthouse with --engine {args.engine} is not supported; {ELASTIC_SUPPORTED}"
-    if args.method not in CO2_METHODS:
+    if config is None:
         return f"--lighthouse with --method {args.method} is not supported; {ELASTIC_SUPPORTED}"
     overlap = args.overlap if args.overlap is not None else METHOD_PRESETS[args.method].get("overlap", True)
     if support.refusal({"elastic": True, "overlap": overlap}) is not None:
@@ -306,16 +310,14 @@ def _elastic_inconsistency(args: argparse.Namespace) -> Optional[str]:
         )
     if args.start_replicas < 1:
         return f"--start_replicas={args.start_replicas} is invalid; accepted: an integer >= 1"
-    facts = {"elastic": True, "driver": "co2-train", "replica_tau": co2_config(args).replica_tau}
+    facts = {"elastic": True, "driver": "co2-train", "replica_tau": config.replica_tau}
     row = support.refusal(facts)
     return row.message(facts) if row is not None else None
 
 
-def co2_config(args: argparse.Namespace):
+def co2_config(args: argparse.Namespace) -> CO2Config:
     """The CO2Config of this run: CO2Config's defaults, under the --deepspeed_config "co2" section
     (engine deepspeed), under the --method preset, under the CO2 flags that were given."""
-    from co2_zero import CO2Config
-
     fields: dict[str, Any] = {}
 
     def put(name, value):  # `name`: a field, or (section, field) of a nested section (gap_penalty, clip)
