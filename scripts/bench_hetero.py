@@ -71,7 +71,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--tau", type=int, default=12)
     p.add_argument("--rounds", type=int, default=8, help="rounds at one τ (every method trains these tokens)")
-    p.add_argument("--ddp_rounds", type=int, default=None, help="DDP's tokens in rounds at one τ (default: --rounds)")
+    p.add_argument("--ddp_rounds", type=int, nargs="+", default=None,
+                   help="DDP's tokens in rounds at one τ (default: --rounds); several: a DDP run at each, the "
+                   "first the main target, each other's final loss a target of its own")  # fmt: skip
     p.add_argument("--eval_every", type=int, default=2, help="rounds between held-out evaluations")
     p.add_argument("--model", default="--n_layer 4 --n_embd 320 --n_head 4 --block_size 64 --batch_size 4",
                    help="the training job's model/batch flags (5 M parameters, 256 tokens/rank/step)")  # fmt: skip
@@ -82,7 +84,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--summary", action="store_true", help="only rebuild the tables from <out>/runs.json")
     p.add_argument("--resume", action="store_true", help="keep <out>/runs.json's runs, run only the others")
     a = p.parse_args(argv)
-    a.ddp_rounds = a.rounds if a.ddp_rounds is None else a.ddp_rounds
+    a.ddp_rounds = [a.rounds] if a.ddp_rounds is None else a.ddp_rounds
+    if len(set(a.ddp_rounds)) != len(a.ddp_rounds) or min(a.ddp_rounds) < 1:
+        p.error(f"--ddp_rounds {a.ddp_rounds}: expected distinct positive round counts")
     return a
 
 
@@ -175,10 +179,10 @@ def run_method(method: str, speeds: list[float], a: argparse.Namespace, seed: in
             "host_before": before, "wall_s": round(time.time() - began, 1)}  # fmt: skip
 
 
-def run_ddp(a: argparse.Namespace, seed: int, work: Path) -> dict:
-    """DDP on the host's loopback, uncapped: the target loss at the methods' tokens."""
+def run_ddp(a: argparse.Namespace, seed: int, rounds: int, work: Path) -> dict:
+    """DDP on the host's loopback, uncapped, for `rounds` rounds' tokens: its final loss is a target."""
     flags = [*common_flags(a, seed), "--eval_every", str(a.eval_every), "--pacing", "ddp",
-             "--rounds", str(a.ddp_rounds)]  # fmt: skip
+             "--rounds", str(rounds)]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", WORKER, *flags,
            "--result", str(work / "ddp.json")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -199,29 +203,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     began = time.time()
     with ec.EmulatedCluster(4, a.rate) as cluster:
         check = cluster.self_check()
-    given = sys.argv[1:] if argv is None else list(argv)
-    meta = {"command": shlex.join(["python", "-m", "scripts.bench_hetero", *given]),
-            "self_check": check, "host": {"cores": os.cpu_count(), "shared": True}, "rate": a.rate,
-            "tau": a.tau, "rounds": a.rounds, "ddp_rounds": a.ddp_rounds,
-            "core_at_speed_1": a.core, "weight_at_speed_1": a.weight,
-            "model": a.model, "extra": a.extra,
-            "reps": a.reps}  # fmt: skip
-    runs: list[dict] = json.loads(Path(a.out, "runs.json").read_text())["runs"] if a.resume else []
-    done = {(r["case"], r["method"], r["rep"]) for r in runs}
+    given = shlex.join(["python", "-m", "scripts.bench_hetero", *(sys.argv[1:] if argv is None else argv)])
+    saved = json.loads(Path(a.out, "runs.json").read_text()) if a.resume else {"runs": []}
+    meta, runs = study_meta(a, given, check, saved.get("meta")), saved["runs"]
+    done = {(r["case"], r["method"], r["rep"], r["rounds"] if r["method"] == "ddp" else None) for r in runs}
     with tempfile.TemporaryDirectory(prefix="c2z-hetero-") as tmp:
         for rep in range(a.reps):
             seed = 1337 + rep
-            if not a.no_ddp and (None, "ddp", rep) not in done:
-                runs.append(_logged(Path(tmp, f"ddp_{rep}"), "", rep, run_ddp, a, seed))
+            for rounds in [] if a.no_ddp else [b for b in a.ddp_rounds if (None, "ddp", rep, b) not in done]:
+                runs.append(_logged(Path(tmp, f"ddp_{rep}_{rounds}"), "", rep, run_ddp, a, seed, rounds))
+                write(a, progress(meta, began, rep), runs)
             for case in a.cases:
                 order = a.methods[rep % len(a.methods) :] + a.methods[: rep % len(a.methods)]
-                for method in (m for m in order if (case, m, rep) not in done):
+                for method in (m for m in order if (case, m, rep, None) not in done):
                     work = Path(tmp, f"{case}_{method}_{rep}")
                     runs.append(_logged(work, case, rep, run_method, method, CASES[case], a, seed))
-                    write(a, {**meta, "budget_s": round(time.time() - began), "reps_done": rep}, runs)
+                    write(a, progress(meta, began, rep), runs)
     for case in a.cases:
         print(Path(a.out, f"{case}.md").read_text())
     return 0
+
+
+def study_meta(a: argparse.Namespace, command: str, check: dict, saved: Optional[dict]) -> dict:
+    """The study's facts. Resumed (`saved`: the study's own), they stay, DDP's budgets grow by this
+    command's, and the command with its link self-check is listed under `resumed_with`."""
+    if saved is not None:
+        budgets, resumed = report.ddp_budgets(saved), {"command": command, "self_check": check}
+        return {**saved, "ddp_rounds": [*budgets, *(b for b in a.ddp_rounds if b not in budgets)],
+                "resumed_with": [*saved.get("resumed_with", []), resumed]}  # fmt: skip
+    return {"command": command, "self_check": check, "host": {"cores": os.cpu_count(), "shared": True},
+            "rate": a.rate, "tau": a.tau, "rounds": a.rounds, "ddp_rounds": a.ddp_rounds,
+            "core_at_speed_1": a.core, "weight_at_speed_1": a.weight, "model": a.model, "extra": a.extra,
+            "reps": a.reps}  # fmt: skip
+
+
+def progress(meta: dict, began: float, rep: int) -> dict:
+    """`meta` with this command's seconds so far and the repetition it is at (resumed: in its own entry
+    of `resumed_with`, so that the study's own stay)."""
+    now = {"budget_s": round(time.time() - began), "reps_done": rep}
+    if "resumed_with" not in meta:
+        return {**meta, **now}
+    return {**meta, "resumed_with": [*meta["resumed_with"][:-1], {**meta["resumed_with"][-1], **now}]}
 
 
 def write(a: argparse.Namespace, meta: dict, runs: list[dict]) -> None:

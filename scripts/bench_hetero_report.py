@@ -1,6 +1,7 @@
 """scripts/bench_hetero.py's arithmetic and tables: per method and repetition the job's tokens/s over its
-replicas' own speeds, the final held-out loss against the uniform run's, and the training seconds to
-DDP's final loss (and to within 2% and 5% of it) against the uniform cluster's; the issue's goals."""
+replicas' own speeds and over the uniform run's, the final held-out loss against the uniform run's, and
+the training seconds to DDP's final loss (within 2, 5 and 10% of it, and the final losses of DDP runs of
+fewer tokens) against the uniform cluster's; the issue's goals."""
 
 from __future__ import annotations
 
@@ -70,11 +71,25 @@ def loss_at(curve: Sequence[dict], tokens: float) -> Optional[float]:
     return curve[0]["val_loss"] if curve and tokens == curve[0]["tokens"] else None
 
 
-def targets(ddp: Optional[dict], uniform: Optional[dict], tokens: int) -> dict[str, Optional[float]]:
-    """The losses timed: DDP's final loss and within 2 / 5 / 10% of it, and the uniform run's loss at
-    `tokens` (the fewer of the two runs': a run that trained fewer tokens is timed to what the uniform
-    cluster reached with as many)."""
-    out = {k: ddp["final_val_loss"] * (1 + x) if ddp else None for k, x in zip(KEYS, MARGINS)}
+def ddp_budgets(meta: dict) -> list[int]:
+    """DDP's budgets in rounds at one τ, the main target's first (`--ddp_rounds`; one number in older
+    studies, none: the methods' rounds)."""
+    budgets = meta.get("ddp_rounds") or meta["rounds"]
+    return list(budgets) if isinstance(budgets, list) else [budgets]
+
+
+def shorter_key(rounds: int) -> str:
+    """The target key of the final loss of DDP trained for `rounds` rounds' tokens (not the main one)."""
+    return f"ddp_{rounds}_rounds"
+
+
+def targets(ddps: Sequence[dict], uniform: Optional[dict], tokens: int) -> dict[str, Optional[float]]:
+    """The losses timed: the main DDP run's (`ddps[0]`) final loss and within 2 / 5 / 10% of it, each other
+    DDP run's final loss, and the uniform run's loss at `tokens` (the fewer of the two runs': a run that
+    trained fewer tokens is timed to what the uniform cluster reached with as many)."""
+    main = ddps[0] if ddps else None
+    out = {k: main["final_val_loss"] * (1 + x) if main else None for k, x in zip(KEYS, MARGINS)}
+    out.update({shorter_key(run["rounds"]): run["final_val_loss"] for run in ddps[1:]})
     return {**out, "uniform": loss_at(uniform["curve"], min(tokens, uniform["tokens"])) if uniform else None}
 
 
@@ -82,16 +97,17 @@ def _times(run: Optional[dict], goal: dict[str, Optional[float]]) -> dict[str, O
     return {k: time_to(run["curve"], v) if run and v is not None else None for k, v in goal.items()}
 
 
-def _measures(run: dict, runs: Sequence[dict], ddp: Optional[dict], u: Optional[dict]) -> dict:
+def _measures(run: dict, runs: Sequence[dict], ddps: Sequence[dict], u: Optional[dict]) -> dict:
     """One run's figures: against its own speeds, against the uniform run of its repetition."""
     own, u_own = _own_speeds(run, runs), _own_speeds(u, runs) if u else None
-    goal = targets(ddp, u, run["tokens"])
+    goal = targets(ddps, u, run["tokens"])
     times, u_times = _times(run, goal), _times(u, goal)
     equal = min(run["tokens"], u["tokens"]) if u else 0  # the losses compared at the fewer tokens
     return {
         "tokens": run["tokens"], "train_s": run["train_s"], "own_speeds_tokens_per_s": run.get("own_tokens_per_s"),
         "tokens_per_s_over_own_speeds": _ratio(run["tokens"] / run["train_s"], own),
         "steady_tokens_per_s_over_own_speeds": _ratio(steady_tokens_per_s(run), own),
+        "tokens_per_s_over_uniform": _ratio(run["tokens"] / run["train_s"], u and u["tokens"] / u["train_s"]),
         "final_val_loss": run["final_val_loss"], "loss_over_uniform": _ratio(run["final_val_loss"],
                                                                               u and u["final_val_loss"]),
         "loss_over_uniform_equal_tokens": _ratio(loss_at(run["curve"], equal),
@@ -106,11 +122,13 @@ def _measures(run: dict, runs: Sequence[dict], ddp: Optional[dict], u: Optional[
 
 def case_report(case: str, speeds: Sequence[float], meta: dict, runs: Sequence[dict]) -> dict:
     """One case's JSON: per method, lists over repetitions (index = repetition)."""
-    ddp = {r["rep"]: r for r in runs if r["method"] == "ddp"}
+    budgets = ddp_budgets(meta) if "rounds" in meta else []
+    ddps = _ddp_runs(runs, budgets)
+    ddp = {rep: ddps[rep][0] for rep in sorted(ddps)}
     uniform = {r["rep"]: r for r in runs if r["method"] == "uniform"}
     methods: dict[str, dict] = {}
     for run in sorted((r for r in runs if r["method"] != "ddp"), key=lambda r: r["rep"]):
-        measured = _measures(run, runs, ddp.get(run["rep"]), uniform.get(run["rep"]))
+        measured = _measures(run, runs, ddps.get(run["rep"], []), uniform.get(run["rep"]))
         m = methods.setdefault(run["method"], {k: [] for k in measured})
         for k, v in measured.items():
             m[k].append(v)
@@ -119,7 +137,29 @@ def case_report(case: str, speeds: Sequence[float], meta: dict, runs: Sequence[d
                     "tokens": [ddp[k]["tokens"] for k in sorted(ddp)],
                     "curves": [ddp[k]["curve"] for k in sorted(ddp)],
                     "command": next(iter(ddp.values()))["command"] if ddp else None},
-            "methods": methods, "goals": goals(methods)}  # fmt: skip
+            "ddp_shorter": _shorter(ddps, budgets[1:]),
+            "methods": methods, "goals": goals(methods, budgets[1:])}  # fmt: skip
+
+
+def _ddp_runs(runs: Sequence[dict], budgets: Sequence[int]) -> dict[int, list[dict]]:
+    """Per repetition its DDP runs in `budgets`' order, the main target's first (a run without a budget,
+    as a hand-made one: the main one)."""
+    place = {b: i for i, b in enumerate(budgets)}
+    out: dict[int, list[dict]] = {}
+    for run in sorted((r for r in runs if r["method"] == "ddp"), key=lambda r: place.get(r.get("rounds"), 0)):
+        out.setdefault(run["rep"], []).append(run)
+    return out
+
+
+def _shorter(ddps: dict[int, list[dict]], budgets: Sequence[int]) -> dict[str, dict]:
+    """The other DDP budgets' final losses (a list over repetitions) and tokens, by their rounds."""
+    out: dict[str, dict] = {}
+    for rep in sorted(ddps):
+        for run in ddps[rep][1:]:
+            if run.get("rounds") in budgets:
+                b = out.setdefault(str(run["rounds"]), {"final_val_loss": [], "tokens": run["tokens"]})
+                b["final_val_loss"].append(run["final_val_loss"])
+    return out
 
 
 def spread(values: Sequence[Optional[float]], fmt: str = ".3f", missing: str = "n/a") -> str:
@@ -131,21 +171,23 @@ def spread(values: Sequence[Optional[float]], fmt: str = ".3f", missing: str = "
     return text + (f" ({len(values) - len(have)} of {len(values)} {missing})" if len(have) < len(values) else "")
 
 
-def goals(methods: dict) -> dict:
-    """Per method, the issue's goals against the medians: met or not, with the median."""
+def goals(methods: dict, shorter: Sequence[int] = ()) -> dict:
+    """Per method, the issue's goals against the medians: met or not, with the median. The time is to the
+    main DDP run's final loss, else to the final loss of the longest of the `shorter` DDP runs, else to
+    within 2 / 5 / 10% of the main one's: the first that every repetition reached."""
+    order = [KEYS[0], *(shorter_key(b) for b in sorted(shorter, reverse=True)), *KEYS[1:]]
     out = {}
     for name, m in methods.items():
         med = lambda xs: statistics.median([x for x in xs if x is not None]) if any(x is not None for x in xs) else None  # noqa: E731
         own, loss = med(m["tokens_per_s_over_own_speeds"]), med(m["loss_over_uniform_equal_tokens"])
-        # DDP's loss itself, else the first of within 2 / 5 / 10% of it that every repetition reached
-        margin = next((k for k in KEYS if all(t[k] is not None for t in m["time_over_uniform"])), KEYS[-1])
-        time0 = med([t[margin] for t in m["time_over_uniform"]])
+        target = next((k for k in order if all(t.get(k) is not None for t in m["time_over_uniform"])), KEYS[-1])
+        time0 = med([t.get(target) for t in m["time_over_uniform"]])
         out[name] = {
             "own_speed": {"median": own, "met": own is not None and own >= GOALS["own_speed"]},
             "loss_gap": {"median": loss and loss - 1, "met": loss is not None and loss - 1 <= GOALS["loss_gap"]},
             "time_ratio_to_ddp_loss": {
                 "median": time0,
-                "margin": float(margin),
+                "target": target,
                 "met": time0 is not None and time0 <= GOALS["time_ratio"],
             },
         }
@@ -164,16 +206,17 @@ def markdown(doc: dict) -> str:
              f"speed 1 = {doc['core_at_speed_1']:g} core (cgroup CFS quota), {doc['reps']} repetitions, "
              f"{doc['host']['cores']}-core host shared with other jobs; DDP's final loss "
              f"{spread(doc['ddp']['final_val_loss'], '.4f')}{_ddp_tokens(doc)}.", "",
-             "| method | τ_r (rep. 1) | tokens | tok/s ÷ Σ own speeds | steady state | final val loss | ÷ uniform's, "
-             "equal tokens | time to DDP's loss +0 / 2 / 5 / 10% ÷ uniform's | time to uniform's loss (equal "
-             "tokens) ÷ uniform's | the same per unit of compute |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| " + " | ".join(_columns(doc)) + " |", "|" + "---|" * len(_columns(doc))]  # fmt: skip
+    shorter = [shorter_key(int(b)) for b in doc.get("ddp_shorter", {})]
     for name, m in doc["methods"].items():
         ddp_times = " / ".join(_median([t[k] for t in m["time_over_uniform"]]) for k in KEYS)
+        shorter_times = " / ".join(_median([t.get(k) for t in m["time_over_uniform"]]) for k in shorter)
         taus = ", ".join(str(t) for t in m["taus"][0])
         lines.append(f"| {name} | {taus} | {m['tokens'][0]:,} | {spread(m['tokens_per_s_over_own_speeds'])} | "
-                     f"{spread(m['steady_tokens_per_s_over_own_speeds'])} | {spread(m['final_val_loss'], '.4f')} | "
+                     f"{spread(m['steady_tokens_per_s_over_own_speeds'])} | "
+                     f"{spread(m['tokens_per_s_over_uniform'])} | {spread(m['final_val_loss'], '.4f')} | "
                      f"{spread(m['loss_over_uniform_equal_tokens'], '.4f')} | {ddp_times} | "
+                     f"{shorter_times + ' | ' if shorter else ''}"
                      f"{spread([t['uniform'] for t in m['time_over_uniform']], '.2f', 'not reached')} | "
                      f"{spread([t['uniform'] for t in m['compute_time_over_uniform']], '.2f', 'not reached')} |"
                      )  # fmt: skip
@@ -181,11 +224,32 @@ def markdown(doc: dict) -> str:
 
 
 def _ddp_tokens(doc: dict) -> str:
-    """' at N tokens' where DDP trained other tokens than the methods (--ddp_rounds)."""
-    tokens = doc["ddp"]["tokens"]
-    if not tokens or doc.get("ddp_rounds", doc["rounds"]) == doc["rounds"]:
-        return ""
-    return f" at {tokens[0]:,} tokens ({doc['ddp_rounds']} rounds' worth)"
+    """' at N tokens' where DDP trained other tokens than the methods (--ddp_rounds), and the final losses
+    of the DDP runs of fewer tokens."""
+    tokens, main = doc["ddp"]["tokens"], ddp_budgets(doc)[0]
+    text = "" if not tokens or main == doc["rounds"] else f" at {tokens[0]:,} tokens ({_worth(main)})"
+    return text + "".join(f"; at {_worth(int(b))} ({d['tokens']:,} tokens) {spread(d['final_val_loss'], '.4f')}"
+                          for b, d in doc.get("ddp_shorter", {}).items())  # fmt: skip
+
+
+def _worth(rounds: int) -> str:
+    return f"{rounds} round's worth" if rounds == 1 else f"{rounds} rounds' worth"
+
+
+def _columns(doc: dict) -> list[str]:
+    """The table's column heads (the times to the final losses of DDP runs of fewer tokens: where run)."""
+    budgets = " / ".join(doc.get("ddp_shorter", {}))
+    shorter = [f"time to DDP's loss at {budgets} rounds' tokens ÷ uniform's"] if budgets else []
+    return ["method", "τ_r (rep. 1)", "tokens", "tok/s ÷ Σ own speeds", "steady state", "tok/s ÷ uniform's",
+            "final val loss", "÷ uniform's, equal tokens", "time to DDP's loss +0 / 2 / 5 / 10% ÷ uniform's",
+            *shorter, "time to uniform's loss (equal tokens) ÷ uniform's", "the same per unit of compute"]  # fmt: skip
+
+
+def _target_text(key: str) -> str:
+    """A target key in words: "DDP's loss", "DDP's loss + 2%", "DDP's loss at 2 rounds' worth"."""
+    if key.startswith("ddp_"):
+        return f"DDP's loss at {_worth(int(key.split('_')[1]))}"
+    return "DDP's loss" + (f" + {float(key):.0%}" if float(key) else "")
 
 
 def goals_line(found: dict) -> str:
@@ -194,7 +258,7 @@ def goals_line(found: dict) -> str:
     for name, g in found.items():
         own, loss, time = g["own_speed"], g["loss_gap"], g["time_ratio_to_ddp_loss"]
         say = lambda goal, text: f"{text} ({'met' if goal['met'] else 'not met'})"  # noqa: E731
-        target = "DDP's loss" + (f" + {time['margin']:.0%}" if time["margin"] else "")
+        target = _target_text(time["target"])
         time_text = f"{target} in ×{time['median']:.2f} uniform's time" if time["median"] is not None else (
             f"{target} not reached")  # fmt: skip
         parts.append(f"{name}: " + ", ".join([

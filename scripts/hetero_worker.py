@@ -108,7 +108,7 @@ class Run:
         self.schedule = lr_lambda(argparse.Namespace(**{**vars(args), "max_steps": steps}))  # on the clock steps
         self.forward = model  # what trains (DDP's wrapper); `model` is what rank 0 evaluates
         self.rank = dist.get_rank()
-        self.paused, self.step_s, self.curve, self.round_ends = 0.0, [], [], []
+        self.paused, self.step_s, self.round_end_step_s, self.curve, self.round_ends = 0.0, [], [], [], []
         self.began = time.perf_counter()
 
     def seconds(self) -> float:
@@ -127,7 +127,8 @@ class Run:
 
     def inner_step(self, opt: torch.optim.Optimizer, inner: torch.optim.Optimizer, clock_step: float,
                    round_end: bool) -> None:  # fmt: skip
-        """One optimizer step at the schedule's `clock_step`; its time counts unless it ends a round."""
+        """One optimizer step at the schedule's `clock_step`; its time counts towards the rank's own speed
+        unless it ends a round (those are kept apart: what a round end costs beyond a step)."""
         a, start = self.args, time.perf_counter()
         for group in inner.param_groups:
             group["lr"] = a.lr * self.schedule(int(clock_step))
@@ -137,23 +138,24 @@ class Run:
         if a.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
         opt.step()
-        if not round_end:
-            self.step_s.append(time.perf_counter() - start)
+        (self.round_end_step_s if round_end else self.step_s).append(time.perf_counter() - start)
 
     def finish(self, steps: int, taus: list[int], rounds: int, speeds: list[float], extra: dict) -> None:
         """Stop the clock (after a barrier), gather every rank's speed, rank 0 writes the result."""
         dist.barrier()
         train_s = self.seconds()
         per_step = self.args.batch_size * self.args.block_size * self.args.grad_accum
-        mine = [float(steps), per_step / statistics.mean(self.step_s), train_s, *self.round_ends]
+        round_end_step_s = statistics.mean(self.round_end_step_s) if self.round_end_step_s else 0.0
+        mine = [float(steps), per_step / statistics.mean(self.step_s), train_s, round_end_step_s, *self.round_ends]
         ranks = gather(mine)
-        round_ends = [max(r[3 + k] for r in ranks) for k in range(len(self.round_ends))]  # the last rank's
+        round_ends = [max(r[4 + k] for r in ranks) for k in range(len(self.round_ends))]  # the last rank's
         self.validate(sum(int(r[0]) for r in ranks) * per_step, final=True)
         if self.rank != 0:
             return
         result = {"pacing": self.args.pacing, "taus": taus, "rounds": rounds, "tokens_per_step": per_step,
                   "steps": [int(r[0]) for r in ranks], "own_tokens_per_s": [r[1] for r in ranks],
-                  "calibrated_tokens_per_s": speeds, "train_s": max(r[2] for r in ranks),
+                  "calibrated_tokens_per_s": speeds, "round_end_step_s": [r[3] for r in ranks],
+                  "train_s": max(r[2] for r in ranks),
                   "tokens": sum(int(r[0]) for r in ranks) * per_step, "curve": self.curve,
                   "round_end_s": round_ends, "final_val_loss": self.curve[-1]["val_loss"], **extra}  # fmt: skip
         Path(self.args.result).write_text(json.dumps(result))

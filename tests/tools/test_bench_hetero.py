@@ -78,3 +78,30 @@ def test_a_run_of_fewer_tokens_is_compared_with_the_uniform_run_at_its_tokens():
     assert m["loss_over_uniform"] == [pytest.approx(2.6 / 2.0)]
     assert m["time_over_uniform"][0]["uniform"] is None  # 2.6 never reaches the uniform run's 2.5
     assert report.loss_at(_curve([(0.0, 5.0), (1.0, 4.0)], 100), 150) is None  # past the curve's end
+
+
+def test_ddp_runs_of_fewer_tokens_are_targets_of_their_own():
+    """--ddp_rounds 4 2: the main DDP run (4 rounds' tokens) gives the +0 / 2 / 5 / 10% targets, the shorter
+    one its own final loss; the goal times the first target every repetition reached, the main one's loss
+    before the shorter run's, before the main one's margins."""
+    meta = {"command": "x", "rounds": 4, "ddp_rounds": [4, 2]}
+    runs = [
+        {**_run("ddp", 0, 800, 1.0, [1.0], 2.0, [(0, 5.0), (1, 2.0)]), "rounds": 4, "command": "ddp"},
+        {**_run("ddp", 0, 400, 1.0, [1.0], 3.0, [(0, 5.0), (1, 3.0)]), "rounds": 2, "command": "ddp"},
+        _run("uniform", 0, 800, 10.0, [50.0, 50.0], 2.15, [(0.0, 5.0), (10.0, 2.15)]),
+        _run("replica_tau", 0, 800, 8.0, [50.0, 50.0], 2.15, [(0.0, 5.0), (8.0, 2.15)]),
+    ]  # both within 10% of the main DDP run's 2.0, not within 5%
+    doc = report.case_report("half", [1.0, 0.5], meta, runs)
+    m = doc["methods"]["replica_tau"]
+    assert doc["ddp"]["final_val_loss"] == [2.0]
+    assert doc["ddp_shorter"] == {"2": {"final_val_loss": [3.0], "tokens": 400}}
+    uniform_at_3, replica_at_3 = 10.0 * 2.0 / 2.85, 8.0 * 2.0 / 2.85  # linear from 5.0 at 0 s
+    assert m["time_over_uniform"][0]["ddp_2_rounds"] == pytest.approx(replica_at_3 / uniform_at_3)
+    assert m["time_over_uniform"][0]["0"] is None  # neither reaches the main DDP run's 2.0
+    assert m["tokens_per_s_over_uniform"] == [pytest.approx(100.0 / 80.0)]
+    time = doc["goals"]["replica_tau"]["time_ratio_to_ddp_loss"]
+    assert time["target"] == "ddp_2_rounds" and time["median"] == pytest.approx(replica_at_3 / uniform_at_3)
+    table = report.markdown({**doc, "rate": "100mbit", "tau": 4, "core_at_speed_1": 0.4, "reps": 1,
+                             "host": {"cores": 2}})  # fmt: skip
+    assert "at 2 rounds' worth (400 tokens) 3.0000" in table and "DDP's loss at 2 rounds' worth in ×" in table
+    assert all(line.count("|") == table.splitlines()[4].count("|") for line in table.splitlines()[4:8])
