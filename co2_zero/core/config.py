@@ -292,7 +292,7 @@ class CO2Config:
             "others do instead of making them wait; the exchange weighs each replica's displacement by its "
             'share of the tokens, τ_r / Στ (docs/design.md §3, "Replicas of different speeds"). `null` (the '
             "default): every replica runs `tau`. A list of R integers in [1, tau] whose largest is `tau`, or "
-            "`auto`: the first 2 rounds run every replica at `tau` and time its inner steps, then each "
+            "`auto`: the first round runs every replica at `tau` and times its inner steps, then each "
             "replica's τ_r is fixed in proportion to its speed (the fastest `tau`) for the rest of the run and "
             "saved in checkpoints; with an elastic membership `auto` measures every round instead, over each "
             'round\'s quorum (docs/elastic.md, "Replicas of different speeds"), and a list is refused. It needs '

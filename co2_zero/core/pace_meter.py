@@ -1,14 +1,15 @@
 """`replica_tau: "auto"`: each replica's inner steps per round measured on the running job, then fixed
 (docs/design.md §3, "Replicas of different speeds").
 
-The first MEASURED_ROUNDS rounds of a run (or of a run resumed before its τ_r were fixed) run every replica
-at tau, the plain mean. Meanwhile each rank times its inner steps: from the moment `inner_step_done`
-returns to the next call, so a round end and its waits for the exchange are not counted, nor is the first
-step of a run, which pays for start-up. At the last measured round end each rank posts its mean step time
-with its step announcement (`parameter_order.StepAnnouncements`), which the engine then collects at once,
-within timeout_s: every rank holds the same rows, takes each replica's time as the slowest of its S ranks,
-and fixes the same τ_r = `pace.taus_for_speeds` (the fastest replica tau). From the next round on they hold
-for the rest of the run and are saved in checkpoints (`Pace`, with the round they start from).
+The first MEASURED_ROUNDS rounds of a run (of a run resumed before its τ_r were fixed: the first it takes
+whole, after the rest of the round it loaded) run every replica at tau, the plain mean. Meanwhile each rank
+times its inner steps: from the moment `inner_step_done` returns to the next call, so a round end and its
+waits for the exchange are not counted, nor is the first step of a run, which pays for start-up. At the last
+measured round end each rank posts its mean step time with its step announcement
+(`parameter_order.StepAnnouncements`), which the engine then collects at once, within timeout_s: every rank
+holds the same rows, takes each replica's time as the slowest of its S ranks, and fixes the same τ_r =
+`pace.taus_for_speeds` (the fastest replica tau). From the next round on they hold for the rest of the run and
+are saved in checkpoints (`Pace`, with the round they start from).
 
 Plain bookkeeping: the engine feeds the meter what it sees and hands it the collected rows; no collectives.
 """
@@ -20,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 from .pace import Pace, taus_for_speeds
 
-MEASURED_ROUNDS = 2  # rounds run at tau and timed before the τ_r are fixed
+MEASURED_ROUNDS = 1  # rounds run at tau and timed before the τ_r are fixed
 STEP_NS = 3  # the column of a step announcement that carries the mean step time, in nanoseconds
 
 clock: Callable[[], float] = time.perf_counter  # seconds; a test replaces it to make a replica slower

@@ -256,11 +256,12 @@ class RoundState:
         return pending
 
     def _load_pace(self, fixed: Optional[dict[str, Any]], config: CO2Config, replica: int) -> None:
-        """replica_tau "auto": the saved pace, or (not fixed when saved) run at tau and measure anew."""
+        """replica_tau "auto": the saved pace, or (not fixed when saved) run at tau and measure anew until the
+        end of the first round this run takes whole (a round loaded part-way is finished at tau first)."""
         if self.pace_meter is None:
             return
         if fixed is None:
-            self.pace_meter.restart(self.rounds)
+            self.pace_meter.restart(self.rounds + (1 if self.inner_steps % config.tau else 0))
             self.pace = Pace((config.tau,) * len(self.pace.taus))
         else:
             self.pace = saved_pace(fixed)

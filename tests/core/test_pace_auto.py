@@ -136,7 +136,8 @@ def _children(rank: int, world: int, directory: str) -> dict:
     out["straight"] = _straight(rank)
     out["int8"] = _straight(rank, {**AUTO, "comm_dtype": "int8"})
     out["topk"] = _straight(rank, {**AUTO, "topk": 0.25, "comm_dtype": "int4"})
-    out["before"] = _saved_and_resumed(rank, os.path.join(directory, "before"), 1, [2, 2])
+    last = MEASURED_ROUNDS - 1  # saved one step before the end of the last measured round
+    out["before"] = _saved_and_resumed(rank, os.path.join(directory, "before"), last, [TAU - 1, TAU - 1])
     out["after"] = _saved_and_resumed(rank, os.path.join(directory, "after"), MEASURED_ROUNDS, [2, 1])
     return out
 
@@ -185,7 +186,7 @@ def test_the_meter_fixes_the_same_taus_from_the_same_rows():
     """The slowest shard of each replica counts; the fastest replica runs tau; the pace starts after the
     deciding round; a step announcement without a time is refused."""
     meter = PaceMeter(8, shards=2, first_round=3)
-    assert meter.decides_at(3 + MEASURED_ROUNDS - 1) and not meter.decides_at(3)
+    assert [r for r in range(8) if meter.decides_at(r)] == [3 + MEASURED_ROUNDS - 1]
     rows = [[0, 0, 0, ns] for ns in (1000, 1100, 4000, 2000)]
     assert meter.decide(rows) == Pace((8, 2), from_round=3 + MEASURED_ROUNDS)
     with pytest.raises(ValueError, match="posted no step time"):
@@ -203,7 +204,8 @@ def test_auto_is_accepted_and_names_the_field_when_misspelt():
 
 
 def test_every_inner_step_matches_the_reference(results):
-    """Rounds 0 and 1 at tau, then the measured [4, 2], at every inner step; the plan says it measures."""
+    """The first MEASURED_ROUNDS rounds at tau, then the measured [4, 2], at every inner step; the plan says it
+    measures; the log names the times, the τ_r and the round they start from."""
     per_step, finals = _reference(FIXED, MEASURED_ROUNDS)
     runs = [got["straight"] for got in results]
     _assert_every_step(runs, per_step, finals, "auto")
@@ -212,7 +214,8 @@ def test_every_inner_step_matches_the_reference(results):
         assert run["fixed"] == {"taus": FIXED, "from_round": MEASURED_ROUNDS}
         assert "replica_tau='measured'" in run["plan"]
         assert run["logged"] == [
-            "co2: replica_tau 'auto': inner steps of 1, 2 ms (per rank) fix replica_tau=[4, 2] from round 2 on"
+            "co2: replica_tau 'auto': inner steps of 1, 2 ms (per rank) fix replica_tau=[4, 2] from round "
+            f"{MEASURED_ROUNDS} on"
         ]
     assert runs[0]["clock"] == runs[1]["clock"] == [float(TAU * (t + 1)) for t in range(ROUNDS)]
 
@@ -241,13 +244,16 @@ def test_a_real_slow_replica_gets_fewer_steps(results):
 
 
 def test_a_checkpoint_saved_before_the_taus_are_fixed_measures_anew(results):
-    """Saved at step 6 (round 1): the resumed run measures rounds 1 and 2 and paces from round 3."""
-    per_step, finals = _reference(FIXED, 1 + MEASURED_ROUNDS)
+    """Saved one step before the end of the last measured round (K - 1, K = MEASURED_ROUNDS): the resumed run
+    finishes that round at tau, measures K whole rounds anew (not the one step it had left of it), and paces
+    from round 2K."""
+    measured_from = MEASURED_ROUNDS - 1
+    per_step, finals = _reference(FIXED, 2 * MEASURED_ROUNDS)
     for replica, got in enumerate(results):
         run = got["before"]
-        assert run["saved"] == {"at": TAU + 2, "fixed": None}
+        assert run["saved"] == {"at": measured_from * TAU + TAU - 1, "fixed": None}
         assert run["loaded"]["pace"] == Pace((TAU, TAU))
-        assert run["fixed"] == {"taus": FIXED, "from_round": 1 + MEASURED_ROUNDS}
+        assert run["fixed"] == {"taus": FIXED, "from_round": 2 * MEASURED_ROUNDS}
         resumed_from = run["loaded"]["at"]
         for k, (actual, expected) in enumerate(zip(run["steps"], per_step[replica][resumed_from:])):
             _assert_close(actual, expected, f"resumed before: replica {replica} after its step {resumed_from + k + 1}")
@@ -256,7 +262,7 @@ def test_a_checkpoint_saved_before_the_taus_are_fixed_measures_anew(results):
 
 
 def test_a_checkpoint_saved_after_the_taus_are_fixed_resumes_bit_for_bit(results):
-    """Saved mid-round 2 (replica 0 at step 10, replica 1 at step 9: the same share of the round): the τ_r
+    """Saved mid-round K (replica 0 at step K·4 + 2, replica 1 at K·4 + 1: the same share of the round): the τ_r
     come back from the checkpoint, and every later step is the straight run's, bit for bit."""
     for replica, got in enumerate(results):
         run, straight = got["after"], got["straight"]

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from co2_zero.core.pace_meter import MEASURED_ROUNDS
 from tests import models
 from tests.dist_utils import environment, run_ranks
 from tests.integrations.test_deepspeed import ReferenceInner, _assert_close, _params, ds_config
@@ -96,7 +97,7 @@ def test_hf_trainer_refuses_it_when_built():
 
 # ---- replica_tau "auto": measured in the first rounds, then fixed (tests/core/test_pace_auto.py) --------------
 
-AUTO_ROUNDS, MEASURED = 4, 2  # the first 2 rounds at tau; replica 1's clock makes it half as fast: [4, 2]
+AUTO_ROUNDS = 4  # the first MEASURED_ROUNDS at tau; replica 1's clock makes it half as fast: [4, 2]
 
 
 def _auto_config() -> dict:
@@ -141,7 +142,7 @@ def test_auto_measures_then_matches_the_reference_at_every_step(tmp_path):
     finals = simulate_paced(lambda: models.make_model("mlp"), lambda p: ReferenceInner(p, config), models.batch,
                             models.loss_fn, config["co2"], PACED, AUTO_ROUNDS, EXTRA, shards=SHARDS,
                             shard_batch=lambda r, s, k: models.shard_batch(r, s, k, SHARDS),
-                            step_record=per_step, uniform_rounds=MEASURED)  # fmt: skip
+                            step_record=per_step, uniform_rounds=MEASURED_ROUNDS)  # fmt: skip
     for rank, got in enumerate(results):
         replica = rank // SHARDS
         assert got["steps_per_round"] == PACED[replica]

@@ -123,8 +123,8 @@ def steps_on(pace: Pace, replica: int, world: int = 2) -> JobSteps:
 
 
 def test_job_steps_count_on_the_fastest_replicas_clock():
-    """Replica 1 of τ = (4, 2) is 2 job steps per optimizer step; after `auto` measured 2 rounds at τ = 4
-    and fixed (4, 3) from round 2, replica 1's steps 8..11 are rounds 0-1 at 4 and its 3-step rounds after."""
+    """Replica 1 of τ = (4, 2) is 2 job steps per optimizer step; where `auto` fixed (4, 3) from round 2 (a
+    run resumed in its measured round), replica 1's steps 8..11 are rounds 0-1 at 4 and its 3-step rounds after."""
     fixed = steps_on(Pace((4, 2)), replica=1)
     assert [fixed.after(own) for own in range(5)] == [0, 2, 4, 6, 8]
     assert fixed.clock(3) == 6.0 and fixed.own_at(8) == 4
