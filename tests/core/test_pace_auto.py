@@ -136,8 +136,8 @@ def _children(rank: int, world: int, directory: str) -> dict:
     out["straight"] = _straight(rank)
     out["int8"] = _straight(rank, {**AUTO, "comm_dtype": "int8"})
     out["topk"] = _straight(rank, {**AUTO, "topk": 0.25, "comm_dtype": "int4"})
-    last = MEASURED_ROUNDS - 1  # saved one step before the end of the last measured round
-    out["before"] = _saved_and_resumed(rank, os.path.join(directory, "before"), last, [TAU - 1, TAU - 1])
+    last = MEASURED_ROUNDS - 1  # saved at every step of the last measured round
+    out["before"] = [_saved_and_resumed(rank, os.path.join(directory, f"before{k}"), last, [k, k]) for k in range(TAU)]
     out["after"] = _saved_and_resumed(rank, os.path.join(directory, "after"), MEASURED_ROUNDS, [2, 1])
     return out
 
@@ -244,21 +244,23 @@ def test_a_real_slow_replica_gets_fewer_steps(results):
 
 
 def test_a_checkpoint_saved_before_the_taus_are_fixed_measures_anew(results):
-    """Saved one step before the end of the last measured round (K - 1, K = MEASURED_ROUNDS): the resumed run
-    finishes that round at tau, measures K whole rounds anew (not the one step it had left of it), and paces
-    from round 2K."""
+    """Saved at every step of the last measured round (K - 1, K = MEASURED_ROUNDS): the resumed run finishes
+    that round at tau, measures K whole rounds anew (not the steps it had left of it: one before the end
+    leaves none to time), and paces from round 2K; saved at the round's start, from round 2K - 1."""
     measured_from = MEASURED_ROUNDS - 1
-    per_step, finals = _reference(FIXED, 2 * MEASURED_ROUNDS)
-    for replica, got in enumerate(results):
-        run = got["before"]
-        assert run["saved"] == {"at": measured_from * TAU + TAU - 1, "fixed": None}
-        assert run["loaded"]["pace"] == Pace((TAU, TAU))
-        assert run["fixed"] == {"taus": FIXED, "from_round": 2 * MEASURED_ROUNDS}
-        resumed_from = run["loaded"]["at"]
-        for k, (actual, expected) in enumerate(zip(run["steps"], per_step[replica][resumed_from:])):
-            _assert_close(actual, expected, f"resumed before: replica {replica} after its step {resumed_from + k + 1}")
-        assert len(run["steps"]) == len(per_step[replica]) - resumed_from
-        _assert_close(run["final"], finals[replica], f"resumed before: replica {replica} final")
+    for into in range(TAU):
+        from_round = measured_from + MEASURED_ROUNDS + (1 if into else 0)
+        per_step, finals = _reference(FIXED, from_round)
+        for replica, got in enumerate(results):
+            run, where = got["before"][into], f"resumed before, saved {into} steps into the round: replica {replica}"
+            assert run["saved"] == {"at": measured_from * TAU + into, "fixed": None}, where
+            assert run["loaded"]["pace"] == Pace((TAU, TAU)), where
+            assert run["fixed"] == {"taus": FIXED, "from_round": from_round}, where
+            resumed_from = run["loaded"]["at"]
+            for k, (actual, expected) in enumerate(zip(run["steps"], per_step[replica][resumed_from:])):
+                _assert_close(actual, expected, f"{where} after its step {resumed_from + k + 1}")
+            assert len(run["steps"]) == len(per_step[replica]) - resumed_from, where
+            _assert_close(run["final"], finals[replica], f"{where} final")
 
 
 def test_a_checkpoint_saved_after_the_taus_are_fixed_resumes_bit_for_bit(results):
