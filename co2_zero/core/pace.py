@@ -10,6 +10,7 @@ count reads as rounds (what it combines with is the support table's, `co2_zero.c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -98,8 +99,28 @@ class Pace:
 
 
 def taus_for_speeds(speeds: Sequence[float], tau: int) -> list[int]:
-    """`replica_tau` for replicas of these relative speeds (steps per second, or 1 / step time): the fastest
-    runs `tau`, each other round(tau x its speed / the fastest's), at least 1."""
+    """`replica_tau` for replicas of these relative speeds (steps per second, or 1 / step time): the most
+    steps per second the job can train with the fastest replica at `tau`. A round lasts T, at least the
+    fastest's tau steps and less than its tau + 1; each replica runs the whole steps it completes in T, at
+    least 1. T is the fastest's tau steps or a time at which another replica fits one step more, whichever
+    trains the most steps per second of the slowest replica's round: none is rounded up past the others'
+    round end, and one a hair slower than the fastest still runs tau when that is worth the others' wait."""
     if not speeds or any(not s > 0 for s in speeds):
         raise ValueError(f"co2: speeds={list(speeds)!r}; expected a positive number per replica")
-    return [max(1, round(tau * s / max(speeds))) for s in speeds]
+    shortest = tau / max(speeds)
+    lengths = sorted({shortest} | {(_fits(shortest, s) + 1) / s for s in speeds})
+    choices = [_steps_in(t, speeds) for t in lengths if _fits(t, max(speeds)) == tau]
+
+    def steps_per_s(taus: list[int]) -> float:
+        return sum(taus) / max(t / s for t, s in zip(taus, speeds))
+
+    return max(choices, key=steps_per_s)  # the first of equals: the shortest round
+
+
+def _fits(seconds: float, speed: float) -> int:
+    """The whole steps a replica of `speed` completes in `seconds` (an exact product counts: 1e-9 of slack)."""
+    return math.floor(seconds * speed * (1 + 1e-9))
+
+
+def _steps_in(seconds: float, speeds: Sequence[float]) -> list[int]:
+    return [max(1, _fits(seconds, s)) for s in speeds]

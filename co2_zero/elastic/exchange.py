@@ -175,7 +175,7 @@ class ElasticExchange(OuterExchange):
             raise refused
         contributing = [(r, line[0]) for r, line in zip(peers.replicas, table) if line[0] > 0]
         self.weights = tuple(w for _, w in contributing)
-        chosen = steps_for(self.config.tau, self._step_us, [line[2] for line in table]) if peers.contributes else None
+        chosen = steps_for(self.config.tau, [line[2] for line in table], peers.rank) if peers.contributes else None
         self._chosen = chosen if self.measures_speed and chosen is not None else self._chosen
         return tuple(r for r, _ in contributing)
 

@@ -3,11 +3,11 @@
 Each round's average weighs every contributor of that round's quorum by the inner steps it trained,
 g = Σ τ_r·D_r / Σ τ_r, as design §3 does for a fixed grid; here the weights travel with the quorum's rows
 (`agreement.row`), so they follow whoever is in the quorum. With `replica_tau: "auto"` each replica also
-posts its step time and sets its next rounds' steps from the quorum's fastest: τ_r = round(τ · t_fastest /
-t_r), at least 1, re-measured every round, so a replica that slows down mid-run ends its rounds with the
-others instead of falling behind the Lighthouse's join timeout. A replica of several ranks is one speed: its
-slowest rank's time, and the fewest steps any of its ranks chose (`ElasticExchange._take_round_steps`). Pure
-arithmetic; the exchange calls it.
+posts its step time and sets its next rounds' steps from the quorum's times (`taus_for_speeds`: the fastest
+runs τ, each other the steps it completes in about that time), re-measured every round, so a replica that
+slows down mid-run ends its rounds with the others instead of falling behind the Lighthouse's join timeout.
+A replica of several ranks is one speed: its slowest rank's time, and the fewest steps any of its ranks
+chose (`ElasticExchange._take_round_steps`). Pure arithmetic; the exchange calls it.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ def displacement_scale(mine: int, weights: Sequence[int]) -> float:
     return len(weights) * mine / sum(weights)
 
 
-def steps_for(tau: int, mine_us: int, step_us: Sequence[int]) -> Optional[int]:
-    """This replica's inner steps for a round, from its step time and the quorum's (microseconds; 0: not
-    measured): `tau` x the fastest's step time / its own, rounded, at least 1. None while its own is not
-    measured."""
-    measured = [t for t in step_us if t > 0]
-    if mine_us <= 0 or not measured:
+def steps_for(tau: int, step_us: Sequence[int], mine: int) -> Optional[int]:
+    """Replica `mine`'s inner steps for a round, from the quorum's step times `step_us` (microseconds, one per
+    replica in quorum order; 0: not measured, left out): its `taus_for_speeds` among the measured. None while
+    its own is not measured."""
+    if step_us[mine] <= 0:
         return None
-    return taus_for_speeds([1.0 / mine_us, 1.0 / min(measured)], tau)[0]
+    measured = [t for t in step_us if t > 0]
+    return taus_for_speeds([1.0 / t for t in measured], tau)[measured.index(step_us[mine])]

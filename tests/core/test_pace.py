@@ -227,6 +227,14 @@ def test_steps_per_round_from_speeds():
 
     assert taus_for_speeds([1, 1, 0.5, 0.25], 32) == [32, 32, 16, 8]
     assert taus_for_speeds([2.0, 1.0, 0.01], 8) == [8, 4, 1]  # never below one step
+    # the steps it completes in the fastest's round: 15.6 is 15, as 16 would make the other three wait
+    assert taus_for_speeds([1, 1, 1, 0.487], 32) == [32, 32, 32, 15]
+    assert taus_for_speeds([1, 1, 0.5, 0.24], 32) == [32, 32, 16, 7]
+    # a hair slower than the fastest: a round 0.3% longer trains 3 more steps, worth the fastest's wait
+    assert taus_for_speeds([1, 0.999, 0.998, 0.997], 32) == [32] * 4
+    # one step more for the slow replica is worth the round 0.2% longer; never more than tau for the fastest
+    assert taus_for_speeds([1, 0.499], 4) == [4, 2]
+    assert taus_for_speeds([1, 1 - 1e-12], 1) == [1, 1]
     with pytest.raises(ValueError, match="speeds="):
         taus_for_speeds([1.0, 0.0], 8)
 
