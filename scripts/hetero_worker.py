@@ -5,14 +5,15 @@ co2_zero.train (model, data streams, AdamW, LR schedule, held-out loss), so the 
 training job's; the loop is this file's because it runs the rounds that give a budget of tokens and
 times each inner step apart from its round end, which `co2-train` (`--replica_tau`) does not.
 
-- `--pacing fixed`: τ on every replica. `--pacing replica_tau`: each rank first measures its own
-  speed (forward and backward for --calibrate_s on batches outside its data stream), the ranks
-  all-gather the speeds and every rank builds `replica_tau = taus_for_speeds(speeds, tau)`; the
-  rounds are then as many as give the tokens of --rounds rounds at one τ (rounded). Both with the
-  CO2 defaults but the sync delay, the round end (what `replica_tau` runs with), so pacing is the
-  only difference. `--pacing auto`: `replica_tau: "auto"` (the job times its first rounds at τ and
-  fixes the τ_r itself); once they are fixed, the rounds are as many as give the tokens of --rounds
-  rounds at one τ (rounded). `--pacing ddp`: DistributedDataParallel for --rounds × τ steps.
+- `--pacing fixed`: τ on every replica. `--pacing replica_tau`: each rank first measures its own speed
+  (forward and backward for --calibrate_s and at least 4 steps on batches outside its data stream, after
+  an untimed first step), the ranks all-gather the speeds and every rank builds `replica_tau =
+  taus_for_speeds(speeds, tau)`; the rounds are then as many as give the tokens of --rounds rounds at
+  one τ (rounded). Both with the CO2 defaults but the sync delay, the round end (what `replica_tau` runs
+  with), so pacing is the only difference. `--pacing auto`: `replica_tau: "auto"` (the job times its
+  first round at τ and fixes the τ_r itself); once they are fixed, the rounds are as many as give the
+  tokens of --rounds rounds at one τ (rounded). `--pacing ddp`: DistributedDataParallel for --rounds × τ
+  steps.
 - `--handshake DIR`: after start-up (imports, process group, model, data) the rank writes DIR/ready<rank>
   (its pid) and waits for DIR/go: the harness puts it in its node's CPU cap in between, so start-up
   runs uncapped and training starts capped on every rank.
@@ -58,7 +59,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, required=True, help="rounds at one τ (replica_tau: the same tokens)")
     p.add_argument("--result", required=True, help="rank 0's JSON result")
     p.add_argument("--handshake", default=None, help="directory of the ready/go handshake (default: none)")
-    p.add_argument("--calibrate_s", type=float, default=3.0, help="seconds of the speed measurement, at least")
+    p.add_argument("--calibrate_s", type=float, default=6.0, help="seconds of the speed measurement, at least")
     own, rest = p.parse_known_args(argv)
     args = train_get_args([*rest, "--method", "ddp" if own.pacing == "ddp" else "co2"])
     vars(args).update(vars(own))
@@ -79,13 +80,22 @@ def handshake(directory: Optional[str], rank: int) -> None:
         time.sleep(0.05)
 
 
+CALIBRATION_STEPS = 4  # timed steps, at least, whatever --calibrate_s is: the slowest node's too
+
+
 def calibrate(model: torch.nn.Module, batches: Batches, args: argparse.Namespace) -> float:
-    """This rank's tokens/s of forward and backward, on batches outside its data stream (seeded by rank)."""
+    """This rank's tokens/s of forward and backward, on batches outside its data stream (seeded by rank).
+    The first step is not timed: its one-off costs (the gradients' first allocation) are not the speed."""
     gen = torch.Generator().manual_seed(10_000 + args.seed + dist.get_rank())
-    steps, began = 0, time.perf_counter()
-    while steps < 2 or time.perf_counter() - began < args.calibrate_s:
+
+    def step() -> None:
         x, y = get_batch(batches.train, args.batch_size, args.block_size, gen)
         model(x, y).backward()
+
+    step()
+    steps, began = 0, time.perf_counter()
+    while steps < CALIBRATION_STEPS or time.perf_counter() - began < args.calibrate_s:
+        step()
         steps += 1
     elapsed = time.perf_counter() - began
     model.zero_grad(set_to_none=True)
