@@ -67,12 +67,13 @@ def throughput() -> str:
     rows = [["τ (fp32 / bf16 / int8 tuner)", *taus], ["comm/step (fp32)", *comm]]
     for title, label in THROUGHPUT_ROWS:
         rows.append([title, *(_ratio(c["summary"].get(label), label.endswith("@tuned")) for c in cells)])
-    cases = [_load(f"{HETEROGENEOUS_STUDY}/{case}.json") for case in ("half", "quarter")]
+    cases = [_load(f"{HETEROGENEOUS_STUDY}/{case}.json") for case in HETEROGENEOUS_CASES]
     rows.append([HETEROGENEOUS_ROW, *(_heterogeneous(c, cases) for c in cells)])
     return _table(["run", *(_cell_title(c) for c in cells)], rows)
 
 
-HETEROGENEOUS_STUDY = "heterogeneous"  # the README row's study (benchmarks/<it>/)
+HETEROGENEOUS_STUDY = "heterogeneous"  # the study of the README row and of docs/benchmarks.md (benchmarks/<it>/)
+HETEROGENEOUS_CASES = ("half", "quarter")
 HETEROGENEOUS_ROW = (
     "`co2`, `replica_tau`, τ = 32, speeds 1, 1, 1, ½ · 1, 1, ½, ¼ (÷ the replicas' own speeds, whole run; "
     "a uniform cluster's)"
@@ -165,12 +166,13 @@ def quality_overview() -> list[str]:
     return bench_quality.overview(json.loads(QUALITY.read_text()))
 
 
-def heterogeneous(folder: str = "heterogeneous") -> str:
-    """Replicas of different speeds (benchmarks/<folder>/, scripts/bench_hetero.py): a table per case."""
+def heterogeneous() -> str:
+    """Replicas of different speeds (benchmarks/<HETEROGENEOUS_STUDY>/, scripts/bench_hetero.py): a table per
+    case."""
     sys.path.insert(0, str(ROOT))
     from scripts import bench_hetero_report
 
-    cases = [BENCH / folder / f"{case}.json" for case in ("half", "quarter")]
+    cases = [BENCH / HETEROGENEOUS_STUDY / f"{case}.json" for case in HETEROGENEOUS_CASES]
     return "\n".join(bench_hetero_report.markdown(json.loads(p.read_text())) for p in cases if p.exists())
 
 
