@@ -75,10 +75,12 @@ class Pace:
         """w_r = τ_r / Στ, `replica`'s share of the tokens of a round (from `from_round` on)."""
         return self.taus[replica] / sum(self.taus)
 
-    def displacement_scale(self, replica: int) -> float:
+    def displacement_scale(self, replica: int, round_index: Optional[int] = None) -> float:
         """R·w_r: the factor that turns the exchange's plain mean over R into the weighted average
-        Σ w_r D_r (1.0, and no multiplication at all, when uniform)."""
-        return 1.0 if self.uniform else len(self.taus) * self.weight(replica)
+        Σ w_r D_r of round `round_index` (None: from `from_round` on); 1.0, and no multiplication at all,
+        when uniform or in a round before `from_round`, which every replica ran at tau."""
+        early = round_index is not None and round_index < self.from_round
+        return 1.0 if self.uniform or early else len(self.taus) * self.weight(replica)
 
     def agreed_step(self, replica: int, inner_steps: int) -> int:
         """The step every rank names a save by (and must agree on): its inner steps, on the fastest replica's

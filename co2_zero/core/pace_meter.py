@@ -1,15 +1,15 @@
 """`replica_tau: "auto"`: each replica's inner steps per round measured on the running job, then fixed
 (docs/design.md §3, "Replicas of different speeds").
 
-The first MEASURED_ROUNDS rounds of a run (of a run resumed before its τ_r were fixed: the first it takes
-whole, after the rest of the round it loaded) run every replica at tau, the plain mean. Meanwhile each rank
-times its inner steps: from the moment `inner_step_done` returns to the next call, so a round end and its
-waits for the exchange are not counted, nor is the first step of a run, which pays for start-up. At the last
-measured round end each rank posts its mean step time with its step announcement
-(`parameter_order.StepAnnouncements`), which the engine then collects at once, within timeout_s: every rank
-holds the same rows, takes each replica's time as the slowest of its S ranks, and fixes the same τ_r =
-`pace.taus_for_speeds` (the fastest replica tau). From the next round on they hold for the rest of the run and
-are saved in checkpoints (`Pace`, with the round they start from).
+Every replica runs at tau while it measures, the plain mean. Each rank times its inner steps: from the moment
+`inner_step_done` returns to the next call, so a round end and its waits for the exchange are not counted,
+nor is the first step of a run (or of a resumed one), which pays for start-up. At the deciding step, after
+MEASURED_STEPS timed steps or at the end of the round in progress if that comes first, each rank posts its
+mean step time with a step announcement (`parameter_order.StepAnnouncements`), which the engine then collects
+at once, within timeout_s: every rank holds the same rows, takes each replica's time as the slowest of its S
+ranks, and fixes the same τ_r = `pace.taus_for_speeds` (the fastest replica tau). They hold from the round
+in progress when every replica is still short of its τ_r there, else from the next one, for the rest of the
+run, and are saved in checkpoints (`Pace`, with the round they start from).
 
 Plain bookkeeping: the engine feeds the meter what it sees and hands it the collected rows; no collectives.
 """
@@ -21,25 +21,30 @@ from typing import Callable, Optional, Sequence
 
 from .pace import Pace, taus_for_speeds
 
-MEASURED_ROUNDS = 1  # rounds run at tau and timed before the τ_r are fixed
+MEASURED_STEPS = 4  # timed inner steps before the τ_r are fixed (fewer if the round in progress ends first)
 STEP_NS = 3  # the column of a step announcement that carries the mean step time, in nanoseconds
 
 clock: Callable[[], float] = time.perf_counter  # seconds; a test replaces it to make a replica slower
 
 
 class PaceMeter:
-    """Times this rank's inner steps until the τ_r are fixed, and fixes them from every rank's times. Rounds
-    are the engine's round indices (`RoundState.rounds` at a round end)."""
+    """Times this rank's inner steps until the τ_r are fixed, and fixes them from every rank's times. Steps
+    are the engine's inner steps (`RoundState.inner_steps`), all at `tau` while measured."""
 
-    def __init__(self, tau: int, shards: int, first_round: int = 0) -> None:
+    def __init__(self, tau: int, shards: int, first_step: int = 0) -> None:
         self.tau, self.shards = tau, shards
         self.fixed: Optional[Pace] = None
-        self.restart(first_round)
+        self.restart(first_step)
 
-    def restart(self, first_round: int) -> None:
-        """Measure anew from round `first_round` (a resumed run whose τ_r were not fixed yet)."""
+    def restart(self, first_step: int) -> None:
+        """Measure anew from inner step `first_step` (a resumed run whose τ_r were not fixed yet): decide after
+        MEASURED_STEPS timed steps, or at the end of the round in progress if that comes first and leaves a
+        step to time (the first is not timed), else at the end of the next."""
         self.fixed = None
-        self.deciding_round = first_round + MEASURED_ROUNDS - 1  # whose round end posts and fixes
+        round_end = (first_step // self.tau + 1) * self.tau
+        if round_end - first_step < 2:
+            round_end += self.tau
+        self.deciding_step = min(first_step + 1 + MEASURED_STEPS, round_end)
         self._total_s, self._steps = 0.0, 0
         self._began: Optional[float] = None
 
@@ -55,25 +60,28 @@ class PaceMeter:
             self._steps += 1
             self._began = None
 
-    def decides_at(self, round_index: int) -> bool:
-        """Whether the end of round `round_index` posts this rank's time and fixes the τ_r."""
-        return self.fixed is None and round_index == self.deciding_round
+    def decides_at(self, inner_steps: int) -> bool:
+        """Whether inner step `inner_steps` posts this rank's time and fixes the τ_r."""
+        return self.fixed is None and inner_steps == self.deciding_step
 
-    def to_post(self, round_index: int) -> int:
-        """What this rank announces at the end of round `round_index`: its mean step in ns (at least 1) at
-        the deciding round end, else 0."""
-        if not self.decides_at(round_index):
+    def to_post(self, inner_steps: int) -> int:
+        """What this rank announces at inner step `inner_steps`: its mean step in ns (at least 1) at the
+        deciding step, else 0."""
+        if not self.decides_at(inner_steps):
             return 0
         return max(1, round(1e9 * self._total_s / max(self._steps, 1)))
 
     def decide(self, rows: Sequence[Sequence[int]]) -> Pace:
-        """The τ_r from every rank's announcement `rows` (the same on every rank), from the next round on."""
+        """The τ_r from every rank's announcement `rows` (the same on every rank): from the round in progress
+        (or, at a round end, the one starting) when every replica is still short of its τ_r there, else from
+        the next round."""
         times = [row[STEP_NS] for row in rows]
         if min(times) < 1:
             raise ValueError(f"co2: replica_tau 'auto': a rank posted no step time ({times} ns)")
         per_replica = [max(times[r : r + self.shards]) for r in range(0, len(times), self.shards)]
         taus = taus_for_speeds([1.0 / t for t in per_replica], self.tau)
-        self.fixed = Pace(tuple(taus), from_round=self.deciding_round + 1)
+        current, into = divmod(self.deciding_step, self.tau)  # at a round end (into 0): the round starting
+        self.fixed = Pace(tuple(taus), from_round=current if into < min(taus) else current + 1)
         return self.fixed
 
     def fix(self, pace: Pace) -> None:

@@ -256,12 +256,12 @@ class RoundState:
         return pending
 
     def _load_pace(self, fixed: Optional[dict[str, Any]], config: CO2Config, replica: int) -> None:
-        """replica_tau "auto": the saved pace, or (not fixed when saved) run at tau and measure anew until the
-        end of the first round this run takes whole (a round loaded part-way is finished at tau first)."""
+        """replica_tau "auto": the saved pace, or (not fixed when saved) run at tau and measure anew from the
+        loaded step (`PaceMeter.restart`)."""
         if self.pace_meter is None:
             return
         if fixed is None:
-            self.pace_meter.restart(self.rounds + (1 if self.inner_steps % config.tau else 0))
+            self.pace_meter.restart(self.inner_steps)
             self.pace = Pace((config.tau,) * len(self.pace.taus))
         else:
             self.pace = saved_pace(fixed)
@@ -352,7 +352,7 @@ def saved_pace(fixed: dict[str, Any]) -> Pace:
 
 def _pace_of(state: RoundState, saved: dict[str, Any], config: CO2Config, source: str) -> Pace:
     """The pace `saved` ran: its fixed replica_tau "auto" (checked: R integers in [1, tau], the largest tau,
-    from a round it reached), tau while it measured, else this run's."""
+    from the round in progress or the next), tau while it measured, else this run's."""
     fixed = saved.get("fixed_replica_tau")
     if state.pace_meter is None:
         if fixed is not None:
@@ -372,12 +372,13 @@ def _pace_of(state: RoundState, saved: dict[str, Any], config: CO2Config, source
         and max(taus) == config.tau
         and isinstance(first, int)
         and not isinstance(first, bool)
-        and 1 <= first <= saved["rounds"]
+        and 0 <= first <= saved["rounds"] + 1  # fixed in the round in progress or at its start, or for the next
     )
     if not good:
         raise ValueError(
             f"co2 {source}: fixed_replica_tau={fixed!r}; expected null or {{'taus': a list of R={replicas} integers "
-            f"in [1, tau={config.tau}], the largest tau, 'from_round': a round in [1, rounds={saved['rounds']}]}}"
+            f"in [1, tau={config.tau}], the largest tau, 'from_round': a round in [0, {saved['rounds'] + 1}] (the "
+            f"saved rounds={saved['rounds']}, plus 1)}}"
         )
     return saved_pace(fixed)
 

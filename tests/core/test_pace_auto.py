@@ -25,7 +25,7 @@ import torch.distributed as dist
 from co2_zero import CO2Config, CO2Optimizer, checkpoint
 from co2_zero.core import pace_meter
 from co2_zero.core.pace import Pace
-from co2_zero.core.pace_meter import MEASURED_ROUNDS, PaceMeter
+from co2_zero.core.pace_meter import MEASURED_STEPS, PaceMeter
 from tests import models
 from tests.core.test_pace import _assert_close, _finalize, _params
 from tests.dist_utils import run_ranks
@@ -33,6 +33,7 @@ from tests.reference import simulate_paced
 
 TAU = 4
 AUTO = {"tau": TAU, "replica_tau": "auto"}  # the defaults otherwise
+MEASURED_ROUNDS = 1  # at tau = 4 round 0 ends before MEASURED_STEPS timed steps: decided at its end, from round 1
 SLOWER = [1, 2]  # replica r's clock runs SLOWER[r] ms per inner step: replica 1 at half speed
 FIXED = [4, 2]  # what that fixes
 ROUNDS, EXTRA = 5, [3, 1]  # rounds, then a partial round of each replica (dropped by finalize())
@@ -136,8 +137,7 @@ def _children(rank: int, world: int, directory: str) -> dict:
     out["straight"] = _straight(rank)
     out["int8"] = _straight(rank, {**AUTO, "comm_dtype": "int8"})
     out["topk"] = _straight(rank, {**AUTO, "topk": 0.25, "comm_dtype": "int4"})
-    last = MEASURED_ROUNDS - 1  # saved at every step of the last measured round
-    out["before"] = [_saved_and_resumed(rank, os.path.join(directory, f"before{k}"), last, [k, k]) for k in range(TAU)]
+    out["before"] = [_saved_and_resumed(rank, os.path.join(directory, f"before{k}"), 0, [k, k]) for k in range(TAU)]
     out["after"] = _saved_and_resumed(rank, os.path.join(directory, "after"), MEASURED_ROUNDS, [2, 1])
     return out
 
@@ -183,14 +183,31 @@ def test_a_pace_fixed_from_a_round_reads_steps_as_rounds():
 
 
 def test_the_meter_fixes_the_same_taus_from_the_same_rows():
-    """The slowest shard of each replica counts; the fastest replica runs tau; the pace starts after the
-    deciding round; a step announcement without a time is refused."""
-    meter = PaceMeter(8, shards=2, first_round=3)
-    assert [r for r in range(8) if meter.decides_at(r)] == [3 + MEASURED_ROUNDS - 1]
-    rows = [[0, 0, 0, ns] for ns in (1000, 1100, 4000, 2000)]
-    assert meter.decide(rows) == Pace((8, 2), from_round=3 + MEASURED_ROUNDS)
+    """The slowest shard of each replica counts; the fastest replica runs tau. Measured from step 24 (a round
+    start at tau 8) it decides at step 29, MEASURED_STEPS timed steps later: from the round in progress when
+    every replica is short of its τ_r there, else from the next; a step announcement without a time is
+    refused."""
+    assert MEASURED_STEPS == 4
+    meter = PaceMeter(8, shards=2, first_step=24)
+    assert [s for s in range(48) if meter.decides_at(s)] == [29]
+    rows = [[0, 0, 0, ns] for ns in (1000, 1100, 4000, 2000)]  # replicas at 1100 and 4000 ns: [8, 2]
+    assert meter.decide(rows) == Pace((8, 2), from_round=4)  # replica 1 passed its 2 steps: the next round
+    meter = PaceMeter(8, shards=2, first_step=24)
+    rows = [[0, 0, 0, ns] for ns in (1000, 1000, 1200, 1300)]  # [8, 6]: both short of their τ_r at step 5
+    assert meter.decide(rows) == Pace((8, 6), from_round=3)
     with pytest.raises(ValueError, match="posted no step time"):
         PaceMeter(8, shards=1).decide([[0, 0, 0, 5], [0, 0, 0, 0]])
+
+
+def test_the_meter_decides_at_the_end_of_a_short_round():
+    """A round that ends before MEASURED_STEPS timed steps: the meter decides at its end, and the pace starts
+    with the next round; resumed one step before a round end (no step left to time), at the end of the next
+    round."""
+    assert [s for s in range(20) if PaceMeter(4, shards=1).decides_at(s)] == [4]
+    assert [s for s in range(20) if PaceMeter(4, shards=1, first_step=2).decides_at(s)] == [4]
+    assert [s for s in range(20) if PaceMeter(4, shards=1, first_step=3).decides_at(s)] == [8]
+    meter = PaceMeter(4, shards=1, first_step=3)
+    assert meter.decide([[0, 0, 0, 1000], [0, 0, 0, 2000]]) == Pace((4, 2), from_round=2)
 
 
 def test_auto_is_accepted_and_names_the_field_when_misspelt():
@@ -244,16 +261,14 @@ def test_a_real_slow_replica_gets_fewer_steps(results):
 
 
 def test_a_checkpoint_saved_before_the_taus_are_fixed_measures_anew(results):
-    """Saved at every step of the last measured round (K - 1, K = MEASURED_ROUNDS): the resumed run finishes
-    that round at tau, measures K whole rounds anew (not the steps it had left of it: one before the end
-    leaves none to time), and paces from round 2K; saved at the round's start, from round 2K - 1."""
-    measured_from = MEASURED_ROUNDS - 1
-    for into in range(TAU):
-        from_round = measured_from + MEASURED_ROUNDS + (1 if into else 0)
+    """Saved at every step of round 0, before its end fixed the τ_r: the resumed run times the steps it has
+    left of that round but its first, and decides at its end; saved one step before the end, none would be
+    left to time, so it measures round 1 too and paces from round 2."""
+    for into, from_round in enumerate([1, 1, 1, 2]):
         per_step, finals = _reference(FIXED, from_round)
         for replica, got in enumerate(results):
             run, where = got["before"][into], f"resumed before, saved {into} steps into the round: replica {replica}"
-            assert run["saved"] == {"at": measured_from * TAU + into, "fixed": None}, where
+            assert run["saved"] == {"at": into, "fixed": None}, where
             assert run["loaded"]["pace"] == Pace((TAU, TAU)), where
             assert run["fixed"] == {"taus": FIXED, "from_round": from_round}, where
             resumed_from = run["loaded"]["at"]
