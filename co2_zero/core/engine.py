@@ -168,7 +168,7 @@ class RoundEngine(StateReads):
         step_in_round = self.pace.step_in_round(self.topology.replica_index, state.inner_steps)
         if 0 < step_in_round < self.round_steps:
             if state.pace_meter is not None and state.pace_meter.decides_at(state.inner_steps):
-                self._fix_pace_mid_round()
+                self._fix_pace(post=True)
             if state.delay_meter is not None and state.delay_meter.watching:  # a few steps of rounds 2 and 3 only
                 state.delay_meter.saw(step_in_round, finished(self._pending))
             if state.average_unapplied and state.schedule.applies_mid_round(state.inner_steps):
@@ -205,8 +205,9 @@ class RoundEngine(StateReads):
         sent = self._exchange_bytes_since_last_report()
         plan = self.state.plan_round()
         reset_inner = self._launch(plan)  # step 2
-        if self.state.delay_meter is not None:
-            self._follow_delay_meter()
+        delay_warning = self.state.follow_delay_meter(self.config.tau) if self.state.delay_meter is not None else None
+        if delay_warning is not None:  # sync_delay "auto" fixed the delay at tau
+            warnings.warn(delay_warning, stacklevel=4)
         if step_ns:
             self._fix_pace()
         schedule = self.state.schedule
@@ -240,33 +241,21 @@ class RoundEngine(StateReads):
         }
         self._round_done_at = time.perf_counter()
 
-    def _follow_delay_meter(self) -> None:
-        """sync_delay "auto", after a launch (`RoundState.follow_delay_meter`); warns if the delay is tau."""
-        warning = self.state.follow_delay_meter(self.config.tau)
-        if warning is not None:
-            warnings.warn(warning, stacklevel=5)
-
-    def _fix_pace_mid_round(self) -> None:
-        """replica_tau "auto" at a deciding step inside a round: post this rank's step time in an announcement
-        of its own (the last round end's collected first: one is in flight at a time), then `_fix_pace`; the
-        round in progress ends at this replica's τ_r if the pace starts with it."""
-        self._check_steps()
-        step_ns = self.state.pace_meter.to_post(self.state.inner_steps)
-        self.announcements.post(self.state.inner_steps, False, step_ns=step_ns)
-        self._announced_round = self.state.rounds
-        self._fix_pace()
-        self.round_steps = self.tau
-
-    def _fix_pace(self) -> None:
-        """replica_tau "auto", at the deciding step (at a round end: after its launch): collect the
-        announcement just posted (within timeout_s: every rank's step time) and run the τ_r fixed from it
-        from the round `PaceMeter.decide` names."""
+    def _fix_pace(self, post: bool = False) -> None:
+        """replica_tau "auto" at the deciding step (inside a round, `post`: this rank posts its own announcement):
+        every rank's step time, collected within timeout_s, fixes the τ_r from a round (`PaceMeter.decide`)."""
+        if post:
+            self._check_steps()  # the last round end's: one announcement is in flight at a time
+            step_ns = self.state.pace_meter.to_post(self.state.inner_steps)
+            self.announcements.post(self.state.inner_steps, False, step_ns=step_ns)
+            self._announced_round = self.state.rounds
         rows = self._check_steps()
         try:
             pace = self.state.pace_meter.decide(rows)
         except ValueError as error:  # a rank posted no time: it was not at the deciding step
             self._fail(CO2Error(f"co2: round {self.state.rounds}: {error}"))
         self.state.fix_pace(pace, self.config, self.topology.replica_index)
+        self.round_steps = self.tau  # inside a round: the round in progress ends at this τ_r if the pace has begun
         logger.info(fixed_message(pace, [row[STEP_NS] for row in rows]))
 
     def _launch(self, plan: RoundPlan) -> bool:
