@@ -11,9 +11,9 @@ times each inner step apart from its round end, which `co2-train` (`--replica_ta
   taus_for_speeds(speeds, tau)`; the rounds are then as many as give the tokens of --rounds rounds at
   one τ (rounded). Both with the CO2 defaults but the sync delay, the round end (what `replica_tau` runs
   with), so pacing is the only difference. `--pacing auto`: `replica_tau: "auto"` (the job times its
-  first steps at τ and fixes the τ_r itself); once they are fixed, the rounds are as many as give the
-  tokens of --rounds rounds at one τ (rounded). `--pacing ddp`: DistributedDataParallel for --rounds × τ
-  steps.
+  first steps at τ and fixes the τ_r itself, then corrects them from its first whole round at them); the
+  rounds are as many as give the tokens of --rounds rounds at one τ (rounded), re-read as the τ_r change.
+  `--pacing ddp`: DistributedDataParallel for --rounds × τ steps.
 - `--handshake DIR`: after start-up (imports, process group, model, data) the rank writes DIR/ready<rank>
   (its pid) and waits for DIR/go: the harness puts it in its node's CPU cap in between, so start-up
   runs uncapped and training starts capped on every rank.
@@ -202,15 +202,15 @@ def run_co2(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
             run.validate(steps_through(opt.engine.pace, r) * per_step)
     opt.finalize()
     pace = opt.engine.pace
-    extra = {"config": config.to_dict(), "measured_rounds": pace.from_round,
+    extra = {"config": config.to_dict(), "measured_rounds": pace.from_round, "paces": pace.segments,
              "round_tokens": [sum(pace.tau(q, k) for q in range(world)) * per_step for k in range(rounds)]}  # fmt: skip
     run.finish(pace.steps_at_round(dist.get_rank(), rounds), list(pace.taus), rounds, speeds, extra)
 
 
 def rounds_for(pace: Pace, budget: int) -> int:
     """The rounds whose steps, summed over the replicas, come nearest `budget` (the rounds before
-    `pace.from_round` at the job's τ, the others at each replica's τ_r)."""
-    first = pace.from_round * max(pace.taus) * len(pace.taus)
+    `pace.from_round` at the job's τ or the paces before it, the others at each replica's τ_r)."""
+    first = steps_through(pace, pace.from_round)
     return pace.from_round + max(round((budget - first) / sum(pace.taus)), 1)
 
 

@@ -159,7 +159,7 @@ class RoundEngine(StateReads):
             meter.step_ended()
         ended = self._count_inner_step()
         if meter is not None:
-            meter.step_began()
+            meter.step_began(self.state.rounds)
         return ended
 
     def _count_inner_step(self) -> bool:

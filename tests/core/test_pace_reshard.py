@@ -2,8 +2,9 @@
 different speeds"): the shards per replica change, each replica keeps its place.
 
 Saved mid-round by FSDP2 at S x R = 2 x 2 (replica 0 two steps into round 3, replica 1 one step in), with a
-given replica_tau and with "auto" after its τ_r were fixed (at tau = 4 at the end of round 0; at tau = 12 at
-step 5, inside round 0, and saved there: replica 0 at its step 10, replica 1 at 5); loaded with reshard=True
+given replica_tau and with "auto" after its τ_r were fixed (at tau = 4 at the end of round 0, corrected at the
+end of round 1; at tau = 12 at step 5, inside round 0, and saved there before the correction: replica 0 at its
+step 10, replica 1 at 5, the resumed run then times round 1 and corrects from round 2); loaded with reshard=True
 by a plain CO2Optimizer at S x R = 1 x 2: each replica resumes at its own last round start (its own step
 count, its data position), the τ_r come along, and every later inner step matches the independent reference
 (`simulate_paced`, a resharded load at that round start: fresh inner optimizers; the given one marked slow).
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from co2_zero import CO2Optimizer, checkpoint
 from co2_zero.core.pace import Pace
 from tests import models
-from tests.core.test_pace import _assert_close, _finalize, _params
+from tests.core.test_pace import _assert_close, _finalize, _params, round_taus
 from tests.core.test_pace_auto import _slow_clock
 from tests.dist_utils import run_ranks
 from tests.reference import simulate_paced
@@ -33,22 +34,27 @@ SHARDS, ROUNDS, EXTRA = 2, 5, [3, 1]
 
 @dataclass(frozen=True)
 class Case:
-    """A checkpoint to reshard: its config, the τ_r it runs and the rounds before them at tau, and where it is
-    saved (`into`: each replica's steps into round `saved_round`)."""
+    """A checkpoint to reshard: its config, the paces it saved and the resumed run ends with, (from_round,
+    τ_r) in order (every replica at tau before the first), and where it is saved (`into`: each replica's steps
+    into round `saved_round`)."""
 
     config: dict
-    fixed: list
-    uniform_rounds: int
+    saved: list
+    paces: list
     saved_round: int = 3
     into: tuple = (2, 1)
 
 
 CASES = {
-    "given": Case({"tau": 4, "replica_tau": [4, 2]}, [4, 2], 0),
-    # at tau = 4 round 0 ends before MEASURED_STEPS timed steps: "auto" decides at its end, from round 1
-    "auto": Case({"tau": 4, "replica_tau": "auto"}, [4, 2], 1),
-    # at tau = 12 it decides at step 5, inside round 0, from round 0; saved right after
-    "auto within round 0": Case({"tau": 12, "replica_tau": "auto"}, [12, 6], 0, saved_round=0, into=(10, 5)),
+    "given": Case({"tau": 4, "replica_tau": [4, 2]}, [(0, [4, 2])], [(0, [4, 2])]),
+    # at tau = 4 round 0 ends before MEASURED_STEPS timed steps: "auto" decides at its end, from round 1, and
+    # round 1 confirms them from round 2
+    "auto": Case({"tau": 4, "replica_tau": "auto"}, [(1, [4, 2]), (2, [4, 2])], [(1, [4, 2]), (2, [4, 2])]),
+    # at tau = 12 it decides at step 5, inside round 0, from round 0; saved right after, before the correction,
+    # which the resharded run, resumed at round 0's start, makes from round 1's times
+    "auto within round 0": Case(
+        {"tau": 12, "replica_tau": "auto"}, [(0, [12, 6])], [(0, [12, 6]), (2, [12, 6])], saved_round=0, into=(10, 5)
+    ),
 }
 
 
@@ -81,6 +87,7 @@ def _save_two_by_two(rank: int, world: int, directory: str, name: str) -> int:
 
 
 def _resume_one_by_two(rank: int, world: int, directory: str, name: str) -> dict:
+    _slow_clock(rank)  # what a correction still to come times
     config = CASES[name].config
     model = models.make_model("mlp")
     opt = CO2Optimizer(models.make_optimizer("sgd", model.parameters()), config, model=model)
@@ -94,8 +101,9 @@ def _resume_one_by_two(rank: int, world: int, directory: str, name: str) -> dict
     extra = EXTRA[rank] % opt.steps_per_round
     for _ in range(extra):
         _step(rank, model, opt, record)
+    fixed = opt.engine.state.fixed_replica_tau
     _finalize(opt, extra)
-    out = {"loaded": loaded, "steps": record, "final": _params(model)}
+    out = {"loaded": loaded, "steps": record, "final": _params(model), "fixed": fixed}
     return {**out, "other_r": _load_as_one_replica(directory, name)}
 
 
@@ -132,17 +140,21 @@ def results(request, tmp_path_factory):
 def test_each_replica_resumes_at_its_last_round_start_and_matches_the_reference(results):
     name, saved, resumed = results
     case = CASES[name]
-    extra = [e % tau for e, tau in zip(EXTRA, case.fixed)]
+    taus = case.paces[-1][1]
+    extra = [e % tau for e, tau in zip(EXTRA, taus)]
     per_step: list = []
+    each_round = round_taus([{"taus": t, "from_round": r} for r, t in case.paces], ROUNDS, case.config["tau"])
     finals = simulate_paced(lambda: models.make_model("mlp"), lambda p: models.make_optimizer("sgd", p),
-                            models.batch, models.loss_fn, {"tau": case.config["tau"]}, case.fixed, ROUNDS, extra,
-                            step_record=per_step, uniform_rounds=case.uniform_rounds,
+                            models.batch, models.loss_fn, {"tau": case.config["tau"]}, taus, ROUNDS, extra,
+                            step_record=per_step, round_taus=each_round,
                             fresh_inner_at_round=case.saved_round)  # fmt: skip
-    pace = Pace(tuple(case.fixed), from_round=case.uniform_rounds)
+    pace = Pace.of_segments(case.saved)
     for replica, run in enumerate(resumed):
-        round_start = pace.steps_at_round(replica, case.saved_round)
+        round_start = sum(each_round[t][replica] for t in range(case.saved_round))
         assert saved[replica * SHARDS] == round_start + case.into[replica]
         assert run["loaded"]["at"] == round_start and run["loaded"]["pace"] == pace
+        if case.config["replica_tau"] == "auto":
+            assert run["fixed"] == [{"taus": t, "from_round": r} for r, t in case.paces], run["fixed"]
         assert any(f"{case.into[replica]} step(s) after" in w for w in run["loaded"]["warned"]), run["loaded"]
         assert len(run["steps"]) == len(per_step[replica]) - round_start
         for k, (actual, expected) in enumerate(zip(run["steps"], per_step[replica][round_start:])):
