@@ -210,6 +210,8 @@ class RoundEngine(StateReads):
             warnings.warn(delay_warning, stacklevel=4)
         if step_ns:
             self._fix_pace()
+        elif meter is not None and meter.aligns_at(self.state.inner_steps):
+            self._check_steps()  # every replica starts the round the meter times together
         schedule = self.state.schedule
         self.state.average_unapplied = 0 < schedule.steps < schedule.tau  # applied d steps into the next round
         if plan.wait_at_once:

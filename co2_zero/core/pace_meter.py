@@ -7,7 +7,10 @@ comes first) the τ_r are fixed, from the round in progress when every replica i
 there, else from the next one. The second corrects them once: each rank times the first whole round it runs
 at that pace, with the exchange of the round before in flight (whose background work slows the slower
 replicas more; a few steps at the start also misjudge a speed by several percent), and at that round's end
-the τ_r are fixed again from the next round, for the rest of the run. A rank times its inner steps from the
+the τ_r are fixed again from the next round, for the rest of the run. The replicas start the timed round
+together: the end of the round before it collects its step announcement at once (after a decision inside
+round 0 a slow replica is ahead of the others by their wait for it, and would run the timed round while
+the exchange it then waits for has not even started). A rank times its inner steps from the
 moment `inner_step_done` returns to the next call, so round ends and the waits for the exchange are not
 counted, nor is the first step of a run (or of a resumed one), which pays for start-up.
 
@@ -67,6 +70,7 @@ class PaceMeter:
             rounds = pace.rounds_at(self.replica, first_step)
             started = resumed or pace.step_in_round(self.replica, first_step) > 0
             self.timed_round = max(pace.from_round, rounds + started)
+            self.aligning_step = pace.steps_at_round(self.replica, self.timed_round)
             self.deciding_step = pace.steps_at_round(self.replica, self.timed_round + 1)
         self._clear()
 
@@ -85,6 +89,11 @@ class PaceMeter:
             self._total_s += clock() - self._began
             self._steps += 1
             self._began = None
+
+    def aligns_at(self, inner_steps: int) -> bool:
+        """Whether inner step `inner_steps` ends the round before the timed one: its announcement is collected
+        at once, so that every replica starts the timed round together."""
+        return not self.settled and self.timed_round is not None and inner_steps == self.aligning_step
 
     def decides_at(self, inner_steps: int) -> bool:
         """Whether inner step `inner_steps` posts this rank's time and fixes the τ_r."""

@@ -272,7 +272,8 @@ def _timed(meter: PaceMeter, step_round: list[int], monkeypatch) -> None:
 
 def test_the_meter_corrects_the_taus_from_the_first_whole_round_at_their_pace(monkeypatch):
     """Once fixed (from round 4, decided inside round 3), each replica times only the first whole round at its
-    new τ_r, round 4, and posts its mean at that round's own end (replica 1 of [8, 2]: its step 34); the
+    new τ_r, round 4, which the replicas start together (round 3's end collects its announcement at once),
+    and posts its mean at that round's own end (replica 1 of [8, 2]: its step 34); the
     correction runs from the next round, after the first pace, and then nothing more is timed or decided. A
     resumed run times the first whole round after the step it loaded."""
     first = Pace((8, 2), from_round=4)
@@ -280,15 +281,16 @@ def test_the_meter_corrects_the_taus_from_the_first_whole_round_at_their_pace(mo
     meter.fix(first, 29)  # decided at step 29, inside round 3
     assert (meter.timed_round, meter.settled) == (4, False)
     assert [s for s in range(60) if meter.decides_at(s)] == [first.steps_at_round(1, 5)] == [34]
+    assert [s for s in range(60) if meter.aligns_at(s)] == [32]  # the end of round 3: round 4 starts together
     _timed(meter, [3, 3, 4, 4, 5], monkeypatch)  # only round 4's two steps count
     assert meter.to_post(34) == 1_000_000_000 and meter.to_post(33) == 0
     corrected = meter.decide([[0, 0, 0, 1000], [0, 0, 0, 2500]])
     assert corrected == Pace((8, 3), from_round=5, before=first) and meter.settled
     assert corrected.segments == [(4, (8, 2)), (5, (8, 3))]
-    assert not any(meter.decides_at(s) for s in range(80))
+    assert not any(meter.decides_at(s) or meter.aligns_at(s) for s in range(80))
     resumed = PaceMeter(8, shards=1, replica=1)
     resumed.fix(first, 32, resumed=True)  # at replica 1's end of round 3: its first step is not timed
-    assert resumed.timed_round == 5 and resumed.deciding_step == 36
+    assert resumed.timed_round == 5 and (resumed.aligning_step, resumed.deciding_step) == (34, 36)
     resumed.fix(corrected, 36, resumed=True)
     assert resumed.settled and resumed.timed_round is None
 

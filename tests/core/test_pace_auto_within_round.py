@@ -80,13 +80,18 @@ def _finish(replica: int, model, opt, record: list, slowing: bool = False) -> di
 
 
 def _straight(replica: int, slowing: bool = False) -> dict:
+    """A run to the end, with replica's steps in round 0, and whether a step announcement was left in flight
+    after each of the first 3 round ends (collected at once: the round end before the timed round)."""
     model, opt = _build()
     record: list = []
-    round_zero = None
-    while opt.engine.rounds < 1:
+    round_zero, in_flight = None, []
+    while opt.engine.rounds < 3:
         _step(replica, model, opt, record, slowing)
-        round_zero = opt.engine.inner_steps
-    return {"round_zero": round_zero, **_finish(replica, model, opt, record, slowing)}
+        if opt.round_ended:
+            round_zero = round_zero or opt.engine.inner_steps
+            in_flight.append(opt.engine.announcements.in_flight)
+    out = _finish(replica, model, opt, record, slowing)
+    return {"round_zero": round_zero, "in_flight": in_flight, **out}
 
 
 def _saved_and_resumed(replica: int, directory: str, steps: int) -> dict:
@@ -173,11 +178,14 @@ def test_a_replica_past_its_steps_at_the_decision_waits_for_round_one(results):
 
 def test_a_replica_that_slows_after_round_zero_is_corrected_from_round_two(results):
     """Replica 1 at 2 ms a step in round 0, 3 ms after: [12, 6] from round 0 (step 5), then round 1's times
-    correct them to [12, 4] from round 2; every step matches the reference with those rounds."""
+    correct them to [12, 4] from round 2; every step matches the reference with those rounds. Round 0's end
+    collects its announcement at once (the replicas start the timed round together), as round 1's end does
+    to decide; round 2's is left in flight, as any round end's."""
     fixed = _paces((0, [12, 6]), (2, [12, 4]))
     per_step, finals = _reference(fixed)
     for replica, got in enumerate(results):
         assert got["slowing"]["fixed"] == fixed, replica
+        assert got["slowing"]["in_flight"] == [False, False, True], replica  # round 1 timed, starting together
         _assert_from(got["slowing"], per_step, finals, replica, 0, f"slowing, replica {replica}")
 
 
