@@ -11,9 +11,9 @@ times each inner step apart from its round end, which `co2-train` (`--replica_ta
   taus_for_speeds(speeds, tau)`; the rounds are then as many as give the tokens of --rounds rounds at
   one τ (rounded). Both with the CO2 defaults but the sync delay, the round end (what `replica_tau` runs
   with), so pacing is the only difference. `--pacing auto`: `replica_tau: "auto"` (the job times its
-  first round at τ and fixes the τ_r itself); once they are fixed, the rounds are as many as give the
-  tokens of --rounds rounds at one τ (rounded). `--pacing ddp`: DistributedDataParallel for --rounds × τ
-  steps.
+  first steps at τ and fixes the τ_r itself, then corrects them from its first whole round at them); the
+  rounds are as many as give the tokens of --rounds rounds at one τ (rounded), re-read as the τ_r change.
+  `--pacing ddp`: DistributedDataParallel for --rounds × τ steps.
 - `--handshake DIR`: after start-up (imports, process group, model, data) the rank writes DIR/ready<rank>
   (its pid) and waits for DIR/go: the harness puts it in its node's CPU cap in between, so start-up
   runs uncapped and training starts capped on every rank.
@@ -138,7 +138,8 @@ class Run:
     def inner_step(self, opt: torch.optim.Optimizer, inner: torch.optim.Optimizer, clock_step: float,
                    round_end: bool) -> None:  # fmt: skip
         """One optimizer step at the schedule's `clock_step`; its time counts towards the rank's own speed
-        unless it ends a round (those are kept apart: what a round end costs beyond a step)."""
+        unless it ends a round (those are kept apart: what a round end costs beyond a step) or fixes the pace
+        inside a round (`replica_tau: "auto"`: every rank waits there for every other's step times)."""
         a, start = self.args, time.perf_counter()
         for group in inner.param_groups:
             group["lr"] = a.lr * self.schedule(int(clock_step))
@@ -147,8 +148,10 @@ class Run:
             (self.forward(x, y) / a.grad_accum).backward()
         if a.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
+        pace = opt.engine.pace
         opt.step()
-        (self.round_end_step_s if round_end else self.step_s).append(time.perf_counter() - start)
+        if round_end or opt.engine.pace is pace:
+            (self.round_end_step_s if round_end else self.step_s).append(time.perf_counter() - start)
 
     def finish(self, steps: int, taus: list[int], rounds: int, speeds: list[float], extra: dict) -> None:
         """Stop the clock (after a barrier), gather every rank's speed, rank 0 writes the result."""
@@ -188,8 +191,10 @@ def run_co2(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
     run.validate(0)
     r = 0
     while r < rounds:
-        for i in range(opt.steps_per_round):
-            run.inner_step(opt, inner, opt.clock_step, round_end=i == opt.steps_per_round - 1)
+        done = 0
+        while done < opt.steps_per_round:  # read every step: "auto" may fix a shorter round inside round 0
+            run.inner_step(opt, inner, opt.clock_step, round_end=done == opt.steps_per_round - 1)
+            done += 1
         r += 1
         run.round_ends.append(run.seconds())
         rounds = rounds_for(opt.engine.pace, budget)  # "auto": the τ_r are fixed from a round end on
@@ -197,15 +202,15 @@ def run_co2(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
             run.validate(steps_through(opt.engine.pace, r) * per_step)
     opt.finalize()
     pace = opt.engine.pace
-    extra = {"config": config.to_dict(), "measured_rounds": pace.from_round,
+    extra = {"config": config.to_dict(), "measured_rounds": pace.from_round, "paces": pace.segments,
              "round_tokens": [sum(pace.tau(q, k) for q in range(world)) * per_step for k in range(rounds)]}  # fmt: skip
     run.finish(pace.steps_at_round(dist.get_rank(), rounds), list(pace.taus), rounds, speeds, extra)
 
 
 def rounds_for(pace: Pace, budget: int) -> int:
     """The rounds whose steps, summed over the replicas, come nearest `budget` (the rounds before
-    `pace.from_round` at the job's τ, the others at each replica's τ_r)."""
-    first = pace.from_round * max(pace.taus) * len(pace.taus)
+    `pace.from_round` at the job's τ or the paces before it, the others at each replica's τ_r)."""
+    first = steps_through(pace, pace.from_round)
     return pace.from_round + max(round((budget - first) / sum(pace.taus)), 1)
 
 

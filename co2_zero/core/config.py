@@ -292,9 +292,11 @@ class CO2Config:
             "others do instead of making them wait; the exchange weighs each replica's displacement by its "
             'share of the tokens, τ_r / Στ (docs/design.md §3, "Replicas of different speeds"). `null` (the '
             "default): every replica runs `tau`. A list of R integers in [1, tau] whose largest is `tau`, or "
-            "`auto`: the first round runs every replica at `tau` and times its inner steps, then each "
+            "`auto`: every replica starts at `tau` and times its inner steps; after 4 timed steps each "
             "replica's τ_r is fixed at the whole steps it completes in the fastest's round of `tau` "
-            "(`taus_for_speeds`) for the rest of the run and saved in checkpoints; with an elastic membership "
+            "(`taus_for_speeds`), from the round in progress (from the next where a replica has passed its "
+            "τ_r), then corrected once from the times of the first whole round at them, for the rest of the "
+            "run, and saved in checkpoints; with an elastic membership "
             "`auto` measures every round instead, over each "
             'round\'s quorum (docs/elastic.md, "Replicas of different speeds"), and a list is refused. It needs '
             "`sync_delay` null or `auto` (both: the round end), a `comm_dtype` other than `bf16` and a stand-in "

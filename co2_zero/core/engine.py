@@ -159,7 +159,7 @@ class RoundEngine(StateReads):
             meter.step_ended()
         ended = self._count_inner_step()
         if meter is not None:
-            meter.step_began()
+            meter.step_began(self.state.rounds)
         return ended
 
     def _count_inner_step(self) -> bool:
@@ -167,6 +167,8 @@ class RoundEngine(StateReads):
         state.inner_steps += 1
         step_in_round = self.pace.step_in_round(self.topology.replica_index, state.inner_steps)
         if 0 < step_in_round < self.round_steps:
+            if state.pace_meter is not None and state.pace_meter.decides_at(state.inner_steps):
+                self._fix_pace(post=True)
             if state.delay_meter is not None and state.delay_meter.watching:  # a few steps of rounds 2 and 3 only
                 state.delay_meter.saw(step_in_round, finished(self._pending))
             if state.average_unapplied and state.schedule.applies_mid_round(state.inner_steps):
@@ -197,16 +199,19 @@ class RoundEngine(StateReads):
         self._check_steps()  # the last round end's (arrived with its pipeline)
         measured = self.state.delay_meter.to_post() if self.state.delay_meter is not None else 0
         meter = self.state.pace_meter
-        step_ns = meter.to_post(self.state.rounds) if meter is not None else 0
+        step_ns = meter.to_post(self.state.inner_steps) if meter is not None else 0
         self.announcements.post(self.state.inner_steps, False, exchange_steps=measured, step_ns=step_ns)
         self._announced_round = self.state.rounds
         sent = self._exchange_bytes_since_last_report()
         plan = self.state.plan_round()
         reset_inner = self._launch(plan)  # step 2
-        if self.state.delay_meter is not None:
-            self._follow_delay_meter()
+        delay_warning = self.state.follow_delay_meter(self.config.tau) if self.state.delay_meter is not None else None
+        if delay_warning is not None:  # sync_delay "auto" fixed the delay at tau
+            warnings.warn(delay_warning, stacklevel=4)
         if step_ns:
             self._fix_pace()
+        elif meter is not None and meter.aligns_at(self.state.inner_steps):
+            self._check_steps()  # every replica starts the round the meter times together
         schedule = self.state.schedule
         self.state.average_unapplied = 0 < schedule.steps < schedule.tau  # applied d steps into the next round
         if plan.wait_at_once:
@@ -238,22 +243,21 @@ class RoundEngine(StateReads):
         }
         self._round_done_at = time.perf_counter()
 
-    def _follow_delay_meter(self) -> None:
-        """sync_delay "auto", after a launch (`RoundState.follow_delay_meter`); warns if the delay is tau."""
-        warning = self.state.follow_delay_meter(self.config.tau)
-        if warning is not None:
-            warnings.warn(warning, stacklevel=5)
-
-    def _fix_pace(self) -> None:
-        """replica_tau "auto", at the deciding round end, after its launch: collect the announcement just
-        posted (within timeout_s: every rank's step time) and run the τ_r fixed from it from the next round
-        on (`PaceMeter`)."""
+    def _fix_pace(self, post: bool = False) -> None:
+        """replica_tau "auto" at the deciding step (inside a round, `post`: this rank posts its own announcement):
+        every rank's step time, collected within timeout_s, fixes the τ_r from a round (`PaceMeter.decide`)."""
+        if post:
+            self._check_steps()  # the last round end's: one announcement is in flight at a time
+            step_ns = self.state.pace_meter.to_post(self.state.inner_steps)
+            self.announcements.post(self.state.inner_steps, False, step_ns=step_ns)
+            self._announced_round = self.state.rounds
         rows = self._check_steps()
         try:
             pace = self.state.pace_meter.decide(rows)
-        except ValueError as error:  # a rank posted no time: it was not at the deciding round end
+        except ValueError as error:  # a rank posted no time: it was not at the deciding step
             self._fail(CO2Error(f"co2: round {self.state.rounds}: {error}"))
         self.state.fix_pace(pace, self.config, self.topology.replica_index)
+        self.round_steps = self.tau  # inside a round: the round in progress ends at this τ_r if the pace has begun
         logger.info(fixed_message(pace, [row[STEP_NS] for row in rows]))
 
     def _launch(self, plan: RoundPlan) -> bool:
@@ -261,7 +265,8 @@ class RoundEngine(StateReads):
         before the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's
         own D is non-finite under "skip_round" (its inner state must then be reset)."""
         self.exchange.set_staleness(self.state.schedule.steps / self.state.schedule.tau)
-        self.exchange.set_displacement_scale(self.pace.displacement_scale(self.topology.replica_index))
+        scale = self.pace.displacement_scale(self.topology.replica_index, self.state.rounds)
+        self.exchange.set_displacement_scale(scale)
         self.partition.subtract_from(self.state.round_start, out=plan.work)
         own = plan.work[: self.layout.length]
         reset_inner = self.config.nonfinite == "skip_round" and not bool(torch.isfinite(largest_abs(own)))

@@ -20,11 +20,13 @@ from .config import CO2Config
 @dataclass(frozen=True)
 class Pace:
     """Every replica's inner steps per round, `taus[r]` (all `tau` without `replica_tau`), from round
-    `from_round` on; the rounds before it ran every replica at max(taus), the job's tau (`replica_tau: "auto"`
-    while it measured, `co2_zero.core.pace_meter`)."""
+    `from_round` on. The rounds before it ran `before`, an earlier pace of the run (`replica_tau: "auto"`
+    corrects its first one, `co2_zero.core.pace_meter`), or, without one, every replica at max(taus), the
+    job's tau (`"auto"` while it measured)."""
 
     taus: tuple[int, ...]
     from_round: int = 0
+    before: Optional[Pace] = None
 
     @classmethod
     def of(cls, config: CO2Config, replicas: int) -> Pace:
@@ -41,31 +43,49 @@ class Pace:
             )
         return cls(tuple(config.replica_tau))
 
-    @property
-    def uniform(self) -> bool:
-        """Every replica runs the same τ: the exchange is the plain mean, the agreement compares steps."""
-        return len(set(self.taus)) == 1
+    @classmethod
+    def of_segments(cls, segments: Sequence[tuple[int, Sequence[int]]]) -> Pace:
+        """The pace of `segments`, (from_round, taus) in the order they start (`segments` reversed)."""
+        pace = None
+        for from_round, taus in segments:
+            pace = cls(tuple(taus), from_round, pace)
+        if pace is None:
+            raise ValueError("co2: a pace of no segments")
+        return pace
 
     @property
-    def _first_steps(self) -> int:
-        """The inner steps every replica took before `from_round` (at the job's tau)."""
-        return self.from_round * max(self.taus)
+    def segments(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(from_round, taus) of this pace and the ones before it, in the order they start."""
+        earlier = [] if self.before is None else self.before.segments
+        return [*earlier, (self.from_round, self.taus)]
+
+    @property
+    def uniform(self) -> bool:
+        """Every replica runs the same τ in every round: the exchange is the plain mean, the agreement compares
+        steps."""
+        return len(set(self.taus)) == 1 and (self.before is None or self.before.uniform)
+
+    def _tau_before(self, replica: int, round_index: int) -> int:
+        return max(self.taus) if self.before is None else self.before.tau(replica, round_index)
 
     def tau(self, replica: int, round_index: Optional[int] = None) -> int:
         """Inner steps per round of `replica` in round `round_index` (None: from `from_round` on)."""
-        early = round_index is not None and round_index < self.from_round
-        return max(self.taus) if early else self.taus[replica]
-
-    def rounds_at(self, replica: int, inner_steps: int) -> int:
-        """The round ends `replica` passed at `inner_steps`."""
-        if inner_steps <= self._first_steps:
-            return inner_steps // max(self.taus)
-        return self.from_round + (inner_steps - self._first_steps) // self.taus[replica]
+        if round_index is not None and round_index < self.from_round:
+            return self._tau_before(replica, round_index)
+        return self.taus[replica]
 
     def steps_at_round(self, replica: int, round_index: int) -> int:
         """The inner steps `replica` took before round `round_index` (0-based) starts."""
-        later = max(round_index - self.from_round, 0)
-        return min(round_index, self.from_round) * max(self.taus) + later * self.taus[replica]
+        first = min(round_index, self.from_round)
+        earlier = first * max(self.taus) if self.before is None else self.before.steps_at_round(replica, first)
+        return earlier + max(round_index - self.from_round, 0) * self.taus[replica]
+
+    def rounds_at(self, replica: int, inner_steps: int) -> int:
+        """The round ends `replica` passed at `inner_steps`."""
+        first = self.steps_at_round(replica, self.from_round)
+        if inner_steps > first:
+            return self.from_round + (inner_steps - first) // self.taus[replica]
+        return inner_steps // max(self.taus) if self.before is None else self.before.rounds_at(replica, inner_steps)
 
     def step_in_round(self, replica: int, inner_steps: int) -> int:
         """Inner steps `replica` took since its last round end (0: `inner_steps` ends a round)."""
@@ -75,27 +95,36 @@ class Pace:
         """w_r = τ_r / Στ, `replica`'s share of the tokens of a round (from `from_round` on)."""
         return self.taus[replica] / sum(self.taus)
 
-    def displacement_scale(self, replica: int) -> float:
+    def displacement_scale(self, replica: int, round_index: Optional[int] = None) -> float:
         """R·w_r: the factor that turns the exchange's plain mean over R into the weighted average
-        Σ w_r D_r (1.0, and no multiplication at all, when uniform)."""
-        return 1.0 if self.uniform else len(self.taus) * self.weight(replica)
+        Σ w_r D_r of round `round_index` (None: from `from_round` on); 1.0, and no multiplication at all,
+        in a round every replica ran at the same τ."""
+        if round_index is not None and round_index < self.from_round:
+            return 1.0 if self.before is None else self.before.displacement_scale(replica, round_index)
+        return 1.0 if len(set(self.taus)) == 1 else len(self.taus) * self.weight(replica)
 
     def agreed_step(self, replica: int, inner_steps: int) -> int:
         """The step every rank names a save by (and must agree on): its inner steps, on the fastest replica's
         clock with replica_tau (rounded down); at a round end, rounds x tau on every replica."""
-        first, tau = self._first_steps, max(self.taus)
-        if inner_steps <= first:
-            return inner_steps
-        return first + (inner_steps - first) * tau // self.taus[replica]
+        segment, into = self._segment_at(replica, inner_steps)
+        tau = max(self.taus)
+        return segment.from_round * tau + into * tau // segment.taus[replica] if segment else inner_steps
 
     def clock_step(self, replica: int, inner_steps: int) -> float:
-        """`inner_steps` of `replica` on the clock of the fastest replica: inner_steps · τ / τ_r (past the
-        rounds before `from_round`), so that a learning-rate schedule written in the fastest replica's steps
-        reads the same value on every replica at every round end."""
-        first, tau = self._first_steps, max(self.taus)
-        if inner_steps <= first:
-            return float(inner_steps)
-        return first + (inner_steps - first) * tau / self.taus[replica]
+        """`inner_steps` of `replica` on the clock of the fastest replica: its steps since the start of the pace
+        it runs times τ / τ_r, past that pace's first round times τ, so that a learning-rate schedule written
+        in the fastest replica's steps reads the same value on every replica at every round end."""
+        segment, into = self._segment_at(replica, inner_steps)
+        tau = max(self.taus)
+        return segment.from_round * tau + into * tau / segment.taus[replica] if segment else float(inner_steps)
+
+    def _segment_at(self, replica: int, inner_steps: int) -> tuple[Optional[Pace], int]:
+        """The pace (of this one and those before it) `replica` runs at `inner_steps`, and its steps since that
+        pace began; (None, inner_steps) in the rounds before any, every replica at tau."""
+        first = self.steps_at_round(replica, self.from_round)
+        if inner_steps > first:
+            return self, inner_steps - first
+        return (None, inner_steps) if self.before is None else self.before._segment_at(replica, inner_steps)
 
 
 def taus_for_speeds(speeds: Sequence[float], tau: int) -> list[int]:

@@ -1,17 +1,25 @@
 """`replica_tau: "auto"`: each replica's inner steps per round measured on the running job, then fixed
 (docs/design.md §3, "Replicas of different speeds").
 
-The first MEASURED_ROUNDS rounds of a run (of a run resumed before its τ_r were fixed: the first it takes
-whole, after the rest of the round it loaded) run every replica at tau, the plain mean. Meanwhile each rank
-times its inner steps: from the moment `inner_step_done` returns to the next call, so a round end and its
-waits for the exchange are not counted, nor is the first step of a run, which pays for start-up. At the last
-measured round end each rank posts its mean step time with its step announcement
-(`parameter_order.StepAnnouncements`), which the engine then collects at once, within timeout_s: every rank
-holds the same rows, takes each replica's time as the slowest of its S ranks, and fixes the same τ_r =
-`pace.taus_for_speeds` (the fastest replica tau). From the next round on they hold for the rest of the run and
-are saved in checkpoints (`Pace`, with the round they start from).
+Two decisions, each from every rank's mean inner step time. The first comes early: every replica runs at tau
+while it is measured, and after MEASURED_STEPS timed steps (or at the end of the round in progress if that
+comes first) the τ_r are fixed, from the round in progress when every replica is still short of its τ_r
+there, else from the next one. The second corrects them once: each rank times the first whole round it runs
+at that pace, with the exchange of the round before in flight (whose background work slows the slower
+replicas more; a few steps at the start also misjudge a speed by several percent), and at that round's end
+the τ_r are fixed again from the next round, for the rest of the run. The replicas start the timed round
+together: the end of the round before it collects its step announcement at once (after a decision inside
+round 0 a slow replica is ahead of the others by their wait for it, and would run the timed round while
+the exchange it then waits for has not even started). A rank times its inner steps from the
+moment `inner_step_done` returns to the next call, so round ends and the waits for the exchange are not
+counted, nor is the first step of a run (or of a resumed one), which pays for start-up.
 
-Plain bookkeeping: the engine feeds the meter what it sees and hands it the collected rows; no collectives.
+At a deciding step each rank posts its mean step time with a step announcement
+(`parameter_order.StepAnnouncements`), which the engine collects at once, within timeout_s: every rank holds
+the same rows, takes each replica's time as the slowest of its S ranks, and fixes the same τ_r =
+`pace.taus_for_speeds` (the fastest replica tau). The paces are saved in checkpoints (`Pace`, each with the
+round it starts from). Plain bookkeeping: the engine feeds the meter what it sees and hands it the collected
+rows; no collectives.
 """
 
 from __future__ import annotations
@@ -21,70 +29,106 @@ from typing import Callable, Optional, Sequence
 
 from .pace import Pace, taus_for_speeds
 
-MEASURED_ROUNDS = 1  # rounds run at tau and timed before the τ_r are fixed
+MEASURED_STEPS = 4  # timed inner steps before the first τ_r (fewer if the round in progress ends first)
+DECISIONS = 2  # the first τ_r, then their correction from a whole round timed at that pace
 STEP_NS = 3  # the column of a step announcement that carries the mean step time, in nanoseconds
 
 clock: Callable[[], float] = time.perf_counter  # seconds; a test replaces it to make a replica slower
 
 
 class PaceMeter:
-    """Times this rank's inner steps until the τ_r are fixed, and fixes them from every rank's times. Rounds
-    are the engine's round indices (`RoundState.rounds` at a round end)."""
+    """Times this rank's inner steps until the τ_r are settled and fixes them from every rank's times. Steps
+    are the engine's inner steps (`RoundState.inner_steps`) of replica `replica`."""
 
-    def __init__(self, tau: int, shards: int, first_round: int = 0) -> None:
-        self.tau, self.shards = tau, shards
+    def __init__(self, tau: int, shards: int, replica: int, first_step: int = 0) -> None:
+        self.tau, self.shards, self.replica = tau, shards, replica
         self.fixed: Optional[Pace] = None
-        self.restart(first_round)
+        self.restart(first_step)
 
-    def restart(self, first_round: int) -> None:
-        """Measure anew from round `first_round` (a resumed run whose τ_r were not fixed yet)."""
-        self.fixed = None
-        self.deciding_round = first_round + MEASURED_ROUNDS - 1  # whose round end posts and fixes
+    @property
+    def settled(self) -> bool:
+        """Both decisions made: the τ_r hold for the rest of the run and nothing is timed."""
+        return self.fixed is not None and len(self.fixed.segments) == DECISIONS
+
+    def restart(self, first_step: int) -> None:
+        """Measure anew from inner step `first_step` (a resumed run whose τ_r were not fixed yet): decide after
+        MEASURED_STEPS timed steps, or at the end of the round in progress if that comes first and leaves a
+        step to time (the first is not timed), else at the end of the next."""
+        self.fixed, self.timed_round = None, None
+        round_end = (first_step // self.tau + 1) * self.tau
+        if round_end - first_step < 2:
+            round_end += self.tau
+        self.deciding_step = min(first_step + 1 + MEASURED_STEPS, round_end)
+        self._clear()
+
+    def fix(self, pace: Pace, first_step: int, resumed: bool = False) -> None:
+        """Run `pace` from inner step `first_step`: settled with both decisions made (a checkpoint's), else time
+        the first whole round at this pace that starts at or after `first_step`; after `first_step` when
+        `resumed` (a loaded run does not time its first step)."""
+        self.fixed, self.timed_round = pace, None
+        if not self.settled:
+            rounds = pace.rounds_at(self.replica, first_step)
+            started = resumed or pace.step_in_round(self.replica, first_step) > 0
+            self.timed_round = max(pace.from_round, rounds + started)
+            self.aligning_step = pace.steps_at_round(self.replica, self.timed_round)
+            self.deciding_step = pace.steps_at_round(self.replica, self.timed_round + 1)
+        self._clear()
+
+    def _clear(self) -> None:
         self._total_s, self._steps = 0.0, 0
         self._began: Optional[float] = None
 
-    def step_began(self) -> None:
-        """Control went back to the training loop (after `inner_step_done`)."""
-        if self.fixed is None:
+    def step_began(self, round_index: int) -> None:
+        """Control went back to the training loop (after `inner_step_done`) for a step of round `round_index`."""
+        if not self.settled and self.timed_round in (None, round_index):
             self._began = clock()
 
     def step_ended(self) -> None:
         """An inner step was applied (`inner_step_done` was called): count it if its start was seen."""
-        if self.fixed is None and self._began is not None:
+        if self._began is not None:
             self._total_s += clock() - self._began
             self._steps += 1
             self._began = None
 
-    def decides_at(self, round_index: int) -> bool:
-        """Whether the end of round `round_index` posts this rank's time and fixes the τ_r."""
-        return self.fixed is None and round_index == self.deciding_round
+    def aligns_at(self, inner_steps: int) -> bool:
+        """Whether inner step `inner_steps` ends the round before the timed one: its announcement is collected
+        at once, so that every replica starts the timed round together."""
+        return not self.settled and self.timed_round is not None and inner_steps == self.aligning_step
 
-    def to_post(self, round_index: int) -> int:
-        """What this rank announces at the end of round `round_index`: its mean step in ns (at least 1) at
-        the deciding round end, else 0."""
-        if not self.decides_at(round_index):
+    def decides_at(self, inner_steps: int) -> bool:
+        """Whether inner step `inner_steps` posts this rank's time and fixes the τ_r."""
+        return not self.settled and inner_steps == self.deciding_step
+
+    def to_post(self, inner_steps: int) -> int:
+        """What this rank announces at inner step `inner_steps`: its mean step in ns (at least 1) at a deciding
+        step, else 0."""
+        if not self.decides_at(inner_steps):
             return 0
         return max(1, round(1e9 * self._total_s / max(self._steps, 1)))
 
     def decide(self, rows: Sequence[Sequence[int]]) -> Pace:
-        """The τ_r from every rank's announcement `rows` (the same on every rank), from the next round on."""
+        """The τ_r from every rank's announcement `rows` (the same on every rank). First decision: from the round
+        in progress (or, at a round end, the one starting) when every replica is still short of its τ_r there,
+        else from the next round. The correction, at the timed round's end: from the next round."""
         times = [row[STEP_NS] for row in rows]
         if min(times) < 1:
             raise ValueError(f"co2: replica_tau 'auto': a rank posted no step time ({times} ns)")
         per_replica = [max(times[r : r + self.shards]) for r in range(0, len(times), self.shards)]
-        taus = taus_for_speeds([1.0 / t for t in per_replica], self.tau)
-        self.fixed = Pace(tuple(taus), from_round=self.deciding_round + 1)
-        return self.fixed
-
-    def fix(self, pace: Pace) -> None:
-        """A checkpoint's fixed τ_r."""
-        self.fixed, self._began = pace, None
+        taus = tuple(taus_for_speeds([1.0 / t for t in per_replica], self.tau))
+        if self.fixed is None:
+            current, into = divmod(self.deciding_step, self.tau)  # at a round end (into 0): the round starting
+            pace = Pace(taus, from_round=current if into < min(taus) else current + 1)
+        else:
+            pace = Pace(taus, from_round=self.timed_round + 1, before=self.fixed)
+        self.fix(pace, self.deciding_step)
+        return pace
 
 
 def fixed_message(pace: Pace, step_ns: Sequence[int]) -> str:
     """What the job logs when the τ_r are fixed."""
     times = ", ".join(f"{ns / 1e6:.3g}" for ns in step_ns)
+    which = "fix" if pace.before is None else "correct them to"
     return (
-        f"co2: replica_tau 'auto': inner steps of {times} ms (per rank) fix replica_tau={list(pace.taus)} "
+        f"co2: replica_tau 'auto': inner steps of {times} ms (per rank) {which} replica_tau={list(pace.taus)} "
         f"from round {pace.from_round} on"
     )

@@ -29,7 +29,7 @@ from .topology import Topology
 # round end, a fixed number of steps into the next round, or measured on the job ("auto").
 SYNC_DELAYS = ("at once", "round end", "fixed", "measured")
 # Every replica's inner steps per round (docs/design.md §3, "Replicas of different speeds"): all tau, each its own
-# as given, measured on the job in its first rounds and then fixed (`replica_tau: "auto"`), or, with an elastic
+# as given, measured on the job in its first steps and then fixed (`replica_tau: "auto"`), or, with an elastic
 # membership, measured every round over its quorum (`co2_zero.elastic.speeds`).
 REPLICA_TAUS = ("uniform", "given", "measured", "every round")
 
@@ -51,7 +51,7 @@ class ResolvedPlan:
     comm_dtype: str  # the wire type of the exchange's values
     topk: float  # the fraction sent (1.0: dense)
     replica_tau: str  # one of REPLICA_TAUS
-    taus: tuple[int, ...]  # every replica's inner steps per round (`Pace`); "measured": the first rounds' (tau)
+    taus: tuple[int, ...]  # every replica's inner steps per round (`Pace`); "measured": tau until fixed
     float_buffers: int  # module buffers averaged at round ends
 
     @property

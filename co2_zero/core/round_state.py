@@ -18,7 +18,7 @@ import torch
 from .comm import Layout, OuterExchange, Residuals, RoundResult
 from .config import CO2Config
 from .pace import Pace
-from .pace_meter import PaceMeter
+from .pace_meter import DECISIONS, PaceMeter
 from .partition import Partition
 from .plan import ResolvedPlan
 from .schedule import ApplySchedule, DelayMeter, RoundPlan, late_average_warning
@@ -83,7 +83,7 @@ class RoundState:
             schedule=ApplySchedule(min(plan.steps_before_apply, tau), tau),
             delay_meter=DelayMeter(plan.config.tau) if plan.sync_delay == "measured" else None,
             pace=plan.pace,
-            pace_meter=PaceMeter(plan.config.tau, plan.shards) if plan.replica_tau == "measured" else None,
+            pace_meter=PaceMeter(plan.config.tau, plan.shards, replica) if plan.replica_tau == "measured" else None,
         )
 
     def swap_buffers(self) -> None:
@@ -158,16 +158,16 @@ class RoundState:
             "own_momentum": self.own_momentum,
             # sync_delay "auto": the delay once fixed (None while it is measured, and for any other sync_delay)
             "fixed_sync_delay": self.fixed_sync_delay,
-            # replica_tau "auto": the τ_r once fixed and the round they run from (None while measured, and for
-            # any other replica_tau)
+            # replica_tau "auto": the τ_r fixed so far, each with the round they run from (None while measured,
+            # and for any other replica_tau)
             "fixed_replica_tau": self.fixed_replica_tau,
         }
 
     @property
-    def fixed_replica_tau(self) -> Optional[dict[str, Any]]:
-        """replica_tau "auto": the pace once fixed, as plain data; else None."""
+    def fixed_replica_tau(self) -> Optional[list[dict[str, Any]]]:
+        """replica_tau "auto": the paces fixed so far, in the order they start, as plain data; else None."""
         fixed = None if self.pace_meter is None else self.pace_meter.fixed
-        return None if fixed is None else {"taus": list(fixed.taus), "from_round": fixed.from_round}
+        return None if fixed is None else [{"taus": list(t), "from_round": r} for r, t in fixed.segments]
 
     def fix_pace(self, pace: Pace, config: CO2Config, replica: int) -> None:
         """Run `pace` from its `from_round` on: the round end the schedule waits for moves with this replica's
@@ -255,17 +255,17 @@ class RoundState:
             pending = pending and saved["rounds"] > 0 and saved["inner_steps"] % tau < steps
         return pending
 
-    def _load_pace(self, fixed: Optional[dict[str, Any]], config: CO2Config, replica: int) -> None:
-        """replica_tau "auto": the saved pace, or (not fixed when saved) run at tau and measure anew until the
-        end of the first round this run takes whole (a round loaded part-way is finished at tau first)."""
+    def _load_pace(self, fixed: Optional[list[dict[str, Any]]], config: CO2Config, replica: int) -> None:
+        """replica_tau "auto": the saved pace (its correction still to come: timed from the loaded step), or (not
+        fixed when saved) run at tau and measure anew from the loaded step (`PaceMeter.restart`)."""
         if self.pace_meter is None:
             return
         if fixed is None:
-            self.pace_meter.restart(self.rounds + (1 if self.inner_steps % config.tau else 0))
+            self.pace_meter.restart(self.inner_steps)
             self.pace = Pace((config.tau,) * len(self.pace.taus))
         else:
             self.pace = saved_pace(fixed)
-            self.pace_meter.fix(self.pace)
+            self.pace_meter.fix(self.pace, self.inner_steps, resumed=True)
         tau = self.pace.tau(replica, self.rounds)
         self.schedule = ApplySchedule(min(config.steps_before_apply, tau), tau)
 
@@ -333,11 +333,8 @@ def check(
     behind = (0, 1) if source == "elastic heal" else (0,)
     pace = _pace_of(state, saved, config, source)
     if pace.rounds_at(replica, saved["inner_steps"]) - saved["rounds"] not in behind:
-        taus = (
-            f"tau={pace.tau(replica)}"
-            if pace.uniform
-            else f"replica_tau={list(pace.taus)} from round {pace.from_round}"
-        )
+        paces = ", then ".join(f"{list(taus)} from round {first}" for first, taus in pace.segments)
+        taus = f"tau={pace.tau(replica)}" if pace.uniform else f"replica_tau={paces}"
         raise ValueError(
             f"co2 {source}: rounds={saved['rounds']} does not fit inner_steps={saved['inner_steps']} "
             f"at {taus} (replica {replica})"
@@ -345,14 +342,15 @@ def check(
     _check_fixed_sync_delay(state, saved.get("fixed_sync_delay"), config, source)
 
 
-def saved_pace(fixed: dict[str, Any]) -> Pace:
+def saved_pace(fixed: list[dict[str, Any]]) -> Pace:
     """The pace a state's checked `fixed_replica_tau` holds."""
-    return Pace(tuple(fixed["taus"]), from_round=fixed["from_round"])
+    return Pace.of_segments([(segment["from_round"], segment["taus"]) for segment in fixed])
 
 
 def _pace_of(state: RoundState, saved: dict[str, Any], config: CO2Config, source: str) -> Pace:
-    """The pace `saved` ran: its fixed replica_tau "auto" (checked: R integers in [1, tau], the largest tau,
-    from a round it reached), tau while it measured, else this run's."""
+    """The pace `saved` ran: its fixed replica_tau "auto" (checked: 1 or 2 paces, each R integers in [1, tau]
+    whose largest is tau, from rounds in increasing order up to the round in progress or the next), tau
+    while it measured, else this run's."""
     fixed = saved.get("fixed_replica_tau")
     if state.pace_meter is None:
         if fixed is not None:
@@ -364,22 +362,33 @@ def _pace_of(state: RoundState, saved: dict[str, Any], config: CO2Config, source
     replicas = len(state.pace.taus)
     if fixed is None:
         return Pace((config.tau,) * replicas)
-    taus, first = (fixed.get("taus"), fixed.get("from_round")) if isinstance(fixed, dict) else (None, None)
-    good = (
-        isinstance(taus, list)
-        and len(taus) == replicas
-        and all(isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= config.tau for t in taus)
-        and max(taus) == config.tau
-        and isinstance(first, int)
-        and not isinstance(first, bool)
-        and 1 <= first <= saved["rounds"]
-    )
-    if not good:
+    good = isinstance(fixed, list) and 1 <= len(fixed) <= DECISIONS
+    rounds = [-1]
+    for segment in fixed if good else []:
+        taus, first = (segment.get("taus"), segment.get("from_round")) if isinstance(segment, dict) else (None, None)
+        good = good and _good_taus(taus, replicas, config.tau) and _is_int(first) and rounds[-1] < first
+        rounds.append(first if _is_int(first) else rounds[-1])
+    if not good or rounds[-1] > saved["rounds"] + 1:  # fixed in the round in progress or at its start, or for the next
         raise ValueError(
-            f"co2 {source}: fixed_replica_tau={fixed!r}; expected null or {{'taus': a list of R={replicas} integers "
-            f"in [1, tau={config.tau}], the largest tau, 'from_round': a round in [1, rounds={saved['rounds']}]}}"
+            f"co2 {source}: fixed_replica_tau={fixed!r}; expected null or a list of 1 to {DECISIONS} "
+            f"{{'taus': a list of R={replicas} integers in [1, tau={config.tau}], the largest tau, 'from_round': "
+            f"a round}}, the rounds increasing from 0 to at most {saved['rounds'] + 1} (the saved rounds="
+            f"{saved['rounds']}, plus 1)"
         )
     return saved_pace(fixed)
+
+
+def _good_taus(taus: Any, replicas: int, tau: int) -> bool:
+    return (
+        isinstance(taus, list)
+        and len(taus) == replicas
+        and all(_is_int(t) and 1 <= t <= tau for t in taus)
+        and max(taus) == tau
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_fixed_sync_delay(state: RoundState, fixed: Any, config: CO2Config, source: str) -> None:

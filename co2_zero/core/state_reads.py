@@ -22,7 +22,7 @@ class StateReads:
     @property
     def pace(self) -> Pace:
         """Every replica's inner steps per round (`RoundState.pace`; replica_tau "auto": fixed after its first
-        rounds)."""
+        inner steps)."""
         return self.state.pace
 
     @property

@@ -204,6 +204,13 @@ def _assert_close(actual: dict, expected: dict, what: str) -> None:
 # ---- the reference and the bookkeeping, in one process ---------------------------------------------------
 
 
+def round_taus(fixed: list[dict], rounds: int, tau: int) -> list[list[int]]:
+    """Each round's inner steps per replica under a checkpoint's `fixed_replica_tau` (every replica at tau
+    before its first pace): the reference's `round_taus`."""
+    replicas = len(fixed[0]["taus"])
+    return [next((p["taus"] for p in reversed(fixed) if p["from_round"] <= t), [tau] * replicas) for t in range(rounds)]
+
+
 def test_reference_with_equal_steps_is_the_uniform_reference():
     """simulate_paced with every replica at tau is `simulate`: the weights are 1/R, the rounds the same."""
     config = {"tau": TAU}

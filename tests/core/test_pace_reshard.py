@@ -2,17 +2,20 @@
 different speeds"): the shards per replica change, each replica keeps its place.
 
 Saved mid-round by FSDP2 at S x R = 2 x 2 (replica 0 two steps into round 3, replica 1 one step in), with a
-given replica_tau and with "auto" after its τ_r were fixed; loaded with reshard=True by a plain CO2Optimizer
-at S x R = 1 x 2: each replica resumes at its own last round start (its own step count, its data position),
-the τ_r come along, and every later inner step matches the independent reference (`simulate_paced`, a
-resharded load at that round start: fresh inner optimizers; the given one marked slow). A change of R is
-refused, naming replica_tau and R.
+given replica_tau and with "auto" after its τ_r were fixed (at tau = 4 at the end of round 0, corrected at the
+end of round 1; at tau = 12 at step 5, inside round 0, and saved there before the correction: replica 0 at its
+step 10, replica 1 at 5, the resumed run then times round 1 and corrects from round 2); loaded with reshard=True
+by a plain CO2Optimizer at S x R = 1 x 2: each replica resumes at its own last round start (its own step
+count, its data position), the τ_r come along, and every later inner step matches the independent reference
+(`simulate_paced`, a resharded load at that round start: fresh inner optimizers; the given one marked slow).
+A change of R is refused, naming replica_tau and R.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,18 +23,39 @@ import torch.distributed as dist
 
 from co2_zero import CO2Optimizer, checkpoint
 from co2_zero.core.pace import Pace
-from co2_zero.core.pace_meter import MEASURED_ROUNDS
 from tests import models
-from tests.core.test_pace import _assert_close, _finalize, _params
-from tests.core.test_pace_auto import FIXED, _slow_clock
+from tests.core.test_pace import _assert_close, _finalize, _params, round_taus
+from tests.core.test_pace_auto import _slow_clock
 from tests.dist_utils import run_ranks
 from tests.reference import simulate_paced
 
-TAU, SHARDS = 4, 2
-CONFIGS = {"given": {"tau": TAU, "replica_tau": FIXED}, "auto": {"tau": TAU, "replica_tau": "auto"}}
-UNIFORM_ROUNDS = {"given": 0, "auto": MEASURED_ROUNDS}  # replica_tau "auto" measures its first rounds at tau
-SAVED_ROUND, INTO_ROUND = 3, [2, 1]  # saved this many steps into round 3
-ROUNDS, EXTRA = 5, [3, 1]
+SHARDS, ROUNDS, EXTRA = 2, 5, [3, 1]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A checkpoint to reshard: its config, the paces it saved and the resumed run ends with, (from_round,
+    τ_r) in order (every replica at tau before the first), and where it is saved (`into`: each replica's steps
+    into round `saved_round`)."""
+
+    config: dict
+    saved: list
+    paces: list
+    saved_round: int = 3
+    into: tuple = (2, 1)
+
+
+CASES = {
+    "given": Case({"tau": 4, "replica_tau": [4, 2]}, [(0, [4, 2])], [(0, [4, 2])]),
+    # at tau = 4 round 0 ends before MEASURED_STEPS timed steps: "auto" decides at its end, from round 1, and
+    # round 1 confirms them from round 2
+    "auto": Case({"tau": 4, "replica_tau": "auto"}, [(1, [4, 2]), (2, [4, 2])], [(1, [4, 2]), (2, [4, 2])]),
+    # at tau = 12 it decides at step 5, inside round 0, from round 0; saved right after, before the correction,
+    # which the resharded run, resumed at round 0's start, makes from round 1's times
+    "auto within round 0": Case(
+        {"tau": 12, "replica_tau": "auto"}, [(0, [12, 6])], [(0, [12, 6]), (2, [12, 6])], saved_round=0, into=(10, 5)
+    ),
+}
 
 
 def _fsdp2(config: dict):
@@ -45,11 +69,11 @@ def _fsdp2(config: dict):
 def _save_two_by_two(rank: int, world: int, directory: str, name: str) -> int:
     replica, shard_index = divmod(rank, SHARDS)
     _slow_clock(replica)
-    config = CONFIGS[name]
-    model, opt = _fsdp2({**config, "shards_per_replica": SHARDS})
+    case = CASES[name]
+    model, opt = _fsdp2({**case.config, "shards_per_replica": SHARDS})
     while (
-        opt.engine.rounds < SAVED_ROUND
-        or opt.engine.pace.step_in_round(replica, opt.engine.inner_steps) < INTO_ROUND[replica]
+        opt.engine.rounds < case.saved_round
+        or opt.engine.pace.step_in_round(replica, opt.engine.inner_steps) < case.into[replica]
     ):
         x, y = models.shard_batch(replica, shard_index, opt.engine.inner_steps, SHARDS)
         opt.zero_grad()
@@ -63,7 +87,8 @@ def _save_two_by_two(rank: int, world: int, directory: str, name: str) -> int:
 
 
 def _resume_one_by_two(rank: int, world: int, directory: str, name: str) -> dict:
-    config = CONFIGS[name]
+    _slow_clock(rank)  # what a correction still to come times
+    config = CASES[name].config
     model = models.make_model("mlp")
     opt = CO2Optimizer(models.make_optimizer("sgd", model.parameters()), config, model=model)
     with warnings.catch_warnings(record=True) as caught:
@@ -76,8 +101,9 @@ def _resume_one_by_two(rank: int, world: int, directory: str, name: str) -> dict
     extra = EXTRA[rank] % opt.steps_per_round
     for _ in range(extra):
         _step(rank, model, opt, record)
+    fixed = opt.engine.state.fixed_replica_tau
     _finalize(opt, extra)
-    out = {"loaded": loaded, "steps": record, "final": _params(model)}
+    out = {"loaded": loaded, "steps": record, "final": _params(model), "fixed": fixed}
     return {**out, "other_r": _load_as_one_replica(directory, name)}
 
 
@@ -92,9 +118,9 @@ def _step(replica: int, model, opt, record: list) -> None:
 def _load_as_one_replica(directory: str, name: str) -> str:
     """The checkpoint (R = 2) loaded at S x R = 2 x 1 (a given replica_tau of R = 2 cannot even be built
     there): refused."""
-    if name != "auto":
+    if name == "given":
         return "not tried"
-    model, opt = _fsdp2({**CONFIGS[name], "shards_per_replica": 2})
+    model, opt = _fsdp2({**CASES[name].config, "shards_per_replica": 2})
     try:
         checkpoint.load(os.path.join(directory, name), model, opt, reshard=True)
         return "not refused"
@@ -104,7 +130,7 @@ def _load_as_one_replica(directory: str, name: str) -> str:
         opt.engine.close()
 
 
-@pytest.fixture(scope="module", params=["auto", pytest.param("given", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["auto", "auto within round 0", pytest.param("given", marks=pytest.mark.slow)])
 def results(request, tmp_path_factory):
     directory, name = str(tmp_path_factory.mktemp("pace_reshard")), request.param
     saved = run_ranks(_save_two_by_two, 2 * SHARDS, directory, name, timeout=300)
@@ -113,17 +139,23 @@ def results(request, tmp_path_factory):
 
 def test_each_replica_resumes_at_its_last_round_start_and_matches_the_reference(results):
     name, saved, resumed = results
-    extra = [e % tau for e, tau in zip(EXTRA, FIXED)]
+    case = CASES[name]
+    taus = case.paces[-1][1]
+    extra = [e % tau for e, tau in zip(EXTRA, taus)]
     per_step: list = []
+    each_round = round_taus([{"taus": t, "from_round": r} for r, t in case.paces], ROUNDS, case.config["tau"])
     finals = simulate_paced(lambda: models.make_model("mlp"), lambda p: models.make_optimizer("sgd", p),
-                            models.batch, models.loss_fn, {"tau": TAU}, FIXED, ROUNDS, extra, step_record=per_step,
-                            uniform_rounds=UNIFORM_ROUNDS[name], fresh_inner_at_round=SAVED_ROUND)  # fmt: skip
-    pace = Pace(tuple(FIXED), from_round=UNIFORM_ROUNDS[name])
+                            models.batch, models.loss_fn, {"tau": case.config["tau"]}, taus, ROUNDS, extra,
+                            step_record=per_step, round_taus=each_round,
+                            fresh_inner_at_round=case.saved_round)  # fmt: skip
+    pace = Pace.of_segments(case.saved)
     for replica, run in enumerate(resumed):
-        round_start = pace.steps_at_round(replica, SAVED_ROUND)
-        assert saved[replica * SHARDS] == round_start + INTO_ROUND[replica]
+        round_start = sum(each_round[t][replica] for t in range(case.saved_round))
+        assert saved[replica * SHARDS] == round_start + case.into[replica]
         assert run["loaded"]["at"] == round_start and run["loaded"]["pace"] == pace
-        assert any(f"{INTO_ROUND[replica]} step(s) after" in w for w in run["loaded"]["warned"]), run["loaded"]
+        if case.config["replica_tau"] == "auto":
+            assert run["fixed"] == [{"taus": t, "from_round": r} for r, t in case.paces], run["fixed"]
+        assert any(f"{case.into[replica]} step(s) after" in w for w in run["loaded"]["warned"]), run["loaded"]
         assert len(run["steps"]) == len(per_step[replica]) - round_start
         for k, (actual, expected) in enumerate(zip(run["steps"], per_step[replica][round_start:])):
             _assert_close(actual, expected, f"{name} replica {replica} after its step {round_start + k + 1}")
@@ -132,8 +164,8 @@ def test_each_replica_resumes_at_its_last_round_start_and_matches_the_reference(
 
 
 def test_a_change_of_r_is_refused_naming_replica_tau_and_r(results):
-    if results[0] != "auto":
-        pytest.skip("tried with the auto checkpoint (a given replica_tau of R = 2 is not built at R = 1)")
+    if results[0] == "given":
+        pytest.skip("tried with the auto checkpoints (a given replica_tau of R = 2 is not built at R = 1)")
     for got in results[2]:
         message = got["other_r"]
         assert "resharding from R=2 to R=1 replicas is not supported with replica_tau='auto'" in message, message

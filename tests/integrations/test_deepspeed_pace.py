@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from co2_zero.core.pace_meter import MEASURED_ROUNDS
 from tests import models
 from tests.dist_utils import environment, run_ranks
 from tests.integrations.test_deepspeed import ReferenceInner, _assert_close, _params, ds_config
@@ -97,7 +96,8 @@ def test_hf_trainer_refuses_it_when_built():
 
 # ---- replica_tau "auto": measured in the first rounds, then fixed (tests/core/test_pace_auto.py) --------------
 
-AUTO_ROUNDS = 4  # the first MEASURED_ROUNDS at tau; replica 1's clock makes it half as fast: [4, 2]
+AUTO_ROUNDS = 4  # replica 1's clock makes it half as fast: [4, 2]
+MEASURED_ROUNDS = 1  # round 0 at tau: at tau = 4 its end comes before MEASURED_STEPS timed steps, and decides
 
 
 def _auto_config() -> dict:
