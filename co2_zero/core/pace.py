@@ -45,7 +45,7 @@ class Pace:
 
     @classmethod
     def of_segments(cls, segments: Sequence[tuple[int, Sequence[int]]]) -> Pace:
-        """The pace of `segments`, (from_round, taus) in the order they start (`segments` reversed)."""
+        """The pace of `segments`, (from_round, taus) in the order they start: each the `before` of the next."""
         pace = None
         for from_round, taus in segments:
             pace = cls(tuple(taus), from_round, pace)
