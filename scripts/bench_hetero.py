@@ -13,8 +13,10 @@ Per case and repetition, in a rotated order:
   replica_tau    CO2, τ_r = taus_for_speeds(speeds measured by the ranks at the run's start, τ), as many
                  rounds as give the same tokens (rounded); every CO2 run with the defaults but the sync
                  delay, the round end (what replica_tau runs with), so pacing is the only difference
-  auto           CO2, `replica_tau: "auto"`: the job times its first rounds at τ and fixes the τ_r itself
-                 (those rounds run at the slowest replica's pace), then as many rounds as give the tokens
+  auto           CO2, `replica_tau: "auto"`: the job fixes its τ_r at step 5 and corrects them once from its
+                 first whole round at them, then as many rounds as give the tokens
+  pinned         CO2, `replica_tau` given: the same case and repetition's `auto` run's final τ_r (what a
+                 user copies from its log to pin them), run after it
   torchft_diloco torchft 0.2.0's DiLoCo (scripts/torchft_peer.py), one τ, the case's caps, the same outer
                  lr and momentum as CO2's
 and once per repetition (its seed) DDP, unshaped and uncapped on the host, for --ddp_rounds rounds' tokens
@@ -54,10 +56,10 @@ from scripts import torchft_peer
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "scripts" / "hetero_worker.py")
 CASES = {"half": [1.0, 1.0, 1.0, 0.5], "quarter": [1.0, 1.0, 0.5, 0.25]}
-METHODS = ("uniform", "fixed_tau", "replica_tau", "auto", "torchft_diloco")
+METHODS = ("uniform", "fixed_tau", "replica_tau", "auto", "pinned", "torchft_diloco")
 LIGHTHOUSE_PORT, STORE_PORT = 29510, 29400
 RUN_TIMEOUT_S = 900
-PACING = {"uniform": "fixed", "fixed_tau": "fixed", "replica_tau": "replica_tau", "auto": "auto"}  # hetero_worker's
+PACING = {m: m for m in ("replica_tau", "auto", "pinned")} | {"uniform": "fixed", "fixed_tau": "fixed"}  # the worker's
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -159,10 +161,13 @@ def _check(codes: list[int], work: Path) -> None:
         raise ec.HarnessError(f"bench_hetero: exit codes {codes}; logs in {work}")
 
 
-def run_method(method: str, speeds: list[float], a: argparse.Namespace, seed: int, work: Path) -> dict:
-    """One run of `method` in a fresh cluster with its caps."""
+def run_method(
+    method: str, speeds: list[float], a: argparse.Namespace, seed: int, taus: Optional[list[int]], work: Path
+) -> dict:
+    """One run of `method` in a fresh cluster with its caps (`pinned`: at `taus`)."""
     node_caps = caps(method, speeds, a.core)
     flags = [*common_flags(a, seed), "--eval_every", str(a.eval_every)]
+    flags += ["--pinned_taus", ",".join(map(str, taus))] if method == "pinned" else []
     before = host_facts()
     began = time.time()
     weights = [a.weight * c / a.core for c in node_caps]
@@ -214,14 +219,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 runs.append(_logged(Path(tmp, f"ddp_{rep}_{rounds}"), "", rep, run_ddp, a, seed, rounds))
                 write(a, progress(meta, began, rep), runs)
             for case in a.cases:
-                order = a.methods[rep % len(a.methods) :] + a.methods[: rep % len(a.methods)]
-                for method in (m for m in order if (case, m, rep, None) not in done):
+                for method in (m for m in rotated(a.methods, rep) if (case, m, rep, None) not in done):
                     work = Path(tmp, f"{case}_{method}_{rep}")
-                    runs.append(_logged(work, case, rep, run_method, method, CASES[case], a, seed))
+                    taus = pinned_taus(runs, case, rep) if method == "pinned" else None
+                    runs.append(_logged(work, case, rep, run_method, method, CASES[case], a, seed, taus))
                     write(a, progress(meta, began, rep), runs)
     for case in a.cases:
         print(Path(a.out, f"{case}.md").read_text())
     return 0
+
+
+def rotated(methods: Sequence[str], rep: int) -> list[str]:
+    """Repetition `rep`'s order of `methods`: rotated by `rep`, `pinned` moved after `auto` (it runs its τ_r)."""
+    order = [*methods[rep % len(methods) :], *methods[: rep % len(methods)]]
+    if "pinned" in order and "auto" in order and order.index("pinned") < order.index("auto"):
+        order.remove("pinned")
+        order.insert(order.index("auto") + 1, "pinned")
+    return order
+
+
+def pinned_taus(runs: Sequence[dict], case: str, rep: int) -> list[int]:
+    """The final τ_r of `case`'s `auto` run in repetition `rep`; ValueError naming what is missing."""
+    for run in runs:
+        if (run.get("case"), run["method"], run["rep"]) == (case, "auto", rep):
+            return run["taus"]
+    raise ValueError(f"bench_hetero: method 'pinned' ({case}, repetition {rep}) needs that case and repetition's "
+                     f"'auto' run; accepted: --methods with auto, or --resume of a study that has it")  # fmt: skip
 
 
 def study_meta(a: argparse.Namespace, command: str, check: dict, saved: Optional[dict]) -> dict:

@@ -10,7 +10,8 @@ times each inner step apart from its round end, which `co2-train` (`--replica_ta
   an untimed first step), the ranks all-gather the speeds and every rank builds `replica_tau =
   taus_for_speeds(speeds, tau)`; the rounds are then as many as give the tokens of --rounds rounds at
   one τ (rounded). Both with the CO2 defaults but the sync delay, the round end (what `replica_tau` runs
-  with), so pacing is the only difference. `--pacing auto`: `replica_tau: "auto"` (the job times its
+  with), so pacing is the only difference. `--pacing pinned --pinned_taus N,N,...`: the given τ_r (an `auto`
+  run's, as logged), no calibration used. `--pacing auto`: `replica_tau: "auto"` (the job times its
   first steps at τ and fixes the τ_r itself, then corrects them from its first whole round at them); the
   rounds are as many as give the tokens of --rounds rounds at one τ (rounded), re-read as the τ_r change.
   `--pacing ddp`: DistributedDataParallel for --rounds × τ steps.
@@ -48,22 +49,35 @@ from co2_zero.train.engines import adamw_kwargs, lr_lambda
 from co2_zero.train.loop import evaluate, setup_dist
 from co2_zero.train.model import gpt_from_args
 
-PACINGS = ("fixed", "replica_tau", "auto", "ddp")
+PACINGS = ("fixed", "replica_tau", "auto", "pinned", "ddp")
 HANDSHAKE_TIMEOUT_S = 300.0
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """This worker's flags; every other flag is the training job's (model, data, optimizer, --tau, --seed)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False, allow_abbrev=False)
     p.add_argument("--pacing", required=True, choices=PACINGS)
     p.add_argument("--rounds", type=int, required=True, help="rounds at one τ (replica_tau: the same tokens)")
     p.add_argument("--result", required=True, help="rank 0's JSON result")
     p.add_argument("--handshake", default=None, help="directory of the ready/go handshake (default: none)")
     p.add_argument("--calibrate_s", type=float, default=6.0, help="seconds of the speed measurement, at least")
+    p.add_argument("--pinned_taus", type=_taus, default=None, help="--pacing pinned: the τ_r, e.g. 32,32,31,15")
     own, rest = p.parse_known_args(argv)
+    if (own.pacing == "pinned") != (own.pinned_taus is not None):
+        taus = f"--pinned_taus={own.pinned_taus} with --pacing {own.pacing}"
+        p.error(f"{taus}; accepted: --pinned_taus with --pacing pinned only")
     args = train_get_args([*rest, "--method", "ddp" if own.pacing == "ddp" else "co2"])
     vars(args).update(vars(own))
     return args
+
+
+def _taus(text: str) -> list[int]:
+    """--taus: one integer per replica, comma-separated."""
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        accepted = "integers separated by commas, e.g. 32,32,31,15"
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted: {accepted}") from None
 
 
 def handshake(directory: Optional[str], rank: int) -> None:
@@ -180,7 +194,8 @@ def run_co2(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
     world, config = dist.get_world_size(), co2_config(args)
     speeds = [s[0] for s in gather([calibrate(model, batches, args)])]
     budget = args.rounds * config.tau * world  # the tokens of --rounds rounds at one τ, in steps
-    replica_tau = {"fixed": None, "replica_tau": taus_for_speeds(speeds, config.tau), "auto": "auto"}[args.pacing]
+    replica_tau = {"fixed": None, "replica_tau": taus_for_speeds(speeds, config.tau), "auto": "auto",
+                   "pinned": args.pinned_taus}[args.pacing]  # fmt: skip
     config = dataclasses.replace(config, sync_delay=None, replica_tau=replica_tau)
     inner = torch.optim.AdamW(model.parameters(), **adamw_kwargs(args))
     opt = CO2Optimizer(inner, config, model=model)

@@ -105,3 +105,20 @@ def test_ddp_runs_of_fewer_tokens_are_targets_of_their_own():
                              "host": {"cores": 2}})  # fmt: skip
     assert "at 2 rounds' worth (400 tokens) 3.0000" in table and "DDP's loss at 2 rounds' worth in ×" in table
     assert all(line.count("|") == table.splitlines()[4].count("|") for line in table.splitlines()[4:8])
+
+
+def test_pinned_runs_after_auto_at_its_final_taus():
+    """`pinned` runs the same case and repetition's `auto` τ_r, so every rotation puts it after `auto`; without
+    that run it is refused, naming what is missing."""
+    from scripts import bench_hetero
+
+    methods = bench_hetero.METHODS
+    for rep in range(len(methods)):
+        order = bench_hetero.rotated(methods, rep)
+        assert sorted(order) == sorted(methods) and order.index("pinned") == order.index("auto") + 1, order
+    assert bench_hetero.rotated(["pinned", "uniform"], 0) == ["pinned", "uniform"]  # no auto: as given
+    runs = [{"case": "half", "method": "auto", "rep": 1, "taus": [32, 31, 32, 15]},
+            {"case": "quarter", "method": "auto", "rep": 1, "taus": [32, 32, 16, 7]}]  # fmt: skip
+    assert bench_hetero.pinned_taus(runs, "quarter", 1) == [32, 32, 16, 7]
+    with pytest.raises(ValueError, match="'pinned' \\(half, repetition 0\\) needs that case and repetition's 'auto'"):
+        bench_hetero.pinned_taus(runs, "half", 0)

@@ -31,3 +31,19 @@ def test_calibration_leaves_out_the_first_step_and_times_at_least_four(monkeypat
     # 0.02 s a step gives 400 tokens/s; the first step timed would give at most 8 · 5 / 0.58 = 69
     assert tokens_per_s > tokens_per_step / 0.06, tokens_per_s
     assert model.w.grad is None  # the measurement leaves no gradient behind
+
+
+def test_pinned_pacing_takes_its_taus_and_only_it(capsys):
+    """--pacing pinned runs the τ_r given by --pinned_taus (an auto run's); --pinned_taus with another pacing,
+    or pinned without them, is refused naming both (and the job's --tau is not read as an abbreviation)."""
+    import pytest
+
+    tiny = ["--rounds", "2", "--result", "r.json", "--tau", "4"]
+    assert hetero_worker.get_args([*tiny, "--pacing", "pinned", "--pinned_taus", "4,2"]).pinned_taus == [4, 2]
+    for flags in (["--pacing", "pinned"], ["--pacing", "auto", "--pinned_taus", "4,2"]):
+        with pytest.raises(SystemExit):
+            hetero_worker.get_args([*tiny, *flags])
+        assert "accepted: --pinned_taus with --pacing pinned only" in capsys.readouterr().err, flags
+    with pytest.raises(SystemExit):
+        hetero_worker.get_args([*tiny, "--pacing", "pinned", "--pinned_taus", "4,x"])
+    assert "'4,x': accepted: integers separated by commas" in capsys.readouterr().err
