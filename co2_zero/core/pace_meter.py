@@ -45,16 +45,11 @@ class PaceMeter:
         self.fixed: Optional[Pace] = None
         self.restart(first_step)
 
-    @property
-    def settled(self) -> bool:
-        """Both decisions made: the τ_r hold for the rest of the run and nothing is timed."""
-        return self.fixed is not None and len(self.fixed.segments) == DECISIONS
-
     def restart(self, first_step: int) -> None:
         """Measure anew from inner step `first_step` (a resumed run whose τ_r were not fixed yet): decide after
         MEASURED_STEPS timed steps, or at the end of the round in progress if that comes first and leaves a
         step to time (the first is not timed), else at the end of the next."""
-        self.fixed, self.timed_round = None, None
+        self.fixed, self.settled, self.timed_round, self.aligning_step = None, False, None, None
         round_end = (first_step // self.tau + 1) * self.tau
         if round_end - first_step < 2:
             round_end += self.tau
@@ -65,7 +60,8 @@ class PaceMeter:
         """Run `pace` from inner step `first_step`: settled with both decisions made (a checkpoint's), else time
         the first whole round at this pace that starts at or after `first_step`; after `first_step` when
         `resumed` (a loaded run does not time its first step)."""
-        self.fixed, self.timed_round = pace, None
+        self.fixed, self.settled = pace, len(pace.segments) == DECISIONS  # settled: nothing is timed or decided
+        self.timed_round = self.aligning_step = self.deciding_step = None
         if not self.settled:
             rounds = pace.rounds_at(self.replica, first_step)
             started = resumed or pace.step_in_round(self.replica, first_step) > 0
@@ -93,11 +89,11 @@ class PaceMeter:
     def aligns_at(self, inner_steps: int) -> bool:
         """Whether inner step `inner_steps` ends the round before the timed one: its announcement is collected
         at once, so that every replica starts the timed round together."""
-        return not self.settled and self.timed_round is not None and inner_steps == self.aligning_step
+        return inner_steps == self.aligning_step
 
     def decides_at(self, inner_steps: int) -> bool:
         """Whether inner step `inner_steps` posts this rank's time and fixes the τ_r."""
-        return not self.settled and inner_steps == self.deciding_step
+        return inner_steps == self.deciding_step
 
     def to_post(self, inner_steps: int) -> int:
         """What this rank announces at inner step `inner_steps`: its mean step in ns (at least 1) at a deciding
