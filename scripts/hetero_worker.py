@@ -72,7 +72,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def _taus(text: str) -> list[int]:
-    """--taus: one integer per replica, comma-separated."""
+    """--pinned_taus: one integer per replica, comma-separated."""
     try:
         return [int(t) for t in text.split(",")]
     except ValueError:
