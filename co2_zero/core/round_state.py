@@ -362,13 +362,7 @@ def _pace_of(state: RoundState, saved: dict[str, Any], config: CO2Config, source
     replicas = len(state.pace.taus)
     if fixed is None:
         return Pace((config.tau,) * replicas)
-    good = isinstance(fixed, list) and 1 <= len(fixed) <= DECISIONS
-    rounds = [-1]
-    for segment in fixed if good else []:
-        taus, first = (segment.get("taus"), segment.get("from_round")) if isinstance(segment, dict) else (None, None)
-        good = good and _good_taus(taus, replicas, config.tau) and _is_int(first) and rounds[-1] < first
-        rounds.append(first if _is_int(first) else rounds[-1])
-    if not good or rounds[-1] > saved["rounds"] + 1:  # fixed in the round in progress or at its start, or for the next
+    if not _good_paces(fixed, replicas, config.tau, saved["rounds"] + 1):
         raise ValueError(
             f"co2 {source}: fixed_replica_tau={fixed!r}; expected null or a list of 1 to {DECISIONS} "
             f"{{'taus': a list of R={replicas} integers in [1, tau={config.tau}], the largest tau, 'from_round': "
@@ -376,6 +370,17 @@ def _pace_of(state: RoundState, saved: dict[str, Any], config: CO2Config, source
             f"{saved['rounds']}, plus 1)"
         )
     return saved_pace(fixed)
+
+
+def _good_paces(fixed: Any, replicas: int, tau: int, last_round: int) -> bool:
+    """1 to DECISIONS paces of good τ_r whose rounds increase from 0 to at most `last_round` (a pace is fixed in
+    the round in progress or at its start, or for the next)."""
+    if not isinstance(fixed, list) or not 1 <= len(fixed) <= DECISIONS or not all(isinstance(p, dict) for p in fixed):
+        return False
+    rounds = [p.get("from_round") for p in fixed]
+    if not all(_is_int(r) for r in rounds) or rounds != sorted(set(rounds)):
+        return False
+    return 0 <= rounds[0] and rounds[-1] <= last_round and all(_good_taus(p.get("taus"), replicas, tau) for p in fixed)
 
 
 def _good_taus(taus: Any, replicas: int, tau: int) -> bool:
