@@ -138,7 +138,7 @@ def case_report(case: str, speeds: Sequence[float], meta: dict, runs: Sequence[d
                     "curves": [ddp[k]["curve"] for k in sorted(ddp)],
                     "command": next(iter(ddp.values()))["command"] if ddp else None},
             "ddp_shorter": _shorter(ddps, budgets[1:]),
-            "methods": methods, "goals": goals(methods, budgets[1:])}  # fmt: skip
+            "methods": methods, "goals": goals(methods, budgets[1:], bool(uniform), bool(uniform and ddp))}  # fmt: skip
 
 
 def _ddp_runs(runs: Sequence[dict], budgets: Sequence[int]) -> dict[int, list[dict]]:
@@ -171,10 +171,11 @@ def spread(values: Sequence[Optional[float]], fmt: str = ".3f", missing: str = "
     return text + (f" ({len(values) - len(have)} of {len(values)} {missing})" if len(have) < len(values) else "")
 
 
-def goals(methods: dict, shorter: Sequence[int] = ()) -> dict:
+def goals(methods: dict, shorter: Sequence[int] = (), uniform: bool = True, timed: bool = True) -> dict:
     """Per method, the issue's goals against the medians: met or not, with the median. The time is to the
     main DDP run's final loss, else to the final loss of the longest of the `shorter` DDP runs, else to
-    within 2 / 5 / 10% of the main one's: the first that every repetition reached."""
+    within 2 / 5 / 10% of the main one's: the first that every repetition reached. A study without a
+    `uniform` run judges neither the loss nor the time, one without DDP (not `timed`) not the time: None."""
     order = [KEYS[0], *(shorter_key(b) for b in sorted(shorter, reverse=True)), *KEYS[1:]]
     out = {}
     for name, m in methods.items():
@@ -184,11 +185,14 @@ def goals(methods: dict, shorter: Sequence[int] = ()) -> dict:
         time0 = med([t.get(target) for t in m["time_over_uniform"]])
         out[name] = {
             "own_speed": {"median": own, "met": own is not None and own >= GOALS["own_speed"]},
-            "loss_gap": {"median": loss and loss - 1, "met": loss is not None and loss - 1 <= GOALS["loss_gap"]},
+            "loss_gap": {
+                "median": loss and loss - 1,
+                "met": loss is not None and loss - 1 <= GOALS["loss_gap"] if uniform else None,
+            },
             "time_ratio_to_ddp_loss": {
                 "median": time0,
                 "target": target,
-                "met": time0 is not None and time0 <= GOALS["time_ratio"],
+                "met": time0 is not None and time0 <= GOALS["time_ratio"] if timed else None,
             },
         }
     return out
@@ -253,16 +257,26 @@ def _target_text(key: str) -> str:
 
 
 def goals_line(found: dict) -> str:
-    """The issue's goals, met or not, per method (medians)."""
+    """The issue's goals, met or not, per method (medians); "n/a" where the study has no run to judge one by
+    (no uniform run, no DDP)."""
     parts = []
     for name, g in found.items():
         own, loss, time = g["own_speed"], g["loss_gap"], g["time_ratio_to_ddp_loss"]
-        say = lambda goal, text: f"{text} ({'met' if goal['met'] else 'not met'})"  # noqa: E731
         target = _target_text(time["target"])
-        time_text = f"{target} in ×{time['median']:.2f} uniform's time" if time["median"] is not None else (
-            f"{target} not reached")  # fmt: skip
         parts.append(f"{name}: " + ", ".join([
-            say(own, f"tok/s {own['median']:.3f} of Σ own speeds" if own["median"] is not None else "own speeds n/a"),
-            say(loss, f"loss {loss['median']:+.2%} vs uniform"), say(time, time_text)]))  # fmt: skip
+            _goal_text(own, "tok/s {:.3f} of Σ own speeds", "own speeds n/a"),
+            _goal_text(loss, "loss {:+.2%} vs uniform", "loss vs uniform n/a"),
+            _goal_text(time, f"{target} in ×{{:.2f}} uniform's time", f"{target} not reached",
+                       "time to DDP's loss n/a"),
+        ]))  # fmt: skip
     goals = f"≥ {GOALS['own_speed']}, ≤ +{GOALS['loss_gap']:.0%}, ≤ ×{GOALS['time_ratio']}"
     return f"Goals ({goals}), medians: " + "; ".join(parts) + "."
+
+
+def _goal_text(goal: dict, figure: str, missing: str, unjudged: Optional[str] = None) -> str:
+    """`figure` filled with the goal's median, met or not; `missing` where a run has no median; `unjudged`
+    (default `missing`) where the study has nothing to judge the goal by."""
+    if goal["met"] is None:
+        return unjudged or missing
+    shown = missing if goal["median"] is None else figure.format(goal["median"])
+    return f"{shown} ({'met' if goal['met'] else 'not met'})"

@@ -107,6 +107,21 @@ def test_ddp_runs_of_fewer_tokens_are_targets_of_their_own():
     assert all(line.count("|") == table.splitlines()[4].count("|") for line in table.splitlines()[4:8])
 
 
+def test_a_study_of_one_method_judges_only_its_own_speeds():
+    """`--methods auto --no_ddp` (a longer run of one method): no uniform run and no DDP, so the loss and
+    time goals are not judged (None, "n/a" in the table), the own-speeds one is."""
+    runs = [_run("auto", 0, 800, 10.0, [50.0, 50.0], 2.1, [(0.0, 5.0), (10.0, 2.1)])]
+    doc = report.case_report("half", [1.0, 0.5], {"command": "x"}, runs)
+    goals = doc["goals"]["auto"]
+    assert goals["own_speed"] == {"median": pytest.approx(0.8), "met": False}
+    assert goals["loss_gap"]["met"] is None and goals["time_ratio_to_ddp_loss"]["met"] is None
+    line = report.goals_line(doc["goals"])
+    assert "tok/s 0.800 of Σ own speeds (not met), loss vs uniform n/a, time to DDP's loss n/a" in line
+    table = report.markdown({**doc, "rate": "100mbit", "tau": 4, "rounds": 2, "core_at_speed_1": 0.4, "reps": 1,
+                             "host": {"cores": 2}})  # fmt: skip
+    assert table.endswith(line + "\n")
+
+
 def test_pinned_runs_after_auto_at_its_final_taus():
     """`pinned` runs the same case and repetition's `auto` τ_r, so every rotation puts it after `auto`; without
     that run it is refused, naming what is missing."""
