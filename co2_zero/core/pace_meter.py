@@ -43,6 +43,7 @@ class PaceMeter:
     def __init__(self, tau: int, shards: int, replica: int, first_step: int = 0) -> None:
         self.tau, self.shards, self.replica = tau, shards, replica
         self.fixed: Optional[Pace] = None
+        self.step_ns: list[list[int]] = []  # every rank's time at each decision this process made (also logged)
         self.restart(first_step)
 
     def restart(self, first_step: int) -> None:
@@ -109,6 +110,7 @@ class PaceMeter:
         times = [row[STEP_NS] for row in rows]
         if min(times) < 1:
             raise ValueError(f"co2: replica_tau 'auto': a rank posted no step time ({times} ns)")
+        self.step_ns.append(times)
         per_replica = [max(times[r : r + self.shards]) for r in range(0, len(times), self.shards)]
         taus = tuple(taus_for_speeds([1.0 / t for t in per_replica], self.tau))
         if self.fixed is None:

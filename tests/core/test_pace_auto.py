@@ -246,6 +246,7 @@ def test_the_meter_fixes_the_same_taus_from_the_same_rows():
     meter = PaceMeter(8, shards=2, replica=1, first_step=24)
     rows = [[0, 0, 0, ns] for ns in (1000, 1000, 1200, 1300)]  # [8, 6]: both short of their τ_r at step 5
     assert meter.decide(rows) == Pace((8, 6), from_round=3)
+    assert meter.step_ns == [[1000, 1000, 1200, 1300]]  # what it decided from, per rank
     with pytest.raises(ValueError, match="posted no step time"):
         PaceMeter(8, shards=1, replica=0).decide([[0, 0, 0, 5], [0, 0, 0, 0]])
 
