@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from co2_zero.core.engine import RoundEngine
 from co2_zero.core.pace import Pace, taus_for_speeds
 from co2_zero.train.args import co2_config
 from co2_zero.train.args import get_args as train_get_args
@@ -149,11 +150,19 @@ class Run:
         dist.barrier()
         self.paused += time.perf_counter() - start
 
+    def train_round(self, opt: torch.optim.Optimizer, inner: torch.optim.Optimizer) -> None:
+        """Inner steps until CO2's engine ends the round. Its length is the engine's to say: `replica_tau:
+        "auto"` changes a replica's τ_r inside round 0 and at a round end (a count read up front, or re-read
+        after the round end that raised it, runs into the next round)."""
+        while not self.inner_step(opt, inner, opt.clock_step, opt.engine):
+            pass
+
     def inner_step(self, opt: torch.optim.Optimizer, inner: torch.optim.Optimizer, clock_step: float,
-                   round_end: bool) -> None:  # fmt: skip
-        """One optimizer step at the schedule's `clock_step`; its time counts towards the rank's own speed
-        unless it ends a round (those are kept apart: what a round end costs beyond a step) or fixes the pace
-        inside a round (`replica_tau: "auto"`: every rank waits there for every other's step times)."""
+                   engine: Optional[RoundEngine] = None) -> bool:  # fmt: skip
+        """One optimizer step at the schedule's `clock_step`; whether it ended a round of `engine` (CO2's; DDP's
+        steps have none). Its time counts towards the rank's own speed unless it ends a round (those are kept
+        apart: what a round end costs beyond a step) or fixes the pace inside a round (`replica_tau: "auto"`:
+        every rank waits there for every other's step times)."""
         a, start = self.args, time.perf_counter()
         for group in inner.param_groups:
             group["lr"] = a.lr * self.schedule(int(clock_step))
@@ -162,10 +171,12 @@ class Run:
             (self.forward(x, y) / a.grad_accum).backward()
         if a.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
-        pace = opt.engine.pace
+        rounds, pace = (engine.rounds, engine.pace) if engine is not None else (None, None)
         opt.step()
-        if round_end or opt.engine.pace is pace:
-            (self.round_end_step_s if round_end else self.step_s).append(time.perf_counter() - start)
+        ended = engine is not None and engine.rounds != rounds
+        if ended or engine is None or engine.pace is pace:
+            (self.round_end_step_s if ended else self.step_s).append(time.perf_counter() - start)
+        return ended
 
     def finish(self, steps: int, taus: list[int], rounds: int, speeds: list[float], extra: dict) -> None:
         """Stop the clock (after a barrier), gather every rank's speed, rank 0 writes the result."""
@@ -206,10 +217,7 @@ def run_co2(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
     run.validate(0)
     r = 0
     while r < rounds:
-        done = 0
-        while done < opt.steps_per_round:  # read every step: "auto" may fix a shorter round inside round 0
-            run.inner_step(opt, inner, opt.clock_step, round_end=done == opt.steps_per_round - 1)
-            done += 1
+        run.train_round(opt, inner)
         r += 1
         run.round_ends.append(run.seconds())
         rounds = rounds_for(opt.engine.pace, budget)  # "auto": the τ_r are fixed from a round end on
@@ -217,8 +225,10 @@ def run_co2(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
             run.validate(steps_through(opt.engine.pace, r) * per_step)
     opt.finalize()
     pace = opt.engine.pace
+    meter = opt.engine.state.pace_meter  # "auto": every rank's step time at each decision, against own speeds
     extra = {"config": config.to_dict(), "measured_rounds": pace.from_round, "paces": pace.segments,
-             "round_tokens": [sum(pace.tau(q, k) for q in range(world)) * per_step for k in range(rounds)]}  # fmt: skip
+             "round_tokens": [sum(pace.tau(q, k) for q in range(world)) * per_step for k in range(rounds)],
+             "decision_step_ms": [[ns / 1e6 for ns in row] for row in meter.step_ns] if meter else None}  # fmt: skip
     run.finish(pace.steps_at_round(dist.get_rank(), rounds), list(pace.taus), rounds, speeds, extra)
 
 
@@ -246,7 +256,7 @@ def run_ddp(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
     run.began, per_step = time.perf_counter(), world * args.batch_size * args.block_size * args.grad_accum
     run.validate(0)
     for s in range(steps):
-        run.inner_step(inner, inner, s, round_end=False)
+        run.inner_step(inner, inner, s)
         if args.eval_every and (s + 1) % (tau * args.eval_every) == 0 and s + 1 < steps:
             run.validate((s + 1) * per_step)
     run.finish(steps, [], args.rounds, [], {})
