@@ -65,14 +65,10 @@ class _Engine:
 
 
 class _CO2:
-    """The optimizer: its steps count on the engine; `steps_per_round` is the round in progress's."""
+    """The optimizer: its steps count on the engine."""
 
     def __init__(self, engine: _Engine) -> None:
         self.engine, self.clock_step = engine, 0.0
-
-    @property
-    def steps_per_round(self) -> int:
-        return self.engine.lengths[self.engine.rounds]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
