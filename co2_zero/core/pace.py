@@ -127,15 +127,23 @@ class Pace:
         return (None, inner_steps) if self.before is None else self.before._segment_at(replica, inner_steps)
 
 
-def taus_for_speeds(speeds: Sequence[float], tau: int) -> list[int]:
+def taus_for_speeds(speeds: Sequence[float], tau: int, error: float = 0.0) -> list[int]:
     """`replica_tau` for replicas of these relative speeds (steps per second, or 1 / step time): the most
     steps per second the job can train with the fastest replica at `tau`. A round lasts T, at least the
     fastest's tau steps and less than its tau + 1; each replica runs the whole steps it completes in T, at
     least 1. T is the fastest's tau steps or a time at which another replica fits one step more, whichever
     trains the most steps per second of the slowest replica's round: none is rounded up past the others'
-    round end, and one a hair slower than the fastest still runs tau when that is worth the others' wait."""
+    round end, and one a hair slower than the fastest still runs tau when that is worth the others' wait.
+
+    `error` > 0: each speed is known within ±error of it (a fraction). The τ_r then maximise the expected
+    steps per second, Σ τ_r / E[round], with each replica's speed uniform in s_r·(1 ± error), independently
+    (`_hedged`): a slow replica's step too many makes every replica wait for it every round, a step too few
+    costs only its own share, so a τ_r within the error of the round's end is cut, and the others may take
+    the time the round is then expected to last."""
     if not speeds or any(not s > 0 for s in speeds):
         raise ValueError(f"co2: speeds={list(speeds)!r}; expected a positive number per replica")
+    if not 0 <= error < 1:
+        raise ValueError(f"co2: error={error!r}; expected a fraction in [0, 1)")
     shortest = tau / max(speeds)
     lengths = sorted({shortest} | {(_fits(shortest, s) + 1) / s for s in speeds})
     choices = [_steps_in(t, speeds) for t in lengths if _fits(t, max(speeds)) == tau]
@@ -143,7 +151,41 @@ def taus_for_speeds(speeds: Sequence[float], tau: int) -> list[int]:
     def steps_per_s(taus: list[int]) -> float:
         return sum(taus) / max(t / s for t, s in zip(taus, speeds))
 
-    return max(choices, key=steps_per_s)  # the first of equals: the shortest round
+    exact = max(choices, key=steps_per_s)  # the first of equals: the shortest round
+    return _hedged(exact, speeds, tau, error) if error > 0 else exact
+
+
+def _hedged(taus: list[int], speeds: Sequence[float], tau: int, error: float) -> list[int]:
+    """From `taus`, one step of one replica (not the fastest, which runs tau) at a time, the τ_r of the most
+    expected steps per second under the speeds' `error`, each still within the fastest's tau + 1 steps at its
+    speed; deterministic, so every rank fixes the same."""
+    fastest = list(speeds).index(max(speeds))
+    longest = (tau + 1) / max(speeds)
+
+    def rate(candidate: list[int]) -> float:
+        return sum(candidate) / _expected_round(candidate, speeds, error)
+
+    while True:
+        moves = [taus[:r] + [taus[r] + d] + taus[r + 1 :] for r in range(len(taus)) for d in (-1, 1)
+                 if r != fastest and 1 <= taus[r] + d and (taus[r] + d) / speeds[r] < longest]  # fmt: skip
+        best = max(moves, key=rate, default=taus)
+        if rate(best) <= rate(taus) * (1 + 1e-12):
+            return taus
+        taus = best
+
+
+def _expected_round(taus: Sequence[int], speeds: Sequence[float], error: float, points: int = 256) -> float:
+    """E[max_r τ_r / (s_r·(1 + e_r))], each e_r uniform in [-error, error]: the round's expected length,
+    ∫ P(round > x) dx, whose distribution is the product of the replicas' (midpoint rule between the
+    shortest and longest the round can last)."""
+    low = max(t / (s * (1 + error)) for t, s in zip(taus, speeds))
+    high = max(t / (s * (1 - error)) for t, s in zip(taus, speeds))
+    width = (high - low) / points
+
+    def done_by(x: float) -> float:  # P(round <= x): every replica done by x
+        return math.prod(min(1.0, max(0.0, (1 + error - t / (s * x)) / (2 * error))) for t, s in zip(taus, speeds))
+
+    return low + width * sum(1 - done_by(low + (k + 0.5) * width) for k in range(points))
 
 
 def _fits(seconds: float, speed: float) -> int:
