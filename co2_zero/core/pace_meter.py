@@ -7,9 +7,8 @@ comes first) the τ_r are fixed, from the round in progress when every replica i
 there, else from the next one. The second corrects them once: each rank times the first whole round it runs
 at that pace, with the exchange of the round before in flight (whose background work slows the slower
 replicas more; a few steps at the start also misjudge a speed by several percent), and at that round's end
-the τ_r are fixed again from the next round, for the rest of the run, from each replica's two timings
-together (the geometric mean of its step times; alone, each misjudged a speed by up to 10% on a shared host)
-and hedged against what error is left, SPEED_ERROR (`taus_for_speeds`). The replicas start the timed round
+the τ_r are fixed again from the next round, for the rest of the run, hedged against the timed round's own
+error, SPEED_ERROR (`taus_for_speeds`). The replicas start the timed round
 together: the end of the round before it collects its step announcement at once (after a decision inside
 round 0 a slow replica is ahead of the others by their wait for it, and would run the timed round while
 the exchange it then waits for has not even started). A rank times its inner steps from the
@@ -26,7 +25,6 @@ rows; no collectives.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, Optional, Sequence
 
@@ -35,9 +33,9 @@ from .pace import Pace, taus_for_speeds
 MEASURED_STEPS = 4  # timed inner steps before the first τ_r (fewer if the round in progress ends first)
 DECISIONS = 2  # the first τ_r, then their correction from a whole round timed at that pace
 STEP_NS = 3  # the column of a step announcement that carries the mean step time, in nanoseconds
-# how far the correction's speeds may be from those a replica trains at over the run (measured on a shared
-# host: within ±5% in 22 of 24 replicas, at most 6%; docs/benchmarks.md, "Replicas of different speeds")
-SPEED_ERROR = 0.05
+# how far a timed round's speeds may be from those a replica trains at over the run (measured on a shared
+# host: within ±7% in 45 of 48 replicas, at most 10.8%; docs/benchmarks.md, "Replicas of different speeds")
+SPEED_ERROR = 0.07
 
 clock: Callable[[], float] = time.perf_counter  # seconds; a test replaces it to make a replica slower
 
@@ -57,7 +55,6 @@ class PaceMeter:
         MEASURED_STEPS timed steps, or at the end of the round in progress if that comes first and leaves a
         step to time (the first is not timed), else at the end of the next."""
         self.fixed, self.settled, self.timed_round, self.aligning_step = None, False, None, None
-        self.first_times: Optional[list[int]] = None  # each replica's step time (ns) at the first decision
         round_end = (first_step // self.tau + 1) * self.tau
         if round_end - first_step < 2:
             round_end += self.tau
@@ -67,11 +64,8 @@ class PaceMeter:
     def fix(self, pace: Pace, first_step: int, resumed: bool = False) -> None:
         """Run `pace` from inner step `first_step`: settled with both decisions made (a checkpoint's), else time
         the first whole round at this pace that starts at or after `first_step`; after `first_step` when
-        `resumed` (a loaded run does not time its first step, and corrects from its timed round alone: the
-        first decision's times are not saved)."""
+        `resumed` (a loaded run does not time its first step)."""
         self.fixed, self.settled = pace, len(pace.segments) == DECISIONS  # settled: nothing is timed or decided
-        if resumed:
-            self.first_times = None
         self.timed_round = self.aligning_step = self.deciding_step = None
         if not self.settled:
             rounds = pace.rounds_at(self.replica, first_step)
@@ -116,23 +110,20 @@ class PaceMeter:
     def decide(self, rows: Sequence[Sequence[int]]) -> Pace:
         """The τ_r from every rank's announcement `rows` (the same on every rank). First decision: from the round
         in progress (or, at a round end, the one starting) when every replica is still short of its τ_r there,
-        else from the next round. The correction, at the timed round's end: from the next round, from both
-        decisions' times of each replica (their geometric mean; the timed round's alone in a resumed run),
-        hedged against SPEED_ERROR."""
+        else from the next round. The correction, at the timed round's end: from the next round, hedged
+        against SPEED_ERROR."""
         times = [row[STEP_NS] for row in rows]
         if min(times) < 1:
             raise ValueError(f"co2: replica_tau 'auto': a rank posted no step time ({times} ns)")
         self.step_ns.append(times)
         per_replica = [max(times[r : r + self.shards]) for r in range(0, len(times), self.shards)]
+        speeds = [1.0 / t for t in per_replica]
         if self.fixed is None:
-            self.first_times = per_replica
-            taus = tuple(taus_for_speeds([1.0 / t for t in per_replica], self.tau))
+            taus = tuple(taus_for_speeds(speeds, self.tau))
             current, into = divmod(self.deciding_step, self.tau)  # at a round end (into 0): the round starting
             pace = Pace(taus, from_round=current if into < min(taus) else current + 1)
         else:
-            if self.first_times is not None:
-                per_replica = [math.sqrt(a * b) for a, b in zip(self.first_times, per_replica)]
-            taus = tuple(taus_for_speeds([1.0 / t for t in per_replica], self.tau, SPEED_ERROR))
+            taus = tuple(taus_for_speeds(speeds, self.tau, SPEED_ERROR))
             pace = Pace(taus, from_round=self.timed_round + 1, before=self.fixed)
         self.fix(pace, self.deciding_step)
         return pace

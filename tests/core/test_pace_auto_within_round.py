@@ -2,9 +2,8 @@
 tau = 12 the τ_r are fixed after MEASURED_STEPS timed steps, at inner step 5, not at the round's end, so the
 slow replica's round 0 already ends at its own τ_r, and a replica that has passed its τ_r by then waits for
 round 1 instead. Round 1, the first whole round at the τ_r, is timed again and corrects them from round 2:
-here a replica that slows from 2 to 4 ms a step after round 0 (as the exchange's background work slows a
-slow replica once it is in flight) goes from 6 to 4 steps (its two timings together, √(2 · 4) ms a step), or
-to 3 in a run resumed between the decisions (its timed round alone: the first timing is not saved).
+here a replica that slows from 2 to 3 ms a step after round 0 (as the exchange's background work slows a
+slow replica once it is in flight) goes from 6 to 4 steps.
 
 Real gloo processes (R = 2, plain CO2Optimizer, the defaults otherwise) against the independent reference
 (`reference.simulate_paced`, `uniform_rounds` the rounds before the pace) at every inner step of every
@@ -32,7 +31,7 @@ TAU = 12
 AUTO = {"tau": TAU, "replica_tau": "auto"}  # the defaults otherwise
 ROUNDS, EXTRA = 4, [3, 1]  # rounds, then a partial round of each replica (dropped by finalize())
 HALF, THIRD = [1, 2], [1, 3]  # ms per inner step of replicas 0 and 1
-SLOWING = [[1, 1], [2, 4]]  # replica r's ms per inner step in round 0, then from round 1 on
+SLOWING = [[1, 1], [2, 3]]  # replica r's ms per inner step in round 0, then from round 1 on
 # replicas 0 and 1's inner steps at a save, at the same share of a round: in round 0 before the first decision
 # at step 5, then after it (replica 1 at its step 5 when replica 0 is at 10, then both at their round end);
 # in round 1 (at [12, 6]) before the correction, at its end (just after it), and in round 2 (at [12, 4])
@@ -178,10 +177,10 @@ def test_a_replica_past_its_steps_at_the_decision_waits_for_round_one(results):
 
 
 def test_a_replica_that_slows_after_round_zero_is_corrected_from_round_two(results):
-    """Replica 1 at 2 ms a step in round 0, 4 ms after: [12, 6] from round 0 (step 5), then round 1's times
-    with round 0's (√(2 · 4) ms a step) correct them to [12, 4] from round 2; every step matches the
-    reference with those rounds. Round 0's end collects its announcement at once (the replicas start the
-    timed round together), as round 1's end does to decide; round 2's is left in flight, as any round end's."""
+    """Replica 1 at 2 ms a step in round 0, 3 ms after: [12, 6] from round 0 (step 5), then round 1's times
+    correct them to [12, 4] from round 2; every step matches the reference with those rounds. Round 0's end
+    collects its announcement at once (the replicas start the timed round together), as round 1's end does
+    to decide; round 2's is left in flight, as any round end's."""
     fixed = _paces((0, [12, 6]), (2, [12, 4]))
     per_step, finals = _reference(fixed)
     for replica, got in enumerate(results):
@@ -196,13 +195,12 @@ def test_a_checkpoint_of_the_first_rounds_resumes_as_the_reference_says(results)
     (6 steps) is no longer short of its τ_r: from round 1 (saved at step 0: at step 5, from round 0); round 1
     still corrects them from round 2. Saved after it, before the correction (replica 1 at its step 5, at its
     round-0 end, mid-round 1): the first pace comes back, and the resumed run times the first whole round after
-    its first step: round 1 from step 5, else round 2, correcting from round 3, from that round's 4 ms alone,
-    to [12, 3] (the first decision's times are not saved). Saved at round 1's end and in
+    its first step: round 1 from step 5, else round 2, correcting from round 3. Saved at round 1's end and in
     round 2, after the correction: both paces come back and every later step is the straight run's."""
     first, corrected = (0, [12, 6]), (2, [12, 4])
     saved = [None] * 5 + [_paces(first)] * 3 + [_paces(first, corrected)] * 2
     fixed = [_paces((0, [12, 6]), corrected)] + [_paces((1, [12, 6]), corrected)] * 4
-    fixed += [_paces(first, (2, [12, 3]))] + [_paces(first, (3, [12, 3]))] * 2 + [_paces(first, corrected)] * 2
+    fixed += [_paces(first, corrected)] + [_paces(first, (3, [12, 4]))] * 2 + [_paces(first, corrected)] * 2
     for k, at_step in enumerate(SAVED_AT):
         per_step, finals = _reference(fixed[k])
         for replica, got in enumerate(results):
