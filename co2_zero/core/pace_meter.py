@@ -33,8 +33,8 @@ from .pace import Pace, taus_for_speeds
 MEASURED_STEPS = 4  # timed inner steps before the first τ_r (fewer if the round in progress ends first)
 DECISIONS = 2  # the first τ_r, then their correction from a whole round timed at that pace
 STEP_NS = 3  # the column of a step announcement that carries the mean step time, in nanoseconds
-# how far a timed round's speeds may be from those a replica trains at over the run (measured on a shared
-# host: within ±7% in 45 of 48 replicas, at most 10.8%; docs/benchmarks.md, "Replicas of different speeds")
+# how far a timed round's speeds may be from those a replica trains at over the run (on a shared host: within
+# ±7% in 90 of 96 replicas of four studies, at most 10.8%; scripts/pace_replay.py, docs/benchmarks.md)
 SPEED_ERROR = 0.07
 
 clock: Callable[[], float] = time.perf_counter  # seconds; a test replaces it to make a replica slower
