@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from co2_zero.core.pace import taus_for_speeds
+from co2_zero.core.pace import steps_per_second, taus_for_speeds
 from co2_zero.core.pace_meter import SPEED_ERROR
 
 READINGS = ("first", "timed_round", "both")
@@ -50,7 +50,7 @@ def relative_errors(step_times: Sequence[float], own: Sequence[float]) -> list[f
 def share_of_own(taus: Sequence[int], own: Sequence[float]) -> float:
     """The replicas' steps per second at `taus` (a round lasts the slowest's τ_r / own speed) over the sum of
     their own speeds."""
-    return sum(taus) / max(t / s for t, s in zip(taus, own)) / sum(own)
+    return steps_per_second(taus, own) / sum(own)
 
 
 def replay(run: dict, tau: int) -> dict:

@@ -148,11 +148,13 @@ def taus_for_speeds(speeds: Sequence[float], tau: int, error: float = 0.0) -> li
     lengths = sorted({shortest} | {(_fits(shortest, s) + 1) / s for s in speeds})
     choices = [_steps_in(t, speeds) for t in lengths if _fits(t, max(speeds)) == tau]
 
-    def steps_per_s(taus: list[int]) -> float:
-        return sum(taus) / max(t / s for t, s in zip(taus, speeds))
-
-    exact = max(choices, key=steps_per_s)  # the first of equals: the shortest round
+    exact = max(choices, key=lambda taus: steps_per_second(taus, speeds))  # the first of equals: the shortest round
     return _hedged(exact, speeds, tau, error) if error > 0 else exact
+
+
+def steps_per_second(taus: Sequence[int], speeds: Sequence[float]) -> float:
+    """The steps a round of `taus` trains per unit of time at `speeds`: it lasts its slowest replica's τ_r / s_r."""
+    return sum(taus) / max(t / s for t, s in zip(taus, speeds))
 
 
 def _hedged(taus: list[int], speeds: Sequence[float], tau: int, error: float) -> list[int]:
@@ -165,13 +167,14 @@ def _hedged(taus: list[int], speeds: Sequence[float], tau: int, error: float) ->
     def rate(candidate: list[int]) -> float:
         return sum(candidate) / _expected_round(candidate, speeds, error)
 
+    current = rate(taus)
     while True:
         moves = [taus[:r] + [taus[r] + d] + taus[r + 1 :] for r in range(len(taus)) for d in (-1, 1)
                  if r != fastest and 1 <= taus[r] + d and (taus[r] + d) / speeds[r] < longest]  # fmt: skip
-        best = max(moves, key=rate, default=taus)
-        if rate(best) <= rate(taus) * (1 + 1e-12):
+        best_rate, best = max(((rate(m), m) for m in moves), key=lambda rated: rated[0], default=(current, taus))
+        if best_rate <= current * (1 + 1e-12):
             return taus
-        taus = best
+        taus, current = best, best_rate
 
 
 def _expected_round(taus: Sequence[int], speeds: Sequence[float], error: float, points: int = 256) -> float:
