@@ -5,12 +5,14 @@
 its traceback; a run that outlives `timeout` is killed and fails, so a hang is a test failure, not a
 stuck suite. gloo on the CPU by default; the GPU suite passes `backend="nccl"` (one GPU per rank) or
 `device="cuda"` with gloo (ranks sharing a GPU), and `tests.models` then builds on that device.
+A rank that dies of a signal (a native abort) is reported with faulthandler's dump of its threads.
 `launch_jobs(jobs, ranks, ...)` runs whole scripts under one torchrun launch, one after the other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import json
 import os
@@ -32,6 +34,8 @@ import torch.multiprocessing as mp
 def _entry(fn: Callable, rank: int, world_size: int, workdir: str, args: tuple, backend: str, device: str) -> None:
     from tests import models
 
+    fault_log = open(f"{workdir}/fault{rank}.txt", "w")  # noqa: SIM115  open until the process ends
+    faulthandler.enable(file=fault_log, all_threads=True)  # a native abort leaves every thread's frames
     torch.set_num_threads(1)
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     if device == "cuda":  # NCCL: a GPU per rank; gloo: ranks share them round-robin
@@ -74,6 +78,10 @@ class Outcome(NamedTuple):
     result: Any  # what fn returned (None if it did not return)
     error: Optional[str]  # the traceback if fn raised
     ended_at: float  # time.monotonic() when the process was seen to end
+    fault: str = ""  # faulthandler's dump of every thread if the process died of a signal (SIGABRT, SIGSEGV, ...)
+
+
+FILES = (("error", "txt"), ("result", "pt"), ("fault", "txt"))  # what a rank leaves in the work directory
 
 
 def launch_ranks(
@@ -110,13 +118,14 @@ def launch_ranks(
             if p.is_alive():
                 p.kill()
             p.join()
-            err, res = Path(f"{workdir}/error{r}.txt"), Path(f"{workdir}/result{r}.pt")
+            err, res, fault = (Path(f"{workdir}/{name}{r}.{ext}") for name, ext in FILES)
             outcomes.append(
                 Outcome(
                     exitcode=p.exitcode if r in ended_at else None,
                     result=torch.load(res, weights_only=False, map_location="cpu") if res.exists() else None,
                     error=err.read_text() if err.exists() else None,
                     ended_at=ended_at.get(r, float("inf")),
+                    fault=fault.read_text() if fault.exists() else "",
                 )
             )
         return outcomes
@@ -143,7 +152,9 @@ def run_ranks(
         elif o.exitcode is None:
             errors.append(f"--- rank {r} still running after {timeout:.0f} s (killed)")
         elif o.exitcode != 0 and r not in allow_exit:
-            errors.append(f"--- rank {r} exited with code {o.exitcode}")
+            errors.append(
+                f"--- rank {r} exited with code {o.exitcode}" + (f"; its threads:\n{o.fault}" if o.fault else "")
+            )
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors))
     return [o.result for o in outcomes]
