@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from co2_zero.core.engine import RoundEngine
 from co2_zero.core.pace import Pace, taus_for_speeds
-from co2_zero.train.args import co2_config
+from co2_zero.train.args import co2_config, replica_taus
 from co2_zero.train.args import get_args as train_get_args
 from co2_zero.train.data import Batches, get_batch
 from co2_zero.train.engines import adamw_kwargs, lr_lambda
@@ -62,7 +62,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--result", required=True, help="rank 0's JSON result")
     p.add_argument("--handshake", default=None, help="directory of the ready/go handshake (default: none)")
     p.add_argument("--calibrate_s", type=float, default=6.0, help="seconds of the speed measurement, at least")
-    p.add_argument("--pinned_taus", type=_taus, default=None, help="--pacing pinned: the τ_r, e.g. 32,32,31,15")
+    p.add_argument("--pinned_taus", type=replica_taus, default=None, help="--pacing pinned: the τ_r, e.g. 32,32,31,15")
     own, rest = p.parse_known_args(argv)
     if (own.pacing == "pinned") != (own.pinned_taus is not None):
         taus = f"--pinned_taus={own.pinned_taus} with --pacing {own.pacing}"
@@ -70,15 +70,6 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = train_get_args([*rest, "--method", "ddp" if own.pacing == "ddp" else "co2"])
     vars(args).update(vars(own))
     return args
-
-
-def _taus(text: str) -> list[int]:
-    """--pinned_taus: one integer per replica, comma-separated."""
-    try:
-        return [int(t) for t in text.split(",")]
-    except ValueError:
-        accepted = "integers separated by commas, e.g. 32,32,31,15"
-        raise argparse.ArgumentTypeError(f"{text!r}: accepted: {accepted}") from None
 
 
 def handshake(directory: Optional[str], rank: int) -> None:

@@ -124,16 +124,20 @@ def _sync_delay(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-def _replica_tau(text: str) -> list[int] | str:
-    """--replica_tau: "auto", or one integer per replica, comma-separated (CO2Config checks the range)."""
-    if text == "auto":
-        return text
+TAUS_ACCEPTED = "one integer per replica, comma-separated (e.g. 32,32,16)"
+
+
+def replica_taus(text: str, accepted: str = TAUS_ACCEPTED) -> list[int]:
+    """The τ_r of a `replica_tau` list, one integer per replica, comma-separated (CO2Config checks the range)."""
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: accepted: 'auto' or one integer per replica, comma-separated (e.g. 32,32,16)"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted: {accepted}") from None
+
+
+def _replica_tau(text: str) -> list[int] | str:
+    """--replica_tau: "auto", or the τ_r (`replica_taus`)."""
+    return text if text == "auto" else replica_taus(text, f"'auto' or {TAUS_ACCEPTED}")
 
 
 def _co2_flags(p: argparse.ArgumentParser) -> None:

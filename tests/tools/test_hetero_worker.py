@@ -46,7 +46,7 @@ def test_pinned_pacing_takes_its_taus_and_only_it(capsys):
         assert "accepted: --pinned_taus with --pacing pinned only" in capsys.readouterr().err, flags
     with pytest.raises(SystemExit):
         hetero_worker.get_args([*tiny, "--pacing", "pinned", "--pinned_taus", "4,x"])
-    assert "'4,x': accepted: integers separated by commas" in capsys.readouterr().err
+    assert "'4,x': accepted: one integer per replica, comma-separated" in capsys.readouterr().err
 
 
 class _Engine:
