@@ -5,7 +5,7 @@
 its traceback; a run that outlives `timeout` is killed and fails, so a hang is a test failure, not a
 stuck suite. gloo on the CPU by default; the GPU suite passes `backend="nccl"` (one GPU per rank) or
 `device="cuda"` with gloo (ranks sharing a GPU), and `tests.models` then builds on that device.
-A rank that dies of a signal (a native abort) is reported with faulthandler's dump of its threads.
+A rank that dies of a signal (a native abort) or hangs is reported with faulthandler's dump of its threads.
 `launch_jobs(jobs, ranks, ...)` runs whole scripts under one torchrun launch, one after the other.
 """
 
@@ -31,11 +31,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(fn: Callable, rank: int, world_size: int, workdir: str, args: tuple, backend: str, device: str) -> None:
+def _entry(
+    fn: Callable, rank: int, world_size: int, workdir: str, args: tuple, backend: str, device: str, dump_after: float
+) -> None:
     from tests import models
 
     fault_log = open(f"{workdir}/fault{rank}.txt", "w")  # noqa: SIM115  open until the process ends
     faulthandler.enable(file=fault_log, all_threads=True)  # a native abort leaves every thread's frames
+    faulthandler.dump_traceback_later(dump_after, file=fault_log)  # and so does a hang, before it is killed
     torch.set_num_threads(1)
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     if device == "cuda":  # NCCL: a GPU per rank; gloo: ranks share them round-robin
@@ -78,7 +81,7 @@ class Outcome(NamedTuple):
     result: Any  # what fn returned (None if it did not return)
     error: Optional[str]  # the traceback if fn raised
     ended_at: float  # time.monotonic() when the process was seen to end
-    fault: str = ""  # faulthandler's dump of every thread if the process died of a signal (SIGABRT, SIGSEGV, ...)
+    fault: str = ""  # faulthandler's dump of every thread: if it died of a signal (SIGABRT, ...) or hung
 
 
 FILES = (("error", "txt"), ("result", "pt"), ("fault", "txt"))  # what a rank leaves in the work directory
@@ -97,10 +100,11 @@ def launch_ranks(
     environment variables rank r starts with (e.g. PYTHONHASHSEED, read only at interpreter start)."""
     if backend == "nccl" and device != "cuda":
         raise ValueError(f"backend='nccl' needs device='cuda', got device={device!r}")
+    dump_after = max(0.9 * timeout - 5.0, timeout / 2)  # a rank's own clock starts after its start-up
     with tempfile.TemporaryDirectory(prefix="co2test") as workdir:
         ctx = mp.get_context("spawn")
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args, backend, device))
+            ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args, backend, device, dump_after))
             for r in range(world_size)
         ]
         for r, p in enumerate(procs):
@@ -150,14 +154,16 @@ def run_ranks(
         if o.error is not None:
             errors.append(f"--- rank {r} raised:\n{o.error}")
         elif o.exitcode is None:
-            errors.append(f"--- rank {r} still running after {timeout:.0f} s (killed)")
+            errors.append(f"--- rank {r} still running after {timeout:.0f} s (killed){_threads(o)}")
         elif o.exitcode != 0 and r not in allow_exit:
-            errors.append(
-                f"--- rank {r} exited with code {o.exitcode}" + (f"; its threads:\n{o.fault}" if o.fault else "")
-            )
+            errors.append(f"--- rank {r} exited with code {o.exitcode}{_threads(o)}")
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors))
     return [o.result for o in outcomes]
+
+
+def _threads(outcome: Outcome) -> str:
+    return f"; its threads:\n{outcome.fault}" if outcome.fault else ""
 
 
 class JobOutcome(NamedTuple):
