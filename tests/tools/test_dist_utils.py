@@ -14,25 +14,20 @@ def _abort_on_rank_one(rank: int, world: int) -> int:
     return rank
 
 
-def test_a_native_abort_names_the_rank_and_its_frames():
-    with pytest.raises(AssertionError) as failed:
-        run_ranks(_abort_on_rank_one, 2, timeout=60)
-    report = str(failed.value)
-    assert "rank 1 exited with code -6; its threads:" in report
-    assert "_abort_on_rank_one" in report  # the frame that aborted, from faulthandler's dump
-    assert "rank 0" not in report  # the rank that returned is not blamed
-
-
 def _hang_on_rank_one(rank: int, world: int) -> int:
     if rank == 1:
         time.sleep(3600)  # a rank stuck for good: killed at the deadline
     return rank
 
 
-def test_a_hang_names_the_rank_and_its_frames_before_the_kill():
+@pytest.mark.parametrize(
+    "fn, timeout, how",
+    [(_abort_on_rank_one, 60, "exited with code -6"), (_hang_on_rank_one, 15, "still running after 15 s (killed)")],
+)
+def test_a_dead_or_stuck_rank_is_named_with_its_frames(fn, timeout, how):
     with pytest.raises(AssertionError) as failed:
-        run_ranks(_hang_on_rank_one, 2, timeout=15)
+        run_ranks(fn, 2, timeout=timeout)
     report = str(failed.value)
-    assert "rank 1 still running after 15 s (killed); its threads:" in report
-    assert "_hang_on_rank_one" in report  # where it hung, dumped before the kill
-    assert "rank 0" not in report
+    assert f"rank 1 {how}; its threads:" in report
+    assert fn.__name__ in report  # the frame that aborted or hung, from faulthandler's dump
+    assert "rank 0" not in report  # the rank that returned is not blamed
