@@ -36,7 +36,7 @@ def _entry(
 ) -> None:
     from tests import models
 
-    fault_log = open(f"{workdir}/fault{rank}.txt", "w")  # noqa: SIM115  open until the process ends
+    fault_log = open(_rank_file(workdir, "fault", rank), "w")  # noqa: SIM115  open until the process ends
     faulthandler.enable(file=fault_log, all_threads=True)  # a native abort leaves every thread's frames
     faulthandler.dump_traceback_later(dump_after, file=fault_log)  # and so does a hang, before it is killed
     torch.set_num_threads(1)
@@ -53,9 +53,9 @@ def _entry(
     )
     try:
         result = fn(rank, world_size, *args)
-        torch.save(result, f"{workdir}/result{rank}.pt")
+        torch.save(result, _rank_file(workdir, "result", rank))
     except BaseException:
-        Path(f"{workdir}/error{rank}.txt").write_text(traceback.format_exc())
+        _rank_file(workdir, "error", rank).write_text(traceback.format_exc())
         os._exit(1)  # do not wait on peers that may be stuck in a collective with us
     dist.destroy_process_group()
     gc.collect()  # groups kept by reference cycles end now, not with the interpreter (design §8)
@@ -84,7 +84,9 @@ class Outcome(NamedTuple):
     fault: str = ""  # faulthandler's dump of every thread: if it died of a signal (SIGABRT, ...) or hung
 
 
-FILES = (("error", "txt"), ("result", "pt"), ("fault", "txt"))  # what a rank leaves in the work directory
+def _rank_file(workdir: str, kind: str, rank: int) -> Path:
+    """What a rank leaves in the work directory: its "result" (torch.save), "error" (a traceback) or "fault"."""
+    return Path(workdir, f"{kind}{rank}.{'pt' if kind == 'result' else 'txt'}")
 
 
 def launch_ranks(
@@ -122,7 +124,7 @@ def launch_ranks(
             if p.is_alive():
                 p.kill()
             p.join()
-            err, res, fault = (Path(f"{workdir}/{name}{r}.{ext}") for name, ext in FILES)
+            err, res, fault = (_rank_file(workdir, kind, r) for kind in ("error", "result", "fault"))
             outcomes.append(
                 Outcome(
                     exitcode=p.exitcode if r in ended_at else None,
