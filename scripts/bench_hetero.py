@@ -18,7 +18,7 @@ Per case and repetition, in a rotated order:
   pinned         CO2, `replica_tau` given: the same case and repetition's `auto` run's final τ_r (what a
                  user copies from its log to pin them), run after it
   torchft_diloco torchft 0.2.0's DiLoCo (scripts/torchft_peer.py), one τ, the case's caps, the same outer
-                 lr and momentum as CO2's
+                 lr and momentum as CO2's, fp32 on the wire whatever --comm_dtype --extra gives
 and once per repetition (its seed) DDP, unshaped and uncapped on the host, for --ddp_rounds rounds' tokens
 (default: the methods'; fewer make its final loss a target the local-step runs reach), its final loss the
 target of the times below; its speed is not measured here.
@@ -58,7 +58,8 @@ WORKER = str(ROOT / "scripts" / "hetero_worker.py")
 CASES = {"half": [1.0, 1.0, 1.0, 0.5], "quarter": [1.0, 1.0, 0.5, 0.25]}
 METHODS = ("uniform", "fixed_tau", "replica_tau", "auto", "pinned", "torchft_diloco")
 LIGHTHOUSE_PORT, STORE_PORT = 29510, 29400
-RUN_TIMEOUT_S = 900
+# a run's deadline: fixed τ and torchft run every round at the slowest node's pace (here up to a minute)
+RUN_TIMEOUT_S, RUN_TIMEOUT_PER_ROUND_S = 900, 90
 PACING = {m: m for m in ("replica_tau", "auto", "pinned")} | {"uniform": "fixed", "fixed_tau": "fixed"}  # the worker's
 
 
@@ -103,11 +104,27 @@ def common_flags(a: argparse.Namespace, seed: int) -> list[str]:
     return [*a.model.split(), *a.extra.split(), "--tau", str(a.tau), "--seed", str(seed), "--no_progress"]
 
 
+def run_timeout_s(rounds: int) -> float:
+    """The deadline of one run of `rounds` rounds' tokens."""
+    return max(RUN_TIMEOUT_S, RUN_TIMEOUT_PER_ROUND_S * rounds)
+
+
+def fp32_wire(flags: list[str]) -> list[str]:
+    """`flags` without a --comm_dtype: torchft's DiLoCo sends fp32 (its peer refuses any other)."""
+    out, rest = [], iter(flags)
+    for flag in rest:
+        if flag == "--comm_dtype":
+            next(rest, None)  # its value
+        elif not flag.startswith("--comm_dtype="):
+            out.append(flag)
+    return out
+
+
 def host_facts() -> dict:
     return {"load_avg": ec.load_average(), "cpu_busy": round(ec.host_cpu_busy(0.5), 3)}
 
 
-def run_worker(cluster: ec.EmulatedCluster, flags: list[str], work: Path) -> dict:
+def run_worker(cluster: ec.EmulatedCluster, flags: list[str], work: Path, timeout_s: float) -> dict:
     """hetero_worker on every node: start uncapped, cap every rank once all are ready, then go."""
     shake, result = work / "shake", work / "result.json"
     shake.mkdir()
@@ -119,7 +136,7 @@ def run_worker(cluster: ec.EmulatedCluster, flags: list[str], work: Path) -> dic
     for i, r in enumerate(ready):
         cluster.caps.admit(i, int(r.read_text()))
     (shake / "go").write_text("")
-    _check(cluster.wait_all(procs, RUN_TIMEOUT_S), work)
+    _check(cluster.wait_all(procs, timeout_s), work)
     return json.loads(result.read_text())
 
 
@@ -130,7 +147,7 @@ def run_torchft(cluster: ec.EmulatedCluster, flags: list[str], rounds: int, tau:
                                log=work / "lighthouse.log", capped=False)  # fmt: skip
     parts = [work / f"replica{i}.jsonl" for i in range(cluster.nodes)]
     url = f"http://{cluster.ip(0)}:{LIGHTHOUSE_PORT}"
-    peer_flags = ["--peer", "diloco", "--method", "diloco", *flags, "--max_steps", str(rounds * tau)]
+    peer_flags = ["--peer", "diloco", "--method", "diloco", *fp32_wire(flags), "--max_steps", str(rounds * tau)]
     try:
         procs = [cluster.popen(i, torchft_peer.replica_argv(peer_flags, url, i, part), cwd=str(ROOT),
                                env={"MASTER_ADDR": cluster.ip(i), "MASTER_PORT": str(STORE_PORT)},
@@ -139,7 +156,7 @@ def run_torchft(cluster: ec.EmulatedCluster, flags: list[str], rounds: int, tau:
         _wait_for(lambda: all(p.exists() and p.read_text().strip() for p in parts), procs, work, "torchft's start-up")
         for i, proc in enumerate(procs):
             cluster.caps.admit(i, proc.pid)
-        _check(cluster.wait_all(procs, RUN_TIMEOUT_S), work)
+        _check(cluster.wait_all(procs, run_timeout_s(rounds)), work)
     finally:
         cluster.kill(lighthouse)
     records = torchft_peer.merge_records([[json.loads(x) for x in p.read_text().splitlines()] for p in parts])
@@ -176,7 +193,9 @@ def run_method(
             run = run_torchft(cluster, flags, a.rounds, a.tau, work)
         else:
             pacing = PACING[method]
-            run = run_worker(cluster, [*flags, "--pacing", pacing, "--rounds", str(a.rounds)], work)
+            run = run_worker(
+                cluster, [*flags, "--pacing", pacing, "--rounds", str(a.rounds)], work, run_timeout_s(a.rounds)
+            )
             run["command"] = shlex.join(["scripts/hetero_worker.py", *flags, "--pacing", pacing,
                                          "--rounds", str(a.rounds)])  # fmt: skip
     run.pop("config", None)
@@ -192,7 +211,7 @@ def run_ddp(a: argparse.Namespace, seed: int, rounds: int, work: Path) -> dict:
            "--result", str(work / "ddp.json")]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with open(work / "ddp.log", "w") as log:
-        subprocess.run(cmd, check=True, timeout=RUN_TIMEOUT_S, stdout=log, stderr=subprocess.STDOUT, env=env)
+        subprocess.run(cmd, check=True, timeout=run_timeout_s(rounds), stdout=log, stderr=subprocess.STDOUT, env=env)
     run = json.loads((work / "ddp.json").read_text())
     return {**run, "method": "ddp", "seed": seed, "command": shlex.join(["torchrun", "--standalone",
             "--nproc_per_node", "4", "scripts/hetero_worker.py", *flags])}  # fmt: skip

@@ -85,7 +85,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if "--method" not in rest:
         rest = ["--method", "diloco", *rest]  # the outer settings of the DiLoCo preset
     args = train_get_args(rest, "torchft's DiLoCo on the training job's model and data")
-    problem = _mode_problem(own, args.out_json)
+    problem = _mode_problem(own, args.out_json) or _wire_problem(args.comm_dtype)
     if problem:
         p.error(problem)
     args.tau = co2_config(args).tau  # the --tau given, else the --method preset's
@@ -116,6 +116,13 @@ def _mode_problem(own: argparse.Namespace, out_json: Optional[str]) -> Optional[
                 f"--out_json; accepted: no --replica_id and an --out_json (given: --replica_id={own.replica_id}, "
                 f"--out_json={out_json})")  # fmt: skip
     return None
+
+
+def _wire_problem(comm_dtype: Optional[str]) -> Optional[str]:
+    """torchft's DiLoCo all-reduces fp32 pseudo-gradients: a compressed CO2 wire format cannot be honoured."""
+    if comm_dtype in (None, "fp32"):
+        return None
+    return f"--comm_dtype={comm_dtype}: torchft's DiLoCo sends fp32; accepted: fp32 or no --comm_dtype"
 
 
 def model_fragments(model: nn.Module, count: int) -> list[nn.Module]:

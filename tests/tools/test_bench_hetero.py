@@ -137,3 +137,15 @@ def test_pinned_runs_after_auto_at_its_final_taus():
     assert bench_hetero.pinned_taus(runs, "quarter", 1) == [32, 32, 16, 7]
     with pytest.raises(ValueError, match="'pinned' \\(half, repetition 0\\) needs that case and repetition's 'auto'"):
         bench_hetero.pinned_taus(runs, "half", 0)
+
+
+def test_torchft_runs_an_fp32_wire_and_every_run_has_a_deadline_for_its_rounds():
+    """The study's --comm_dtype reaches CO2's runs only (torchft's peer refuses it, in either spelling); a run's
+    deadline grows with its rounds: fixed τ and torchft run each at the slowest node's pace."""
+    from scripts import bench_hetero
+
+    flags = ["--lr", "3e-3", "--comm_dtype", "int4", "--tau", "32", "--comm_dtype=int8", "--seed", "1"]
+    assert bench_hetero.fp32_wire(flags) == ["--lr", "3e-3", "--tau", "32", "--seed", "1"]
+    assert bench_hetero.fp32_wire(["--lr", "3e-3"]) == ["--lr", "3e-3"]
+    assert bench_hetero.run_timeout_s(10) == bench_hetero.RUN_TIMEOUT_S
+    assert bench_hetero.run_timeout_s(30) == 30 * bench_hetero.RUN_TIMEOUT_PER_ROUND_S > bench_hetero.RUN_TIMEOUT_S

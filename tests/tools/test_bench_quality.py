@@ -303,7 +303,8 @@ def test_a_failed_or_late_peer_job_stops_its_lighthouse_and_replicas(tmp_path, m
 
 def test_peer_job_flags_and_merged_records(tmp_path):
     """One replica (--lighthouse, --replica_id) or a job to launch (--replicas, --out_json), never a mix;
-    the job's records: tokens summed over the replicas, losses averaged, each replica's held-out loss kept."""
+    a compressed --comm_dtype is refused (torchft sends fp32); the job's records: tokens summed over the
+    replicas, losses averaged, each replica's held-out loss kept."""
     pytest.importorskip("torchft", reason="the torchft cells need torchft")
     from scripts import torchft_peer as tp
 
@@ -311,6 +312,12 @@ def test_peer_job_flags_and_merged_records(tmp_path):
         tp.get_args(["--replicas", "2"])  # no --out_json to merge into
     with pytest.raises(SystemExit):
         tp.get_args(["--lighthouse", "http://x:1", "--replica_id", "0", "--replicas", "2"])
+    refused = "--comm_dtype=int4: torchft's DiLoCo sends fp32; accepted: fp32 or no --comm_dtype"
+    assert tp._wire_problem("int4") == refused
+    assert tp._wire_problem("fp32") is None and tp._wire_problem(None) is None
+    with pytest.raises(SystemExit):
+        tp.get_args(_peer_job(tmp_path, "--comm_dtype", "int4"))  # torchft's DiLoCo sends fp32
+    assert tp.get_args(_peer_job(tmp_path, "--comm_dtype", "fp32")).comm_dtype == "fp32"
     args = tp.get_args(_peer_job(tmp_path, "--peer", "streaming"))
     assert args.lighthouse is None and args.replicas == 2 and args.fragments == 2
     assert args.replica_argv[-4:-2] == ["--peer=streaming", "--fragments=2"] and "--replicas" not in args.replica_argv
