@@ -67,27 +67,29 @@ def throughput() -> str:
     rows = [["τ (fp32 / bf16 / int8 tuner)", *taus], ["comm/step (fp32)", *comm]]
     for title, label in THROUGHPUT_ROWS:
         rows.append([title, *(_ratio(c["summary"].get(label), label.endswith("@tuned")) for c in cells)])
-    cases = [_load(f"{HETEROGENEOUS_STUDY}/{case}.json") for case in HETEROGENEOUS_CASES]
+    cases = [_load(f"{HETEROGENEOUS_ROW_STUDY}/{case}.json") for case in HETEROGENEOUS_CASES]
     rows.append([HETEROGENEOUS_ROW, *(_heterogeneous(c, cases) for c in cells)])
     return _table(["run", *(_cell_title(c) for c in cells)], rows)
 
 
-HETEROGENEOUS_STUDY = "heterogeneous"  # the study of the README row and of docs/benchmarks.md (benchmarks/<it>/)
 HETEROGENEOUS_CASES = ("half", "quarter")
+HETEROGENEOUS_ROW_STUDY = "heterogeneous/int4_30_rounds"  # the README row's study (benchmarks/<it>/) and method
+HETEROGENEOUS_ROW_METHOD = "auto"
 HETEROGENEOUS_ROW = (
-    "`co2`, `replica_tau`, τ = 32, speeds 1, 1, 1, ½ · 1, 1, ½, ¼ (÷ the replicas' own speeds, whole run; "
-    "a uniform cluster's)"
+    '`co2`, `replica_tau: "auto"`, int4, τ = 32, 30 rounds, speeds 1, 1, 1, ½ · 1, 1, ½, ¼ (÷ the replicas\' '
+    "own speeds, whole run; a uniform cluster's)"
 )
 
 
 def _heterogeneous(cell: dict[str, Any], cases: list[dict[str, Any]]) -> str:
-    """The job's tokens/s over its replicas' own speeds, `replica_tau` (a uniform cluster's median in brackets),
-    in the cell that scripts/bench_hetero.py's `cases` measured (P = 4 at their rate); – in the others."""
+    """The job's tokens/s over its replicas' own speeds, `HETEROGENEOUS_ROW_METHOD` (a uniform cluster's median
+    in brackets), in the cell that scripts/bench_hetero.py's `cases` measured (P = 4 at their rate); – in the
+    others."""
     if (cell["nodes"], cell["rate"]) != (len(cases[0]["speeds"]), cases[0]["rate"]):
         return "–"
     parts = []
     for case in cases:
-        ratios = case["methods"]["replica_tau"]["tokens_per_s_over_own_speeds"]
+        ratios = case["methods"][HETEROGENEOUS_ROW_METHOD]["tokens_per_s_over_own_speeds"]
         uniform = statistics.median(case["methods"]["uniform"]["tokens_per_s_over_own_speeds"])
         parts.append(f"{statistics.median(ratios):.3f} [{min(ratios):.2f}–{max(ratios):.2f}] ({uniform:.3f})")
     return " · ".join(parts)
@@ -166,13 +168,12 @@ def quality_overview() -> list[str]:
     return bench_quality.overview(json.loads(QUALITY.read_text()))
 
 
-def heterogeneous() -> str:
-    """Replicas of different speeds (benchmarks/<HETEROGENEOUS_STUDY>/, scripts/bench_hetero.py): a table per
-    case."""
+def _heterogeneous_tables(study: str) -> str:
+    """Replicas of different speeds (benchmarks/<study>/, scripts/bench_hetero.py): a table per case."""
     sys.path.insert(0, str(ROOT))
     from scripts import bench_hetero_report
 
-    cases = [BENCH / HETEROGENEOUS_STUDY / f"{case}.json" for case in HETEROGENEOUS_CASES]
+    cases = [BENCH / study / f"{case}.json" for case in HETEROGENEOUS_CASES]
     return "\n".join(bench_hetero_report.markdown(json.loads(p.read_text())) for p in cases if p.exists())
 
 
@@ -182,7 +183,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "convergence": convergence,
     "elastic": elastic,
     "quality": quality,
-    "heterogeneous": heterogeneous,
+    "heterogeneous": lambda: _heterogeneous_tables("heterogeneous"),
+    "heterogeneous_int4_30_rounds": lambda: _heterogeneous_tables("heterogeneous/int4_30_rounds"),
 }
 
 
