@@ -73,7 +73,7 @@ def throughput() -> str:
 
 
 HETEROGENEOUS_CASES = ("half", "quarter")
-HETEROGENEOUS_ROW_STUDY = "heterogeneous/int4_30_rounds"  # the README row's study (benchmarks/<it>/) and method
+HETEROGENEOUS_ROW_STUDY = "heterogeneous/int4_30_rounds"  # the README row's study (benchmarks/<it>/; a page table too)
 HETEROGENEOUS_ROW_METHOD = "auto"
 HETEROGENEOUS_ROW = (
     '`co2`, `replica_tau: "auto"`, int4, τ = 32, 30 rounds, speeds 1, 1, 1, ½ · 1, 1, ½, ¼ (÷ the replicas\' '
@@ -184,7 +184,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "elastic": elastic,
     "quality": quality,
     "heterogeneous": lambda: _heterogeneous_tables("heterogeneous"),
-    "heterogeneous_int4_30_rounds": lambda: _heterogeneous_tables("heterogeneous/int4_30_rounds"),
+    "heterogeneous_int4_30_rounds": lambda: _heterogeneous_tables(HETEROGENEOUS_ROW_STUDY),
 }
 
 
