@@ -19,12 +19,15 @@ not from the library (nothing here imports co2_zero):
   of 4096 elements (the last may be shorter) the k = max(1, round half up(topk * n)) elements largest in
   magnitude (NaN largest, ties to the lower index), their values quantized as one block of k (or kept
   fp32 / rounded to bf16); e_r keeps the rest; every replica averages the R arrivals in replica order
-  and runs the outer step on the whole partition; the new start is its result, for every replica.
+  over the senders: coordinate i of the average is the sum of the values sent for i over the number of
+  replicas whose payload carries i (0 where none does; a value that quantized to 0 was still sent), and
+  runs the outer step on the whole partition; the new start is its result, for every replica.
   With `feedback_decay` β < 1 replica r sends D_r + β·e_r instead (what was not sent fades).
 - replicas of different speeds (`replica_tau`, `reference.simulate_paced`): replica r's displacement
   counts with its share of the round's tokens w_r = τ_r / Στ. It sends R·w_r·D_r + e_r (top-k:
   R·w_r·D_r + β·e_r), e_r keeps what was not sent of that scaled value, and the owners' plain mean
-  over R is then Σ_r w_r·D_r, as the exact exchange's weighted average.
+  over R is then Σ_r w_r·D_r, as the exact exchange's weighted average. Top-k: coordinate i is the sum of
+  the sent values over the sum of R·w_r of its senders, the w-weighted mean of D_r over the senders.
 """
 
 from __future__ import annotations
@@ -61,18 +64,19 @@ def roundtrip(x: Tensor, fmt: str, block: int = BLOCK) -> Tensor:
     return out
 
 
-def sparse_roundtrip(x: Tensor, fmt: str, topk: float) -> Tensor:
-    """What arrives when the 1-D fp32 vector `x` is sent top-k per chunk with `fmt` values."""
-    out = torch.zeros_like(x)
+def sparse_roundtrip(x: Tensor, fmt: str, topk: float) -> tuple[Tensor, Tensor]:
+    """(what arrives, which elements were sent) when the 1-D fp32 vector `x` is sent top-k per chunk with
+    `fmt` values."""
+    out, sent = torch.zeros_like(x), torch.zeros(x.numel(), dtype=torch.bool)
     for lo in range(0, x.numel(), CHUNK):
         chunk = x[lo : lo + CHUNK]
         k = max(1, math.floor(topk * chunk.numel() + 0.5))
         key = torch.where(chunk.isnan(), torch.tensor(math.inf), chunk.abs())
         chosen = torch.sort(-key, stable=True).indices[:k].sort().values
         values = chunk[chosen]
-        sent = values.to(RAW[fmt]).float() if fmt in RAW else roundtrip(values, fmt, block=k)
-        out[lo + chosen] = sent
-    return out
+        out[lo + chosen] = values.to(RAW[fmt]).float() if fmt in RAW else roundtrip(values, fmt, block=k)
+        sent[lo + chosen] = True
+    return out, sent
 
 
 class CompressedExchange:
@@ -122,16 +126,17 @@ class CompressedExchange:
                 offset += hi - lo
         return {name: out[name].reshape(like[name].shape) for name in like}
 
-    def _send(self, vector: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """(what arrives, the new residual) for sending `vector` + `residual` (top-k: + decay · `residual`),
-        sub-shard by sub-shard."""
+    def _send(self, vector: Tensor, residual: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(what arrives, the new residual, which elements were sent) for sending `vector` + `residual`
+        (top-k: + decay · `residual`), sub-shard by sub-shard."""
         if self.strategy == "all_gather":  # the whole partition, top-k per chunk
             total = vector + self.decay * residual
-            arrived = sparse_roundtrip(total, self.fmt, self.topk)
+            arrived, sent = sparse_roundtrip(total, self.fmt, self.topk)
         else:
             total = vector + residual
             arrived = torch.cat([roundtrip(part, self.fmt) for part in total.chunk(self.replicas)])
-        return arrived, total - arrived
+            sent = torch.ones(total.numel(), dtype=torch.bool)
+        return arrived, total - arrived, sent
 
     # ---- the two hooks of reference.simulate -------------------------------------------------------
 
@@ -141,20 +146,21 @@ class CompressedExchange:
         mean Σ w_r·D_r, replica r sending R·w_r·D_r."""
         means = []
         for s, pieces in enumerate(self._pieces(starts[0])):
-            arrived = []
+            total, senders = None, None
             for r, (own, x) in enumerate(zip(starts, xs)):
                 displacement = self._flatten(own, pieces) - self._flatten(x, pieces)
-                if weights is not None:
-                    displacement = displacement * (self.replicas * weights[r])
+                scale = 1.0 if weights is None else self.replicas * weights[r]
                 residual = self.sent.get((r, s), torch.zeros_like(displacement))
-                piece, self.sent[(r, s)] = self._send(displacement, residual)
-                arrived.append(piece)
-            total = arrived[0].clone()
-            for piece in arrived[1:]:
-                total = total + piece
-            mean = total / self.replicas
+                piece, self.sent[(r, s)], sent = self._send(displacement * scale, residual)
+                total = piece if total is None else total + piece
+                senders = sent * scale if senders is None else senders + sent * scale
+            if self.strategy == "all_gather":  # top-k: the mean over the senders of each element
+                mean = torch.where(senders > 0, total / torch.where(senders > 0, senders, 1.0), 0.0)
+            else:
+                mean = total / self.replicas
             if self.strategy == "all_reduce":
-                mean, self.owned[s] = self._send(mean, self.owned.get(s, torch.zeros_like(mean)))
+                owned = self.owned.get(s, torch.zeros_like(mean))
+                mean, self.owned[s], _ = self._send(mean, owned)
             means.append(mean)
         return self._unflatten(means, starts[0])
 
@@ -166,6 +172,6 @@ class CompressedExchange:
         for s, pieces in enumerate(self._pieces(base)):
             flat_base = self._flatten(base, pieces)
             update = self._flatten(result, pieces) - flat_base
-            arrived, self.owned[s] = self._send(update, self.owned.get(s, torch.zeros_like(update)))
+            arrived, self.owned[s], _ = self._send(update, self.owned.get(s, torch.zeros_like(update)))
             starts.append(flat_base + arrived)
         return self._unflatten(starts, base)

@@ -179,9 +179,11 @@ class OuterExchange:
         )
         self.bytes_sent = 0  # by this rank's pipelines so far (`wire_bytes`); written by the worker only
         r = topology.replica_index
-        # replica_tau: R·w_r, so that the plain mean over R below is the token-weighted average (`pace`);
-        # compressed, the scaled D is what is sent and the residual keeps what it could not send of it
-        self.displacement_scale = plan.pace.displacement_scale(r)
+        # replica_tau: R·w_r of every replica, so that the plain mean over R below is the token-weighted
+        # average (`pace`); compressed, the scaled D is what is sent and the residual keeps what it could not
+        # send of it; sparse, the senders' mean divides by the senders' scales
+        self.displacement_scales = plan.pace.displacement_scales()
+        self.senders_per_sent: Optional[torch.Tensor] = None  # sparse: the last average's overlap (0-d)
         start, end = layout.sub_shard_range(r)
         self.sub_shard = slice(start, end)
         sub_shard_segments = layout.segments_in(start, end)
@@ -216,10 +218,15 @@ class OuterExchange:
         if staleness != self.hyper.staleness:
             self.hyper = self.hyper._replace(staleness=staleness)
 
-    def set_displacement_scale(self, scale: float) -> None:
-        """R·w_r for the next pipelines (`Pace.displacement_scale`): replica_tau "auto" changes it once.
-        Call with no pipeline in flight (the worker reads it)."""
-        self.displacement_scale = scale
+    def set_displacement_scales(self, scales: tuple[float, ...]) -> None:
+        """R·w_r of every replica for the next pipelines (`Pace.displacement_scale`): replica_tau "auto"
+        changes them once. Call with no pipeline in flight (the worker reads them)."""
+        self.displacement_scales = scales
+
+    @property
+    def displacement_scale(self) -> float:
+        """R·w_r of this rank's replica."""
+        return self.displacement_scales[self.topology.replica_index]
 
     def launch(self, job: PipelineJob) -> Future:
         """Start pipeline `job.round_index` in the background; the new start point lands in `job.work`.
@@ -337,19 +344,22 @@ class OuterExchange:
 
     def _average_sparse(self, work: torch.Tensor) -> torch.Tensor:
         """The sparse exchange (docs/design.md §5): D + residual, top-k per chunk, travels as one payload
-        per replica in an all-gather; every rank adds the R decoded payloads in replica order and divides
-        by R, so every replica holds the same bits of g, on the whole partition (the outer step then runs
-        on all of it everywhere, as with `all_reduce`, and no new start point travels)."""
+        per replica in an all-gather; every rank decodes the R payloads in replica order into the senders'
+        mean (`sparse.average_over_senders_`: each coordinate averaged over the replicas that sent it), so
+        every replica holds the same bits of g, on the whole partition (the outer step then runs on all of
+        it everywhere, as with `all_reduce`, and no new start point travels)."""
         layout, replicas = self.sparse_layout, self.topology.replicas
         mine = torch.empty(layout.nbytes, dtype=torch.uint8, device=work.device)
         sparse.encode_with_feedback_(work, self.residuals.displacement, layout, mine, self.config.feedback_decay)
         everyone = torch.empty(replicas, layout.nbytes, dtype=torch.uint8, device=work.device)
         self._count("all_gather", everyone, replicas)
         _all_gather(everyone.view(-1), mine, group=self.topology.outer_group)
-        work.zero_()
-        for payload in everyone:
-            sparse.add_decoded_(payload, layout, work)
-        return work.div_(replicas)
+        g, self.senders_per_sent = sparse.average_over_senders_(everyone, self.displacement_scales, layout, work)
+        return g
+
+    def last_senders_per_sent(self) -> Optional[float]:
+        """The sparse exchange's replicas per sent coordinate in the last average (1 to R; None: dense)."""
+        return None if self.senders_per_sent is None else float(self.senders_per_sent)
 
     def _share_new_start(self, work: torch.Tensor, base: torch.Tensor, g: torch.Tensor, finite: bool) -> None:
         """Step g: give every rank of the outer group the new start point in `work`.

@@ -239,6 +239,7 @@ class RoundEngine(StateReads):
             "inner_state_reset": reset_inner,
             "buffers_restored": buffers_restored,
             "bytes_sent": sent + buffer_bytes,
+            "senders_per_sent": self.exchange.last_senders_per_sent(),
             "sync_delay": self.state.schedule.steps,  # where the next average is applied (sync_delay "auto": fixed)
         }
         self._round_done_at = time.perf_counter()
@@ -265,8 +266,7 @@ class RoundEngine(StateReads):
         before the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's
         own D is non-finite under "skip_round" (its inner state must then be reset)."""
         self.exchange.set_staleness(self.state.schedule.steps / self.state.schedule.tau)
-        scale = self.pace.displacement_scale(self.topology.replica_index, self.state.rounds)
-        self.exchange.set_displacement_scale(scale)
+        self.exchange.set_displacement_scales(self.pace.displacement_scales(self.state.rounds))
         self.partition.subtract_from(self.state.round_start, out=plan.work)
         own = plan.work[: self.layout.length]
         reset_inner = self.config.nonfinite == "skip_round" and not bool(torch.isfinite(largest_abs(own)))

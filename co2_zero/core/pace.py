@@ -103,6 +103,10 @@ class Pace:
             return 1.0 if self.before is None else self.before.displacement_scale(replica, round_index)
         return 1.0 if len(set(self.taus)) == 1 else len(self.taus) * self.weight(replica)
 
+    def displacement_scales(self, round_index: Optional[int] = None) -> tuple[float, ...]:
+        """`displacement_scale` of every replica, in replica order."""
+        return tuple(self.displacement_scale(r, round_index) for r in range(len(self.taus)))
+
     def agreed_step(self, replica: int, inner_steps: int) -> int:
         """The step every rank names a save by (and must agree on): its inner steps, on the fastest replica's
         clock with replica_tau (rounded down); at a round end, rounds x tau on every replica."""

@@ -21,7 +21,7 @@ scaled by β before it is added (SparseLoCo's decaying accumulator).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -148,17 +148,51 @@ def encode_with_feedback_(
     bit_pack(torch.cat(indices), INDEX_BITS, payload[layout.index_offset :])
 
 
-def add_decoded_(payload: torch.Tensor, layout: SparseLayout, out: torch.Tensor) -> torch.Tensor:
-    """out (fp32, `layout.length`) += what `payload` carries (zero off the sent indices). Returns `out`."""
+def _carried(payload: torch.Tensor, layout: SparseLayout):
+    """(group, its rows' records, their chunk-local indices (chunks, k)) for every group of `payload`."""
     indices = bit_unpack(payload[layout.index_offset :], INDEX_BITS, layout.sent)
     used = 0
     for group, records in _sections(payload, layout):
         count = group.chunks * group.k
-        idx = indices[used : used + count].view(group.chunks, group.k)
+        yield group, records, indices[used : used + count].view(group.chunks, group.k)
         used += count
-        values = _decode_values(records, layout.value_format, group.k)
-        _rows(out, group).scatter_add_(-1, idx, values)
+
+
+def add_decoded_(payload: torch.Tensor, layout: SparseLayout, out: torch.Tensor) -> torch.Tensor:
+    """out (fp32, `layout.length`) += what `payload` carries (zero off the sent indices). Returns `out`."""
+    for group, records, idx in _carried(payload, layout):
+        _rows(out, group).scatter_add_(-1, idx, _decode_values(records, layout.value_format, group.k))
     return out
+
+
+class SenderMean(NamedTuple):
+    """The average of `average_over_senders_` and how much the payloads overlapped."""
+
+    average: torch.Tensor
+    senders_per_sent: torch.Tensor  # 0-d: payloads carrying a carried coordinate, on average (1 to R)
+
+
+def average_over_senders_(
+    payloads: torch.Tensor, scales: Sequence[float], layout: SparseLayout, out: torch.Tensor
+) -> SenderMean:
+    """out <- the senders' mean of `payloads` (R, `layout.nbytes`), replica r's values scaled by `scales[r]`.
+
+    Coordinate i of the average is  g_i = (sum of v_r,i over the senders r of i) / (sum of s_r over them),
+    0 where no payload carries i. With s_r = 1 that is the plain mean over the replicas that sent i; with
+    s_r = R·w_r (`replica_tau`: v_r = R·w_r·D_r) the w-weighted mean of D_r over them. The mean over all R
+    would cut every coordinate that only some replicas sent (docs/design.md §5). Payloads are added in
+    replica order, so every rank decoding the same payloads holds the same bits.
+    """
+    out.zero_()
+    weight, count = torch.zeros_like(out), torch.zeros_like(out)
+    for payload, scale in zip(payloads, scales):
+        for group, records, idx in _carried(payload, layout):
+            _rows(out, group).scatter_add_(-1, idx, _decode_values(records, layout.value_format, group.k))
+            ones = torch.ones(idx.shape, dtype=out.dtype, device=out.device)
+            _rows(weight, group).scatter_add_(-1, idx, ones * scale)
+            _rows(count, group).scatter_add_(-1, idx, ones)
+    overlap = count.sum() / (count > 0).sum().clamp_min(1)
+    return SenderMean(out.div_(weight.masked_fill_(count == 0, 1.0)), overlap)
 
 
 def bit_pack(values: torch.Tensor, bits: int, out: torch.Tensor) -> None:

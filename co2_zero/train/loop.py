@@ -307,7 +307,7 @@ def round_end(job: Job, step: int) -> Optional[RoundEnd]:
         if not opt.round_ended:
             return RoundEnd(0.0, 0.0) if step >= a.max_steps else None
         info = opt.last_round
-        return RoundEnd(info.get("wait_s", 0.0), info.get("round_end_s", 0.0), info.get("bytes_sent", 0.0))
+        return RoundEnd._make(info.get(name, 0.0) for name in RoundEnd._fields)
     if step % a.log_every and step != a.max_steps:
         return None
     return RoundEnd(0.0 if a.method == "none" else None, None)  # ddp: overlapped inside backward, unmeasured
@@ -403,8 +403,7 @@ def finish(job: Job, clock: Clock, tally: Tally, step: int, initial: Optional[fl
                        wait_s=tally.wait_s if trainer.co2 or a.method == "none" else None,
                        round_end_s=tally.round_end_s if trainer.co2 else None, initial_val_loss=initial,
                        val_loss=final, replicas=replicas, shards=shards,
-                       rounds=tally.rounds if trainer.co2 else None,
-                       bytes_sent=tally.bytes_sent if trainer.co2 else None,
+                       **(tally.exchange_record() if trainer.co2 else {"rounds": None, "bytes_sent": None}),
                        co2_state_bytes=trainer.opt.co2_state_bytes() if trainer.co2 else 0, n_params=job.n_params,
                        mfu=tally.last_mfu, max_memory_gib=job.memory_gib(), args=vars(a),
                        **elastic_record(job))  # fmt: skip

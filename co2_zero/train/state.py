@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Optional
 
@@ -108,6 +108,7 @@ class RoundEnd(NamedTuple):
     wait_s: Optional[float]
     round_end_s: Optional[float]
     bytes_sent: float = 0.0
+    senders_per_sent: Optional[float] = None  # the sparse exchange's overlap (`last_round`); None: dense
 
 
 @dataclass
@@ -123,8 +124,13 @@ class Tally:
     round_end_s: float = 0.0
     bytes_sent: float = 0.0
     last_mfu: Optional[float] = None
+    senders_per_sent: list = field(default_factory=list)  # the sparse exchange's, one per round end
     changes_shown: int = 0  # elastic: the membership changes already printed
     rounds_reported: int = 0  # elastic: the rounds of the membership's history already in --events_jsonl
+
+    def exchange_record(self) -> dict[str, Any]:
+        """What the summary record says of the exchange: rounds, bytes, the sparse exchange's overlap."""
+        return {"rounds": self.rounds, "bytes_sent": self.bytes_sent, "senders_per_sent": self.senders_per_sent or None}
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_sum, self.loss_n = self.loss_sum + loss.double(), self.loss_n + 1
@@ -132,6 +138,8 @@ class Tally:
     def add_round_end(self, end: RoundEnd, co2: bool) -> None:
         self.rounds += int(co2)
         self.bytes_sent += end.bytes_sent
+        if end.senders_per_sent is not None:
+            self.senders_per_sent.append(end.senders_per_sent)
         if end.wait_s is not None:
             self.wait_s += end.wait_s
             self.round_end_s += end.round_end_s or 0.0
