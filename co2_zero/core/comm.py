@@ -7,10 +7,8 @@ ordered against the compute stream by events, never by a device-wide synchronize
 
 from __future__ import annotations
 
-import queue
-import threading
 from concurrent.futures import Future
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,6 +19,7 @@ from .errors import NonFiniteError
 from .outer import OuterHyper, Segment, SegmentIndex, outer_step
 from .plan import ResolvedPlan
 from .topology import Topology, collective_device
+from .worker import BackgroundWorker
 
 # torch 2.13 renamed the tensor collectives `*_single` and warns on the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -98,60 +97,6 @@ class RoundResult(NamedTuple):
     update_sq_norms: torch.Tensor  # this rank's partial per-tensor ‖u‖², the next pipeline's staleness gap
     skipped_replicas: Optional[list[int]]  # None: the outer update was applied; else (`nonfinite:
     # "skip_round"`) the replicas whose displacement held NaN/Inf: the update was skipped on every replica
-
-
-class BackgroundWorker:
-    """A daemon thread that runs submitted jobs one at a time, in order.
-
-    Daemon, so a collective stuck on a dead peer can never keep the process from exiting.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.Queue[Optional[tuple[Callable[[], Any], Future]]] = queue.Queue()
-        self._unfinished = 0  # jobs submitted and not yet done
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            job, future = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(job())
-                except BaseException as error:  # delivered to whoever waits on the future
-                    future.set_exception(error)
-            with self._lock:
-                self._unfinished -= 1
-
-    @property
-    def idle(self) -> bool:
-        """No job queued or running: the thread ends as soon as it is scheduled once closed."""
-        with self._lock:
-            return self._unfinished == 0
-
-    def submit(self, job: Callable[[], Any]) -> Future:
-        future: Future = Future()
-        with self._lock:
-            self._unfinished += 1
-        self._jobs.put((job, future))
-        return future
-
-    def close(self, timeout: float = 1.0, idle_timeout: Optional[float] = None) -> bool:
-        """Stop after the jobs already queued; True if the thread has ended within `timeout` (an idle
-        worker's: `idle_timeout`, when given, it cannot be stuck in a collective).
-
-        Joining matters: a thread that used torch's C++ code (gloo, tensor ops) and still runs or ends
-        while the interpreter shuts down aborts the process ("terminate called without an active
-        exception"); so an orderly close waits for the thread, not just a moment, and on a busy host an
-        idle thread may take longer than a moment to be scheduled and end.
-        """
-        if idle_timeout is not None and self.idle:
-            timeout = max(timeout, idle_timeout)
-        self._jobs.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=timeout)
-        return not self._thread.is_alive()
 
 
 class OuterExchange:
@@ -357,9 +302,24 @@ class OuterExchange:
         g, self.senders_per_sent = sparse.average_over_senders_(everyone, self.displacement_scales, layout, work)
         return g
 
-    def last_senders_per_sent(self) -> Optional[float]:
-        """The sparse exchange's replicas per sent coordinate in the last average (1 to R; None: dense)."""
-        return None if self.senders_per_sent is None else float(self.senders_per_sent)
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes one replica's displacement of this partition takes per round before any collective moves
+        it (the field's measure of a format): the top-k payload, the quantized records, or the values."""
+        if self.sparse_layout is not None:
+            return self.sparse_layout.nbytes
+        if self.wire_format is not None:
+            record = RecordLayout.for_length(self.layout.sub_shard, bits=self.wire_format.bits)
+            return self.topology.replicas * record.nbytes
+        return self.layout.padded * self.comm_dtype.itemsize
+
+    def report(self) -> dict[str, Optional[float]]:
+        """What a round end reports of the wire besides its bytes (`wire_bytes`): the payload as a fraction of
+        fp32's, as `payload_ratio` = fp32 bytes / payload bytes; the sparse exchange's replicas per sent
+        coordinate in the last average (1 to R; None when dense or before one arrived)."""
+        ratio = 4 * self.layout.padded / self.payload_bytes if self.payload_bytes else None
+        overlap = None if self.senders_per_sent is None else float(self.senders_per_sent)
+        return {"payload_ratio": ratio, "senders_per_sent": overlap}
 
     def _share_new_start(self, work: torch.Tensor, base: torch.Tensor, g: torch.Tensor, finite: bool) -> None:
         """Step g: give every rank of the outer group the new start point in `work`.

@@ -239,7 +239,7 @@ class RoundEngine(StateReads):
             "inner_state_reset": reset_inner,
             "buffers_restored": buffers_restored,
             "bytes_sent": sent + buffer_bytes,
-            "senders_per_sent": self.exchange.last_senders_per_sent(),
+            **self.exchange.report(),  # payload_ratio, senders_per_sent
             "sync_delay": self.state.schedule.steps,  # where the next average is applied (sync_delay "auto": fixed)
         }
         self._round_done_at = time.perf_counter()

@@ -109,6 +109,7 @@ class RoundEnd(NamedTuple):
     round_end_s: Optional[float]
     bytes_sent: float = 0.0
     senders_per_sent: Optional[float] = None  # the sparse exchange's overlap (`last_round`); None: dense
+    payload_ratio: Optional[float] = None  # fp32 bytes / one replica's payload bytes (`last_round`)
 
 
 @dataclass
@@ -125,12 +126,20 @@ class Tally:
     bytes_sent: float = 0.0
     last_mfu: Optional[float] = None
     senders_per_sent: list = field(default_factory=list)  # the sparse exchange's, one per round end
+    payload_ratio: Optional[float] = None
     changes_shown: int = 0  # elastic: the membership changes already printed
     rounds_reported: int = 0  # elastic: the rounds of the membership's history already in --events_jsonl
 
     def exchange_record(self) -> dict[str, Any]:
-        """What the summary record says of the exchange: rounds, bytes, the sparse exchange's overlap."""
-        return {"rounds": self.rounds, "bytes_sent": self.bytes_sent, "senders_per_sent": self.senders_per_sent or None}
+        """What the summary record says of the exchange: rounds, wire bytes, the payload ratio to fp32, the
+        sparse exchange's overlap per round."""
+        overlap = self.senders_per_sent or None
+        return {
+            "rounds": self.rounds,
+            "bytes_sent": self.bytes_sent,
+            "payload_ratio": self.payload_ratio,
+            "senders_per_sent": overlap,
+        }
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self.loss_sum, self.loss_n = self.loss_sum + loss.double(), self.loss_n + 1
@@ -138,6 +147,7 @@ class Tally:
     def add_round_end(self, end: RoundEnd, co2: bool) -> None:
         self.rounds += int(co2)
         self.bytes_sent += end.bytes_sent
+        self.payload_ratio = end.payload_ratio or self.payload_ratio
         if end.senders_per_sent is not None:
             self.senders_per_sent.append(end.senders_per_sent)
         if end.wait_s is not None:

@@ -421,15 +421,15 @@ def test_ctrl_c_stops_every_rank(tmp_path):
 
 def slow_worker_exit(rank: int, world: int) -> bool:
     """finalize() on a host so busy that the idle background worker takes 2 s to end: is it joined?"""
-    from co2_zero.core import comm
+    from co2_zero.core.worker import BackgroundWorker
 
-    run = comm.BackgroundWorker._run
+    run = BackgroundWorker._run
 
-    def run_then_linger(worker: comm.BackgroundWorker) -> None:
+    def run_then_linger(worker: BackgroundWorker) -> None:
         run(worker)
         time.sleep(2.0)  # what a starved thread's last steps cost: it ends after the interpreter might
 
-    comm.BackgroundWorker._run = run_then_linger
+    BackgroundWorker._run = run_then_linger
     model = models.make_model()
     opt = CO2Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), CO2Config(tau=2, timeout_s=10), model=model)
     _train(rank, opt, model, 4)
