@@ -23,8 +23,8 @@ Batch = tuple[Tensor, Tensor]
 EPS = 1e-12
 DEFAULTS: dict[str, Any] = {
     "tau": 32,
-    "outer_lr": 0.5,
-    "outer_momentum": 0.9,
+    "outer_lr": "auto",  # 0.5, or SPARSE_DEFAULTS' with topk < 1
+    "outer_momentum": "auto",  # 0.9, likewise
     "nesterov": True,
     "overlap": True,
     "stand_in": "auto",
@@ -32,6 +32,8 @@ DEFAULTS: dict[str, Any] = {
     "gap_penalty": {"mode": "none", "value": 1.0, "strength": 2.0},
     "clip": {"mode": "none", "threshold": 1.0},
 }
+DENSE_DEFAULTS = {"outer_lr": 0.5, "outer_momentum": 0.9}
+SPARSE_DEFAULTS = {"outer_lr": 1.0, "outer_momentum": 0.0}  # with topk < 1 (its decay: reference_compress)
 
 
 def resolve_config(config: dict) -> dict[str, Any]:
@@ -39,6 +41,9 @@ def resolve_config(config: dict) -> dict[str, Any]:
     `local` with overlap (`shared` in blocking mode); sync_delay the round end (what "auto" does while it
     measures: a caller comparing past round 4 passes the fixed d and delay_from)."""
     cfg = {key: config.get(key, value) for key, value in DEFAULTS.items()}
+    for key in DENSE_DEFAULTS:  # left out or "auto": the exchange's own default
+        if cfg[key] == "auto":
+            cfg[key] = (SPARSE_DEFAULTS if config.get("topk", 1.0) < 1.0 else DENSE_DEFAULTS)[key]
     for key in ("gap_penalty", "clip"):
         cfg[key] = {**DEFAULTS[key], **(config.get(key) or {})}
     if isinstance(cfg["tau"], bool) or not isinstance(cfg["tau"], int) or cfg["tau"] < 1:

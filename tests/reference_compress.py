@@ -79,6 +79,12 @@ def sparse_roundtrip(x: Tensor, fmt: str, topk: float) -> tuple[Tensor, Tensor]:
     return out, sent
 
 
+def feedback_decay(config: dict) -> float:
+    """The sparse exchange's residual decay β of `config`: as given, else 0.95 with topk < 1 (1.0 dense)."""
+    value = config.get("feedback_decay", "auto")
+    return (0.95 if config.get("topk", 1.0) < 1.0 else 1.0) if value == "auto" else value
+
+
 class CompressedExchange:
     """The exchange of `reference.simulate(..., exchange=...)` for one run: error-feedback residuals
     of every replica and owner, kept across rounds.

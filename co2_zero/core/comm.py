@@ -295,7 +295,9 @@ class OuterExchange:
         it everywhere, as with `all_reduce`, and no new start point travels)."""
         layout, replicas = self.sparse_layout, self.topology.replicas
         mine = torch.empty(layout.nbytes, dtype=torch.uint8, device=work.device)
-        sparse.encode_with_feedback_(work, self.residuals.displacement, layout, mine, self.config.feedback_decay)
+        sparse.encode_with_feedback_(
+            work, self.residuals.displacement, layout, mine, self.config.effective("feedback_decay")
+        )
         everyone = torch.empty(replicas, layout.nbytes, dtype=torch.uint8, device=work.device)
         self._count("all_gather", everyone, replicas)
         _all_gather(everyone.view(-1), mine, group=self.topology.outer_group)

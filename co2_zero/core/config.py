@@ -12,12 +12,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from . import support
+from .fields import (
+    as_floats,
+    build,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_number_or_auto,
+    fail,
+    is_int_at_least,
+)
 
 PENALTY_MODES = ("none", "constant", "adaptive")
 CLIP_MODES = ("none", "value", "norm")
@@ -33,6 +43,14 @@ CHOICES = {
     "collective": COLLECTIVES,
     "comm_dtype": COMM_DTYPES,
     "nonfinite": NONFINITE_POLICIES,
+}
+# What `auto` resolves to for the outer step's settings, (dense, sparse): the quality study's best of each
+# exchange. A sparse exchange (`topk` < 1) sends only what its error feedback has gathered, and an outer
+# momentum on top of that feedback costs loss (docs/configuration.md, "Choosing a wire format").
+AUTO_OUTER: dict[str, tuple[float, float]] = {
+    "outer_lr": (0.5, 1.0),
+    "outer_momentum": (0.9, 0.0),
+    "feedback_decay": (1.0, 0.95),
 }
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week; process-group timeouts are kept in milliseconds by the backends
 
@@ -50,54 +68,10 @@ PUBLISHED: dict[str, Any] = {
 }
 
 
-def _fail(name: str, value: Any, accepted: str) -> None:
-    raise ValueError(f"co2 config: {name}={value!r} is invalid; accepted: {accepted}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        _fail(name, value, "true or false")
-
-
-def _is_int_at_least(value: Any, minimum: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not _is_int_at_least(value, minimum):
-        _fail(name, value, f"an integer >= {minimum}")
-
-
-def _check_number(name: str, value: Any, accepted: str, ok) -> None:
-    """A finite int or float for which `ok` holds (inf and NaN are refused: they poison the outer state)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(name, value, accepted)
-    if not math.isfinite(float(value)) or not ok(float(value)):
-        _fail(name, value, accepted)
-
-
-def _as_floats(instance: Any, *names: str) -> None:
-    """Store int values of float fields as floats, so `1` (JSON) and `1.0` (Python) are one config."""
-    for name in names:
-        object.__setattr__(instance, name, float(getattr(instance, name)))
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        _fail(name, value, " | ".join(repr(c) for c in choices))
-
-
-def _build(cls, name: str, value: Any):
-    """Accept a nested section as the dataclass itself or as a mapping of its fields."""
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, Mapping):
-        _fail(name, value, f"a mapping with keys {[f.name for f in dataclasses.fields(cls)]}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in value:
-        if key not in known:
-            _fail(f"{name}.{key}", value[key], f"no such key; known keys of {name}: {sorted(known)}")
-    return cls(**value)
+def _neutral(name: str) -> Any:
+    """The `"neutral"` value of CO2Config's field `name` (a sentinel where it declares none)."""
+    metadata = next(f.metadata for f in dataclasses.fields(CO2Config) if f.name == name)
+    return metadata.get("neutral", _neutral)
 
 
 def _identity_fields(section: Any) -> dict[str, Any]:
@@ -130,10 +104,10 @@ class GapPenalty:
     strength: float = field(default=2.0, metadata={"doc": "γ for `adaptive`: Λ = 1 + γ·‖δ‖/(‖g‖ + 1e-12)."})
 
     def __post_init__(self) -> None:
-        _check_choice("gap_penalty.mode", self.mode, PENALTY_MODES)
-        _check_number("gap_penalty.value", self.value, "a number >= 1", lambda v: v >= 1.0)
-        _check_number("gap_penalty.strength", self.strength, "a number >= 0", lambda v: v >= 0.0)
-        _as_floats(self, "value", "strength")
+        check_choice("gap_penalty.mode", self.mode, PENALTY_MODES)
+        check_number("gap_penalty.value", self.value, "a number >= 1", lambda v: v >= 1.0)
+        check_number("gap_penalty.strength", self.strength, "a number >= 0", lambda v: v >= 0.0)
+        as_floats(self, "value", "strength")
 
 
 @dataclass(frozen=True)
@@ -151,9 +125,9 @@ class Clip:
     threshold: float = field(default=1.0, metadata={"doc": "φ, the clipping threshold."})
 
     def __post_init__(self) -> None:
-        _check_choice("clip.mode", self.mode, CLIP_MODES)
-        _check_number("clip.threshold", self.threshold, "a number > 0", lambda v: v > 0.0)
-        _as_floats(self, "threshold")
+        check_choice("clip.mode", self.mode, CLIP_MODES)
+        check_number("clip.threshold", self.threshold, "a number > 0", lambda v: v > 0.0)
+        as_floats(self, "threshold")
 
 
 @dataclass(frozen=True)
@@ -174,14 +148,22 @@ class CO2Config:
         default=32,
         metadata={"doc": "Inner optimizer steps per round (steps that were applied, not micro-batches)."},
     )
-    outer_lr: float = field(
-        default=0.5,
+    outer_lr: Union[float, str] = field(
+        default="auto",
         metadata={
-            "doc": "α, the outer learning rate. Its best value rises with tau: 0.2 at tau 8, 0.5 at 32, 1.0 at "
-            "128 in the quality study (docs/configuration.md)."
+            "doc": "α, the outer learning rate. `auto` (the default): 0.5, or 1.0 with `topk` < 1. Its best dense "
+            "value rises with tau: 0.2 at tau 8, 0.5 at 32, 1.0 at 128 in the quality study (docs/configuration.md).",
+            "accepted": "a number > 0, or 'auto'",
         },
     )
-    outer_momentum: float = field(default=0.9, metadata={"doc": "β, the outer momentum."})
+    outer_momentum: Union[float, str] = field(
+        default="auto",
+        metadata={
+            "doc": "β, the outer momentum. `auto` (the default): 0.9, or 0 with `topk` < 1 (the decaying "
+            "residual stands in for it; an outer momentum on top of error feedback costs loss).",
+            "accepted": "a number in [0, 1), or 'auto'",
+        },
+    )
     nesterov: bool = field(
         default=True, metadata={"doc": "Nesterov outer momentum: `u = β·m + g/Λ` instead of `u = m`."}
     )
@@ -268,15 +250,15 @@ class CO2Config:
             "neutral": 1.0,
         },
     )
-    feedback_decay: float = field(
-        default=1.0,
+    feedback_decay: Union[float, str] = field(
+        default="auto",
         metadata={
             "doc": "The sparse exchange's error feedback: each round a replica sends the top-k of "
             "`D + feedback_decay · residual`, so what was not sent fades by this factor per round "
             "(SparseLoCo, arXiv 2508.15706: 0.95, with `outer_momentum: 0` and `outer_lr: 1`, the decaying "
-            "residual standing in for the outer momentum). `1.0` (the default): nothing fades, every element "
-            "of D is sent in some round. Needs `topk` < 1.",
-            "accepted": "a number in (0, 1]",
+            "residual standing in for the outer momentum). `1.0`: nothing fades, every element of D is sent in "
+            "some round. `auto` (the default): 0.95 with `topk` < 1, else 1.0; another value needs `topk` < 1.",
+            "accepted": "a number in (0, 1], or 'auto'",
             "neutral": 1.0,
         },
     )
@@ -318,28 +300,32 @@ class CO2Config:
     )
 
     def __post_init__(self) -> None:
-        _check_int("tau", self.tau, 1)
-        _check_number("outer_lr", self.outer_lr, "a number > 0", lambda v: v > 0.0)
-        _check_number("outer_momentum", self.outer_momentum, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
-        _check_bool("nesterov", self.nesterov)
-        _check_bool("overlap", self.overlap)
-        object.__setattr__(self, "gap_penalty", _build(GapPenalty, "gap_penalty", self.gap_penalty))
-        object.__setattr__(self, "clip", _build(Clip, "clip", self.clip))
-        if self.shards_per_replica != "node" and not _is_int_at_least(self.shards_per_replica, 1):
-            _fail("shards_per_replica", self.shards_per_replica, "an integer >= 1, or 'node'")
-        _check_choice("collective", self.collective, COLLECTIVES)
-        _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
-        _check_number("topk", self.topk, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
-        _check_number("feedback_decay", self.feedback_decay, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        check_int("tau", self.tau, 1)
+        check_number_or_auto("outer_lr", self.outer_lr, "a number > 0, or 'auto'", lambda v: v > 0.0)
+        check_number_or_auto(
+            "outer_momentum", self.outer_momentum, "a number in [0, 1), or 'auto'", lambda v: 0 <= v < 1
+        )
+        check_bool("nesterov", self.nesterov)
+        check_bool("overlap", self.overlap)
+        object.__setattr__(self, "gap_penalty", build(GapPenalty, "gap_penalty", self.gap_penalty))
+        object.__setattr__(self, "clip", build(Clip, "clip", self.clip))
+        if self.shards_per_replica != "node" and not is_int_at_least(self.shards_per_replica, 1):
+            fail("shards_per_replica", self.shards_per_replica, "an integer >= 1, or 'node'")
+        check_choice("collective", self.collective, COLLECTIVES)
+        check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        check_number("topk", self.topk, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        check_number_or_auto(
+            "feedback_decay", self.feedback_decay, "a number in (0, 1], or 'auto'", lambda v: 0 < v <= 1
+        )
         seconds = f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
-        _check_number("timeout_s", self.timeout_s, seconds, lambda v: 0 < v <= MAX_TIMEOUT_S)
-        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        _check_choice("stand_in", self.stand_in, STAND_INS)
+        check_number("timeout_s", self.timeout_s, seconds, lambda v: 0 < v <= MAX_TIMEOUT_S)
+        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_choice("stand_in", self.stand_in, STAND_INS)
         if self.sync_delay is not None:
             self._check_sync_delay()
         if self.replica_tau is not None:
             self._check_replica_tau()
-        _as_floats(self, "outer_lr", "outer_momentum", "timeout_s", "topk", "feedback_decay")
+        as_floats(self, "timeout_s", "topk", *(name for name in AUTO_OUTER if getattr(self, name) != "auto"))
         support.check(self.leaves())  # the combinations that need no more than these fields
 
     @property
@@ -357,6 +343,12 @@ class CO2Config:
         `replica_tau` "auto" is the round end: the replicas' rounds have different lengths)."""
         return self.overlap and self.sync_delay == "auto" and self.replica_tau is None
 
+    def effective(self, name: str) -> float:
+        """The value of the outer setting `name` (`AUTO_OUTER`'s: outer_lr, outer_momentum, feedback_decay) the
+        rounds run with: as given, or what `auto` resolves to for this exchange (dense or sparse)."""
+        value = getattr(self, name)
+        return AUTO_OUTER[name][self.sparse] if value == "auto" else value
+
     @property
     def effective_stand_in(self) -> str:
         """The stand-in the rounds use: `stand_in`, with `auto` the `local` one (`shared` in blocking mode,
@@ -369,11 +361,11 @@ class CO2Config:
         accepted = f"null, 'auto', or an integer in [1, tau={self.tau}]"
         if isinstance(self.sync_delay, str):
             if self.sync_delay != "auto":
-                _fail("sync_delay", self.sync_delay, accepted)
+                fail("sync_delay", self.sync_delay, accepted)
         else:
-            _check_int("sync_delay", self.sync_delay, 1)
+            check_int("sync_delay", self.sync_delay, 1)
             if self.sync_delay > self.tau:
-                _fail("sync_delay", self.sync_delay, accepted)
+                fail("sync_delay", self.sync_delay, accepted)
 
     @property
     def sparse(self) -> bool:
@@ -391,23 +383,23 @@ class CO2Config:
         if value == "auto":
             return
         if not isinstance(value, (list, tuple)) or not value:
-            _fail("replica_tau", value, accepted)
+            fail("replica_tau", value, accepted)
         for tau in value:
             if isinstance(tau, bool) or not isinstance(tau, int) or not 1 <= tau <= self.tau:
-                _fail("replica_tau", value, accepted)
+                fail("replica_tau", value, accepted)
         if max(value) != self.tau:
-            _fail("replica_tau", value, accepted)
+            fail("replica_tau", value, accepted)
         object.__setattr__(self, "replica_tau", tuple(value))
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:
         """Build from a plain dict, e.g. the `"co2"` section of a DeepSpeed JSON config."""
-        return _build(cls, "co2", section)
+        return build(cls, "co2", section)
 
     @classmethod
     def coerce(cls, value: CO2Config | Mapping[str, Any] | None) -> CO2Config:
         """A `CO2Config`, a dict of its fields, or None (all defaults)."""
-        return cls() if value is None else _build(cls, "co2", value)
+        return cls() if value is None else build(cls, "co2", value)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -431,6 +423,10 @@ class CO2Config:
         plumbing = ("timeout_s", "collective", "shards_per_replica")  # the result is independent of them
         math = {k: v for k, v in _identity_fields(self).items() if k not in plumbing}
         math["stand_in"] = self.effective_stand_in  # `auto` is whichever it resolves to
+        for name in AUTO_OUTER:  # likewise: a default config keeps the identity it had before `auto`
+            math.pop(name, None)
+            if self.effective(name) != _neutral(name):
+                math[name] = self.effective(name)
         if not self.measures_sync_delay:
             math["sync_delay"] = self.steps_before_apply  # null and tau are the same schedule
         return hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:16]

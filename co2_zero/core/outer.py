@@ -51,8 +51,8 @@ class OuterHyper(NamedTuple):
     def from_config(cls, config: CO2Config) -> OuterHyper:
         penalty, clip = config.gap_penalty, config.clip
         return cls(
-            outer_lr=float(config.outer_lr),
-            outer_momentum=float(config.outer_momentum),
+            outer_lr=float(config.effective("outer_lr")),
+            outer_momentum=float(config.effective("outer_momentum")),
             nesterov=bool(config.nesterov),
             penalty=penalty.mode,
             penalty_value=float(penalty.value),

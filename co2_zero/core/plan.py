@@ -15,6 +15,7 @@ from there and adds what needs the job (docs/design.md §3, "How a round flows")
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -116,6 +117,25 @@ def _replica_tau(config: CO2Config, elastic: bool) -> str:
     return "every round" if elastic else "measured"
 
 
+def sparse_costs(config: CO2Config) -> list[str]:
+    """What the settings asked for explicitly cost the sparse exchange (`topk` < 1), as the quality study
+    measured it (docs/configuration.md, "Choosing a wire format"): allowed, and said once."""
+    if not config.sparse:
+        return []
+    costs = []
+    if config.effective("outer_momentum") > 0:
+        costs.append(
+            f"outer_momentum={config.outer_momentum} on top of the error feedback amplifies what each round "
+            "could not send (diverged in the study's short runs); 'auto' sets 0 with topk < 1"
+        )
+    if config.effective("outer_lr") != 1.0 and config.effective_stand_in == "local":
+        costs.append(
+            f"outer_lr={config.outer_lr} with the local stand-in steps alpha x the replica's own dense "
+            "displacement where the shared step is sparse; 'auto' sets 1.0 with topk < 1"
+        )
+    return costs
+
+
 def check_given(config: CO2Config, **where: Any) -> None:
     """Refuse what the support table refuses of `config` where it runs (`integration`, `driver`,
     `elastic`), before anything is built."""
@@ -134,6 +154,8 @@ def resolve(
     `support.Unsupported` naming what the support table refuses; `Pace.of`'s ValueError for a
     `replica_tau` of another length than R."""
     check_given(config, integration=integration, elastic=elastic)
+    for cost in sparse_costs(config):
+        warnings.warn(f"co2 config: topk={config.topk}: {cost}", stacklevel=3)
     if elastic:
         config = _for_membership(config)
     backend = backend or str(dist.get_backend(topology.outer_group))

@@ -78,7 +78,9 @@ class RoundState:
             momentum=momentum,
             g_buffer=torch.zeros_like(momentum) if reduce_scatter else None,
             own_start=start_point.clone() if stand_in != "shared" else None,
-            own_momentum=torch.zeros_like(start_point) if keeps_copy and plan.config.outer_momentum else None,
+            own_momentum=torch.zeros_like(start_point)
+            if keeps_copy and plan.config.effective("outer_momentum")
+            else None,
             residuals=exchange.residuals,
             schedule=ApplySchedule(min(plan.steps_before_apply, tau), tau),
             delay_meter=DelayMeter(plan.config.tau) if plan.sync_delay == "measured" else None,

@@ -83,6 +83,6 @@ class StandIn:
         """The outer momentum as of the shared start, over this rank's whole partition, for the `local`
         stand-in: the momentum itself with all_reduce (so a skipped round or a healed replica needs
         nothing more), else the copy that follows the applied steps; None when β = 0."""
-        if not self.config.outer_momentum:
+        if not self.config.effective("outer_momentum"):
             return None
         return state.momentum if state.own_momentum is None else state.own_momentum

@@ -140,8 +140,8 @@ TABLE: tuple[Refusal, ...] = (
          "a sparse exchange cannot be summed along a ring; its payloads are all-gathered", topk=_SPARSE),
     _row("collective", one_of("all_gather"), "'auto', 'reduce_scatter' or 'all_reduce', or topk < 1",
          "all_gather carries only a sparse exchange", topk=_DENSE),
-    _row("feedback_decay", besides(1.0), "1.0, or topk < 1", "the dense formats keep their whole residual",
-         topk=_DENSE),
+    _row("feedback_decay", besides(1.0, "auto"), "1.0 or 'auto', or topk < 1",
+         "the dense formats keep their whole residual", topk=_DENSE),
     # the schedule and the stand-ins (docs/design.md §3)
     _row("sync_delay", _STEP, "null or 'auto' (both: at once), or overlap: true",
          "a blocking round applies its average at once", overlap=one_of(False)),

@@ -143,8 +143,8 @@ def _replica_tau(text: str) -> list[int] | str:
 def _co2_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("CO2", f"each flag given overrides the CO2Config field ({PRESET})").add_argument
     a("--tau", type=int, default=None, help=f"local steps per round; {PRESET} 32")
-    a("--outer_lr", type=float, default=None, help=f"{PRESET} 0.5 (for tau 32; 0.2 at 8, 1.0 at 128)")
-    a("--outer_momentum", type=float, default=None, help=f"{PRESET} 0.9")
+    a("--outer_lr", type=float, default=None, help=f"{PRESET} auto: 0.5, 1.0 with --topk < 1")
+    a("--outer_momentum", type=float, default=None, help=f"{PRESET} auto: 0.9, 0 with --topk < 1")
     a("--nesterov", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} on")
     a("--overlap", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} on")
     a("--stand_in", default=None, choices=STAND_INS,
@@ -169,7 +169,7 @@ def _co2_flags(p: argparse.ArgumentParser) -> None:
     a("--collective", default=None, help=f"{PRESET} auto")
     a("--comm_dtype", default=None, help=f"wire format of the exchange; {PRESET} fp32")
     a("--topk", type=float, default=None, help=f"fraction of each chunk a replica sends; {PRESET} 1.0 (dense)")
-    a("--feedback_decay", type=float, default=None, help=f"the sparse exchange's residual decay; {PRESET} 1.0")
+    a("--feedback_decay", type=float, default=None, help=f"the sparse exchange's residual decay; {PRESET} auto: 0.95")
     a("--timeout_s", type=float, default=None, help=f"deadline of every wait; {PRESET} 600")
     a("--nonfinite", default=None, choices=("raise", "skip_round"), help=f"on a NaN/inf round; {PRESET} raise")
 

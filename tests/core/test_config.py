@@ -199,6 +199,18 @@ def test_bad_field_is_named_with_value_and_accepted(field, value, named):
         CO2Config(**{field: value})
 
 
+def test_outer_settings_auto_fit_the_exchange():
+    """`auto` outer settings: the dense defaults, or with topk < 1 the sparse exchange's (alpha 1, no outer
+    momentum, residual decay 0.95); a config that names the values `auto` gives has the same identity."""
+    sparse = CO2Config(topk=0.015, comm_dtype="int2")
+    assert [sparse.effective(name) for name in ("outer_lr", "outer_momentum", "feedback_decay")] == [1.0, 0.0, 0.95]
+    explicit = CO2Config(topk=0.015, comm_dtype="int2", outer_lr=1, outer_momentum=0.0, feedback_decay=0.95)
+    assert explicit.math_hash() == sparse.math_hash()
+    assert CO2Config(outer_lr=0.5, outer_momentum=0.9).math_hash() == CO2Config().math_hash()
+    assert CO2Config(topk=0.015, outer_momentum=0.9).effective("outer_momentum") == 0.9  # asked for: kept
+    assert CO2Config(topk=0.015, outer_momentum=0.9).math_hash() != sparse.math_hash()
+
+
 def test_unknown_top_level_key_is_named():
     with pytest.raises(ValueError, match="co2.outer_lrr"):
         CO2Config.from_dict({"outer_lrr": 1.0})
@@ -206,7 +218,8 @@ def test_unknown_top_level_key_is_named():
 
 def test_defaults_and_dict_round_trip():
     config = CO2Config()
-    assert (config.tau, config.outer_lr, config.outer_momentum, config.nesterov) == (32, 0.5, 0.9, True)
+    assert (config.tau, config.outer_lr, config.outer_momentum, config.nesterov) == (32, "auto", "auto", True)
+    assert [config.effective(name) for name in ("outer_lr", "outer_momentum", "feedback_decay")] == [0.5, 0.9, 1.0]
     assert (config.stand_in, config.sync_delay, config.gap_penalty.mode) == ("auto", "auto", "none")
     assert config.effective_stand_in == "local" and config.overlap and config.collective == "auto"
     assert config.gap_penalty == GapPenalty() and config.clip == Clip()

@@ -331,10 +331,12 @@ def test_every_inner_step_matches_the_reference(results):
 def test_the_compressed_exchanges_match_the_reference(results, name, fields):
     """Each replica compresses its displacement scaled by R·w_r (1 while measured) plus its residual: the
     residual carries over from the uniform rounds into the paced ones."""
-    from tests.reference_compress import CompressedExchange
+    from tests.reference_compress import CompressedExchange, feedback_decay
 
     strategy = "all_gather" if "topk" in fields else "all_reduce"  # what collective: auto resolves to on gloo
-    exchange = CompressedExchange(fields["comm_dtype"], strategy, 2, topk=fields.get("topk", 1.0))
+    exchange = CompressedExchange(
+        fields["comm_dtype"], strategy, 2, topk=fields.get("topk", 1.0), decay=feedback_decay(fields)
+    )
     per_step, finals = _reference(FIXED, MEASURED_ROUNDS, config={**AUTO, **fields}, exchange=exchange)
     _assert_every_step([got[name] for got in results], per_step, finals, name)
     assert all(got[name]["fixed"] == SETTLED for got in results)

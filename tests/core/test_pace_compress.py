@@ -21,7 +21,7 @@ from tests import models
 from tests.core.test_pace import EXTRA, PACED, ROUNDS, TAU, _assert_close, _extra, _finalize, _params, _train
 from tests.dist_utils import run_ranks
 from tests.reference import simulate_paced
-from tests.reference_compress import CompressedExchange
+from tests.reference_compress import CompressedExchange, feedback_decay
 
 MODEL = "uneven"  # 527 parameters: sub-shards of 264 elements, a full block and a short one
 SCENARIOS = {
@@ -86,7 +86,7 @@ def _reference(
     reference's, on the library's resolved collective and (S > 1) its partitions."""
     taus = config["replica_tau"]
     exchange = CompressedExchange(config.get("comm_dtype", "fp32"), strategy, len(taus), partitions,
-                                  topk=config.get("topk", 1.0), decay=config.get("feedback_decay", 1.0))  # fmt: skip
+                                  topk=config.get("topk", 1.0), decay=feedback_decay(config))  # fmt: skip
     per_step: list = []
     finals = simulate_paced(lambda: models.make_model(kind), lambda p: models.make_optimizer("sgd", p),
                             models.batch, models.loss_fn, config, taus, ROUNDS, _extra(config), shards=shards,

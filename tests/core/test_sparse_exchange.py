@@ -40,7 +40,7 @@ from tests.core.test_compress import (
 )
 from tests.dist_utils import environment, run_ranks
 from tests.reference import replica_round_starts, simulate
-from tests.reference_compress import CompressedExchange
+from tests.reference_compress import CompressedExchange, feedback_decay
 
 # "uneven" has 527 parameters: one short chunk per partition, k = 16 of 528 at 3%, 8 at 1.5%
 SCENARIOS = {
@@ -123,7 +123,7 @@ def _reference(sc: dict, replicas: int, partitions=None, shards: int = 1):
     config = sc["config"]
     exchange = CompressedExchange(
         config["comm_dtype"], "all_gather", replicas, partitions, topk=config["topk"],
-        decay=config.get("feedback_decay", 1.0),
+        decay=feedback_decay(config),
     )  # fmt: skip
     starts: list = []
     step_record: list = []
@@ -318,7 +318,7 @@ def test_fsdp_every_inner_step_matches_the_reference(results_fsdp, name):
     def reference(steps: int, finalize: bool) -> list:
         config = sc["config"]
         exchange = CompressedExchange(
-            config["comm_dtype"], "all_gather", 2, partitions, config["topk"], config.get("feedback_decay", 1.0)
+            config["comm_dtype"], "all_gather", 2, partitions, config["topk"], feedback_decay(config)
         )
         return simulate(
             lambda: models.make_model("mlp"), lambda p: models.make_optimizer(sc.get("optimizer", "sgd"), p),
@@ -371,7 +371,9 @@ def test_deepspeed_every_inner_step_matches_the_reference(results_deepspeed):
         [(names[tensor_id], offset, offset + values.numel()) for tensor_id, offset, values in per_rank["pieces"]]
         for per_rank in results_deepspeed[:shards]
     ]
-    exchange = CompressedExchange("int2", "all_gather", 2, partitions, topk=0.1)
+    exchange = CompressedExchange(
+        "int2", "all_gather", 2, partitions, topk=0.1, decay=feedback_decay(sc["config"]["co2"])
+    )
     _, steps, finals = reference(sc, shards, exchange=exchange)
     for rank, got in enumerate(results_deepspeed):
         assert len(got["trajectory"]) == sc["steps"]

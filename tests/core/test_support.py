@@ -39,7 +39,7 @@ ELASTIC, PLAIN, FAIRSCALE, DEEPSPEED, LIGHTNING, TRAIN = (
 WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     "collective: 'reduce_scatter', 'all_reduce' with topk: not 1.0": (PLAIN, {"collective": "all_reduce", "topk": 0.5}),
     "collective: 'all_gather' with topk: 1.0": (PLAIN, {"collective": "all_gather"}),
-    "feedback_decay: not 1.0 with topk: 1.0": (PLAIN, {"feedback_decay": 0.95}),
+    "feedback_decay: not 1.0, 'auto' with topk: 1.0": (PLAIN, {"feedback_decay": 0.95}),
     "sync_delay: not null, 'auto' with overlap: false": (PLAIN, {"sync_delay": 1, "overlap": False}),
     "overlap: false with stand_in: 'eager', 'local'": (PLAIN, {"overlap": False, "stand_in": "local"}),
     "clip.mode: 'value', 'norm' with stand_in: 'eager'": (PLAIN, {"clip": {"mode": "value"}, "stand_in": "eager"}),

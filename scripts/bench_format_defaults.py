@@ -1,0 +1,137 @@
+"""What a user pays who changes only the wire format: train_lm.py with everything else at its defaults
+(AdamW, the co2 method, `auto` outer settings), one short run per format and seed, side by side with fp32.
+
+Each run: `torchrun --standalone --nproc_per_node NODES scripts/train_lm.py --tau TAU --max_steps ROUNDS·TAU`
+plus the format's flags (and, for a `--with` variant, the flags it adds). Prints the table and writes
+
+  <out_dir>/format_defaults.json   every run (final validation loss, payload ratio, overlap), the command
+  <out_dir>/format_defaults.md     format × final loss over fp32's, per seed and its range
+
+    python -m scripts.bench_format_defaults                      # the defaults of every format, 3 seeds
+    python -m scripts.bench_format_defaults --formats int2 top1.5%-int2 --with 'momentum=--outer_momentum 0.9'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+from scripts import bench_compression as bcomp
+
+ROOT = Path(__file__).resolve().parent.parent
+FORMATS = {  # the flags a user adds to choose the format, nothing else
+    "fp32": [],
+    "int8": ["--comm_dtype", "int8"],
+    "int4": ["--comm_dtype", "int4"],
+    "int2": ["--comm_dtype", "int2"],
+    "top3%-int2": ["--comm_dtype", "int2", "--topk", "0.03"],
+    "top1.5%-int2": ["--comm_dtype", "int2", "--topk", "0.015"],
+    "top0.9%-int2": ["--comm_dtype", "int2", "--topk", "0.009"],
+}
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument(
+        "--with",
+        dest="variants",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="also run each non-fp32 format with these flags added (a setting the user asked for)",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", default=[1337, 1338, 1339])
+    p.add_argument("--tau", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "format_defaults"))
+    return p.parse_args(argv)
+
+
+def run_one(a: argparse.Namespace, flags: list[str], seed: int, log_root: Path) -> dict:
+    """One training run; its summary record (final loss, bytes, payload ratio, overlap)."""
+    out_json = log_root / f"{abs(hash((tuple(flags), seed)))}.jsonl"
+    args = ["--tau", str(a.tau), "--max_steps", str(a.rounds * a.tau), "--seed", str(seed), "--no_progress", *flags]
+    bcomp.run_unshaped(a.nodes, [*args, "--out_json", str(out_json)], log_root / out_json.stem)
+    end = next(r for r in map(json.loads, out_json.read_text().splitlines()) if r.get("summary"))
+    overlap = end.get("senders_per_sent") or []
+    command = ["torchrun", "--standalone", "--nproc_per_node", str(a.nodes), "scripts/train_lm.py", *args]
+    return {
+        "seed": seed,
+        "final_val_loss": end["val_loss"],
+        "payload_ratio": end.get("payload_ratio"),
+        "senders_per_sent": statistics.mean(overlap) if overlap else None,
+        "command": shlex.join(command),
+    }
+
+
+def cases(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(label, flags): fp32, every format alone, then each `--with` variant of every format but fp32."""
+    out = [("fp32", [])] + [(f, FORMATS[f]) for f in a.formats if f != "fp32"]
+    for variant in a.variants:
+        name, _, flags = variant.partition("=")
+        out += [(f"{f} {name}", FORMATS[f] + shlex.split(flags)) for f in a.formats if f != "fp32"]
+    return out
+
+
+def table(runs: dict[str, list[dict]]) -> list[dict]:
+    """Per case: final loss over fp32's seed for seed, their mean and range."""
+    fp32 = {r["seed"]: r["final_val_loss"] for r in runs["fp32"]}
+    rows = []
+    for label, got in runs.items():
+        ratios = [r["final_val_loss"] / fp32[r["seed"]] for r in got]
+        rows.append(
+            {
+                "case": label,
+                "vs_fp32": statistics.mean(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+                "payload_ratio": got[0]["payload_ratio"],
+                "senders_per_sent": got[0]["senders_per_sent"],
+                "seeds": len(got),
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict], a: argparse.Namespace, command: str) -> str:
+    head = (
+        f"# A user who changes only the format\n\n{a.rounds} rounds at τ = {a.tau}, {a.nodes} ranks, AdamW, "
+        f"every other setting at its default. Final validation loss over fp32's, seed for seed: mean "
+        f"[min, max] over {len(a.seeds)} seeds. Payload: fp32 bytes over one replica's payload.\n\n"
+        "| format | loss vs fp32 | payload ratio | senders per sent coordinate |\n|---|---|---|---|\n"
+    )
+    lines = [
+        f"| {r['case']} | {r['vs_fp32']:.3f} [{r['min']:.3f}, {r['max']:.3f}] | "
+        f"{r['payload_ratio'] or 1:.1f}× | {r['senders_per_sent'] or '–'} |"
+        for r in rows
+    ]
+    return head + "\n".join(lines) + f"\n\nCommand:\n\n    {command}\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = get_args(argv)
+    log_root = Path(tempfile.mkdtemp(prefix="c2z-formats-"))
+    runs: dict[str, list[dict]] = {}
+    for label, flags in cases(a):
+        runs[label] = [run_one(a, flags, seed, log_root) for seed in a.seeds]
+        print(label, [round(r["final_val_loss"], 4) for r in runs[label]], flush=True)
+    rows = table(runs)
+    command = shlex.join(["python", "-m", "scripts.bench_format_defaults", *(sys.argv[1:] if argv is None else argv)])
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "format_defaults.json").write_text(json.dumps({"command": command, "rows": rows, "runs": runs}, indent=1))
+    (out / "format_defaults.md").write_text(markdown(rows, a, command))
+    print(markdown(rows, a, command))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
