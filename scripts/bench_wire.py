@@ -3,10 +3,13 @@
 1. Bytes per round, measured from the wire: R gloo ranks (plain CO2Optimizer, one replica each) train
    a model of --params parameters with every format (dense fp32, bf16, int8, fp8, int4, int2, and top-k
    in int2/int4/fp32) for two blocking rounds; `last_round["bytes_sent"]` of rank 0's last round, its
-   ratio to fp32's, and `co2_state_bytes()`, next to the closed forms of design §5.
+   ratio to fp32's (the wire bytes per rank: all-gather against ring all-reduce), the payload ratio (fp32
+   bytes over one replica's payload, the field's measure), and `co2_state_bytes()`, next to the closed
+   forms of design §5.
 2. The codec's cost on one CPU core (torch.set_num_threads(1)), or on a GPU with --codec_device cuda:
    encode (with error feedback; the sparse formats with the decaying residual they are recommended with)
-   and decode of an fp32 vector of --codec_elements elements, --repeats times; MB/s of fp32 input.
+   and decode of an fp32 vector of --codec_elements elements, --repeats times; MB/s of fp32 input (a
+   sparse decode: the senders' mean of one payload, what each of the R payloads of a round costs).
 
 Writes <out_dir>/wire.json and wire.md.
 
@@ -48,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from co2_zero import CO2Optimizer  # noqa: E402
 from co2_zero.core.compress import FORMATS, RecordLayout, dequantize_into, quantize_with_feedback_  # noqa: E402
-from co2_zero.core.sparse import SparseLayout, add_decoded_, encode_with_feedback_  # noqa: E402
+from co2_zero.core.sparse import SparseLayout, average_over_senders_, encode_with_feedback_  # noqa: E402
 from tests.dist_utils import run_ranks  # noqa: E402
 
 # label -> the co2 config's wire fields
@@ -106,6 +109,7 @@ def wire_rank(rank: int, world: int, params: int) -> dict:
             "state_bytes": opt.co2_state_bytes(),
             "strategy": opt.engine.exchange.strategy,
             "padded": opt.engine.layout.padded,
+            "payload_ratio": opt.last_round["payload_ratio"],
         }
         opt.finalize()
     return out
@@ -160,8 +164,9 @@ def _codec(label: str, vector: torch.Tensor, residual: torch.Tensor, out: torch.
     if "topk" in wire:
         layout = SparseLayout.for_length(vector.numel(), wire["topk"], wire["comm_dtype"])
         payload = torch.empty(layout.nbytes, dtype=torch.uint8, device=vector.device)
+        one = payload.view(1, -1)  # the senders' mean over one payload: what each of the R payloads costs
         return (lambda: encode_with_feedback_(vector.clone(), residual, layout, payload, decay),
-                lambda: add_decoded_(payload, layout, out.zero_()))  # fmt: skip
+                lambda: average_over_senders_(one, [1.0], layout, out))  # fmt: skip
     fmt = FORMATS[wire["comm_dtype"]]
     nbytes = RecordLayout.for_length(vector.numel(), bits=fmt.bits).nbytes
     records = torch.empty(1, nbytes, dtype=torch.uint8, device=vector.device)
@@ -222,11 +227,12 @@ def _span(values: Sequence[float]) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| R | wire | bytes/round (rank 0) | closed form | × fewer than fp32 | bits/param | state bytes |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| R | wire | bytes/round (rank 0) | closed form | × fewer wire bytes than fp32 | payload × fewer than "
+             "fp32's | bits/param | state bytes |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result.get("wire", []):
         lines.append(f"| {r['replicas']} | {r['wire']} | {r['bytes_sent']:,} | {r['closed_form']:,} | "
-                     f"{r['ratio_to_fp32']:.1f} | {r['bits_per_parameter']:.3f} | {r['state_bytes']:,} |")  # fmt: skip
+                     f"{r['ratio_to_fp32']:.1f} | {r.get('payload_ratio') or 1:.1f} | {r['bits_per_parameter']:.3f} | "
+                     f"{r['state_bytes']:,} |")  # fmt: skip
     lines = lines if result.get("wire") else []
     where = result.get("codec_device", "cpu")
     lines += ["", f"Codec on {'one core' if where == 'cpu' else where}, {result['codec'][0]['elements']:,} fp32 "
