@@ -1,7 +1,7 @@
 """MkDocs hook: the benchmark tables, generated from the JSON results under benchmarks/ at build time.
 
 A page includes a table with a marker line `<!-- benchmark: NAME -->` (NAME in `TABLES`). The README
-carries a copy of `throughput` (it is the package's long description, so nothing renders it);
+carries a copy of `readme_results` (it is the package's long description, so nothing renders it);
 tests/project/test_docs.py checks that the copy equals what this module generates. The images under
 benchmarks/ are added to the site at their repository paths, so a page links them as
 `benchmarks/compression/headline.png`.
@@ -70,6 +70,19 @@ def throughput() -> str:
     cases = [_load(f"{HETEROGENEOUS_ROW_STUDY}/{case}.json") for case in HETEROGENEOUS_CASES]
     rows.append([HETEROGENEOUS_ROW, *(_heterogeneous(c, cases) for c in cells)])
     return _table(["run", *(_cell_title(c) for c in cells)], rows)
+
+
+README_ROWS = ("ddp", "co2", "co2-int8", "localsgd")  # run labels of throughput's rows, the README's few
+
+
+def readme_results() -> str:
+    """The README's one results table: `throughput`'s medians for a few runs, without ranges (the page has them)."""
+    cells = [_load(f"throughput/throughput_{name}.json")["cells"][0] for name in CELLS]
+    titles = dict((label, title) for title, label in THROUGHPUT_ROWS)
+    rows = [["τ", *(str(c["tau"]) for c in cells)]]
+    for label in README_ROWS:
+        rows.append([titles[label], *(f"{c['summary'][label]['ratio_to_none']:.2f}" for c in cells)])
+    return _table(["tokens/s ÷ compute only", *(_cell_title(c) for c in cells)], rows)
 
 
 HETEROGENEOUS_CASES = ("half", "quarter")
@@ -160,14 +173,6 @@ def quality() -> str:
     return body.split("\n", 2)[2]  # without its title: the page has its own heading
 
 
-def quality_overview() -> list[str]:
-    """The README's quality table: method × τ, the best setting's loss and gap to ddp."""
-    sys.path.insert(0, str(ROOT))
-    from scripts import bench_quality
-
-    return bench_quality.overview(json.loads(QUALITY.read_text()))
-
-
 def _heterogeneous_tables(study: str) -> str:
     """Replicas of different speeds (benchmarks/<study>/, scripts/bench_hetero.py): a table per case."""
     sys.path.insert(0, str(ROOT))
@@ -201,10 +206,5 @@ def on_files(files: Any, config: Any) -> Any:
     return files
 
 
-def table_lines(text: str) -> list[str]:
-    """The markdown table rows of a generated block (what the README copies of it)."""
-    return [line for line in text.splitlines() if line.startswith("|")]
-
-
-if __name__ == "__main__":  # the README's copies: the throughput table, the elastic one, the quality one
-    print(throughput(), "", *table_lines(elastic()), "", *quality_overview(), sep="\n")
+if __name__ == "__main__":  # the README's copy
+    print(readme_results())
