@@ -85,6 +85,58 @@ def readme_results() -> str:
     return _table(["tokens/s ÷ compute only", *(_cell_title(c) for c in cells)], rows)
 
 
+def _wire_format(run_label: str) -> str:
+    """A bench_throughput run label's wire format as benchmarks/wire/wire.json names it: co2-top1.5%-int2-decay ->
+    top1.5%-int2 (the decay changes no byte), co2 -> fp32."""
+    return "fp32" if run_label == "co2" else run_label.removeprefix("co2-").removesuffix("-decay")
+
+
+def wire() -> str:
+    """Each format's bytes per round per rank against fp32's, measured from the wire (benchmarks/wire/wire.json,
+    scripts/bench_wire.py): the one ratio a format has on every page."""
+    rows = _load("wire/wire.json")["wire"]
+    replicas = sorted({r["replicas"] for r in rows})
+    ratio = {(r["wire"], r["replicas"]): r["ratio_to_fp32"] for r in rows}
+    formats = list(dict.fromkeys(r["wire"] for r in rows))
+    body = [[f"`{f}`", *(f"{ratio[(f, n)]:.1f}" for n in replicas)] for f in formats]
+    return _table(["format", *(f"× fewer bytes than fp32, R = {n}" for n in replicas)], body)
+
+
+def wire_10mbit() -> str:
+    """The wire formats' throughput at 10 Mbit/s, nodes capped at 0.4 core (throughput_P4_10mbit_wire_capped)."""
+    cell = _load("throughput/throughput_P4_10mbit_wire_capped.json")["cells"][0]
+    labels = [label for label in cell["summary"] if label != "none" and not label.endswith("@tuned")]
+    rows = [
+        [f"`{_wire_format(label)}`" + (", decay 0.95" if label.endswith("-decay") else ""),
+         _ratio(cell["summary"][label], False), _ratio(cell["summary"].get(f"{label} @tuned"), True)]
+        for label in labels
+    ]  # fmt: skip
+    return _table(["format", f"× compute-only at τ = {cell['tau']}", "at the tuner's τ"], rows)
+
+
+def _gap(gaps: list[float]) -> str:
+    return f"{statistics.mean(gaps):+.1%} [{min(gaps):+.1%}, {max(gaps):+.1%}]" if gaps else "–"
+
+
+def wire_quality() -> str:
+    """The wire formats' loss at the quality study's full budget (benchmarks/quality_wire_full/), each format's
+    bytes from `wire` (R = 4), and the minutes to DDP's loss at 10 Mbit/s (scripts/wire_quality.py)."""
+    sys.path.insert(0, str(ROOT))
+    from scripts import wire_quality as wq
+
+    study = _load("quality_wire_full/wire_quality.json")
+    ratio = {r["wire"]: r["ratio_to_fp32"] for r in _load("wire/wire.json")["wire"] if r["replicas"] == 4}
+    rows = []
+    for r in study["rows"]:
+        wire_name = _wire_format(wq.throughput_label(r["method"]))
+        rows.append([
+            r["method"], str(r["tau"]), f"{r['outer_lr']:g}, {r['momentum']:g}", str(len(r["seeds"])),
+            f"{statistics.mean(r['val_loss']):.4f}", _gap(r["gap_to_fp32"]), f"{ratio[wire_name]:.1f}",
+        ])  # fmt: skip
+    head = ["method", "τ", "outer lr, β", "seeds", "final val loss (mean)", "gap to fp32 (per seed)", "× fewer bytes"]
+    return _table(head, rows) + "\n\n" + wq.wall_clock_markdown(study["wall_clock"], "10 Mbit/s")
+
+
 HETEROGENEOUS_CASES = ("half", "quarter")
 HETEROGENEOUS_ROW_STUDY = "heterogeneous/int4_30_rounds"  # the README row's study (benchmarks/<it>/; a page table too)
 HETEROGENEOUS_ROW_METHOD = "auto"
@@ -188,6 +240,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "convergence": convergence,
     "elastic": elastic,
     "quality": quality,
+    "wire": wire,
+    "wire_10mbit": wire_10mbit,
+    "wire_quality": wire_quality,
     "heterogeneous": lambda: _heterogeneous_tables("heterogeneous"),
     "heterogeneous_int4_30_rounds": lambda: _heterogeneous_tables(HETEROGENEOUS_ROW_STUDY),
 }
