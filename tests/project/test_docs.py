@@ -416,3 +416,23 @@ def test_design_and_benchmark_pages_are_a_few_thousand_words():
 def test_no_line_of_prose_is_longer_than_a_paragraph():
     long_lines = [line for page in PAGES for line in _long_lines(page)]
     assert not long_lines, f"lines over {PROSE_LINE_MAX_CHARS} characters (wrap or shorten them): {long_lines}"
+
+
+def test_the_wire_recipe_states_each_formats_measured_ratio():
+    """One format, one ratio: docs/configuration.md's table of bytes per round says, at R = 2 and 4, what
+    benchmarks/wire/wire.json measured from the wire (to the digits it shows), as benchmarks.md's generated
+    table does."""
+    measured = {(r["wire"], r["replicas"]): r["ratio_to_fp32"] for r in _hook()._load("wire/wire.json")["wire"]}
+    section = (ROOT / "docs" / "configuration.md").read_text().split("## Choosing a wire format", 1)[1]
+    rows = [line for line in section.split("\n\n", 2)[2].splitlines() if line.startswith("| ") and "×" not in line]
+    wrong = []
+    for row in rows:
+        name, _, at2, at4 = (cell.strip() for cell in row.strip("|").split("|")[:4])
+        topk = re.search(r"`topk` ([\d.]+)", name)
+        dtype = name.split()[0].rstrip(",")
+        label = f"top{100 * float(topk[1]):g}%-{dtype}" if topk else dtype
+        for written, replicas in ((at2, 2), (at4, 4)):
+            digits = len(written.partition(".")[2])
+            if abs(float(written) - measured[(label, replicas)]) > 0.5 * 10**-digits + 1e-9:
+                wrong.append(f"{label} at R = {replicas}: {written}, measured {measured[(label, replicas)]:.2f}")
+    assert len(rows) > 5 and not wrong, wrong
