@@ -1,7 +1,7 @@
 """MkDocs hook: the benchmark tables, generated from the JSON results under benchmarks/ at build time.
 
 A page includes a table with a marker line `<!-- benchmark: NAME -->` (NAME in `TABLES`). The README
-carries a copy of `throughput` (it is the package's long description, so nothing renders it);
+carries a copy of `readme_results` (it is the package's long description, so nothing renders it);
 tests/project/test_docs.py checks that the copy equals what this module generates. The images under
 benchmarks/ are added to the site at their repository paths, so a page links them as
 `benchmarks/compression/headline.png`.
@@ -70,6 +70,71 @@ def throughput() -> str:
     cases = [_load(f"{HETEROGENEOUS_ROW_STUDY}/{case}.json") for case in HETEROGENEOUS_CASES]
     rows.append([HETEROGENEOUS_ROW, *(_heterogeneous(c, cases) for c in cells)])
     return _table(["run", *(_cell_title(c) for c in cells)], rows)
+
+
+README_ROWS = ("ddp", "co2", "co2-int8", "localsgd")  # run labels of throughput's rows, the README's few
+
+
+def readme_results() -> str:
+    """The README's one results table: `throughput`'s medians for a few runs, without ranges (the page has them)."""
+    cells = [_load(f"throughput/throughput_{name}.json")["cells"][0] for name in CELLS]
+    titles = dict((label, title) for title, label in THROUGHPUT_ROWS)
+    rows = [["τ", *(str(c["tau"]) for c in cells)]]
+    for label in README_ROWS:
+        rows.append([titles[label], *(f"{c['summary'][label]['ratio_to_none']:.2f}" for c in cells)])
+    return _table(["tokens/s ÷ compute only", *(_cell_title(c) for c in cells)], rows)
+
+
+def _wire_format(run_label: str) -> str:
+    """A bench_throughput run label's wire format as benchmarks/wire/wire.json names it: co2-top1.5%-int2-decay ->
+    top1.5%-int2 (the decay changes no byte), co2 -> fp32."""
+    return "fp32" if run_label == "co2" else run_label.removeprefix("co2-").removesuffix("-decay")
+
+
+def wire() -> str:
+    """Each format's bytes per round per rank against fp32's, measured from the wire (benchmarks/wire/wire.json,
+    scripts/bench_wire.py): the one ratio a format has on every page."""
+    rows = _load("wire/wire.json")["wire"]
+    replicas = sorted({r["replicas"] for r in rows})
+    ratio = {(r["wire"], r["replicas"]): r["ratio_to_fp32"] for r in rows}
+    formats = list(dict.fromkeys(r["wire"] for r in rows))
+    body = [[f"`{f}`", *(f"{ratio[(f, n)]:.1f}" for n in replicas)] for f in formats]
+    return _table(["format", *(f"× fewer bytes than fp32, R = {n}" for n in replicas)], body)
+
+
+def wire_10mbit() -> str:
+    """The wire formats' throughput at 10 Mbit/s, nodes capped at 0.4 core (throughput_P4_10mbit_wire_capped)."""
+    cell = _load("throughput/throughput_P4_10mbit_wire_capped.json")["cells"][0]
+    labels = [label for label in cell["summary"] if label != "none" and not label.endswith("@tuned")]
+    rows = [
+        [f"`{_wire_format(label)}`" + (", decay 0.95" if label.endswith("-decay") else ""),
+         _ratio(cell["summary"][label], False), _ratio(cell["summary"].get(f"{label} @tuned"), True)]
+        for label in labels
+    ]  # fmt: skip
+    return _table(["format", f"× compute-only at τ = {cell['tau']}", "at the tuner's τ"], rows)
+
+
+def _gap(gaps: list[float]) -> str:
+    return f"{statistics.mean(gaps):+.1%} [{min(gaps):+.1%}, {max(gaps):+.1%}]" if gaps else "–"
+
+
+def wire_quality() -> str:
+    """The wire formats' loss at the quality study's full budget (benchmarks/quality_wire_full/), each format's
+    bytes from `wire` (R = 4), and the minutes to DDP's loss at 10 Mbit/s (scripts/wire_quality.py)."""
+    sys.path.insert(0, str(ROOT))
+    from scripts import wire_quality as wq
+
+    study = _load("quality_wire_full/wire_quality.json")
+    ratio = {r["wire"]: r["ratio_to_fp32"] for r in _load("wire/wire.json")["wire"] if r["replicas"] == 4}
+    rows = []
+    for r in study["rows"]:
+        wire_name = _wire_format(wq.throughput_label(r["method"]))
+        rows.append([
+            r["method"], str(r["tau"]), f"{r['outer_lr']:g}, {r['momentum']:g}", str(len(r["seeds"])),
+            f"{statistics.mean(r['val_loss']):.4f}", _gap(r["gap_to_fp32"]), f"{ratio[wire_name]:.1f}",
+        ])  # fmt: skip
+    head = ["method", "τ", "outer lr, β", "seeds", "final val loss (mean)", "gap to fp32 (per seed)", "× fewer bytes"]
+    return _table(head, rows) + "\n\n" + wq.wall_clock_markdown(study["wall_clock"], "10 Mbit/s")
 
 
 HETEROGENEOUS_CASES = ("half", "quarter")
@@ -160,14 +225,6 @@ def quality() -> str:
     return body.split("\n", 2)[2]  # without its title: the page has its own heading
 
 
-def quality_overview() -> list[str]:
-    """The README's quality table: method × τ, the best setting's loss and gap to ddp."""
-    sys.path.insert(0, str(ROOT))
-    from scripts import bench_quality
-
-    return bench_quality.overview(json.loads(QUALITY.read_text()))
-
-
 def _heterogeneous_tables(study: str) -> str:
     """Replicas of different speeds (benchmarks/<study>/, scripts/bench_hetero.py): a table per case."""
     sys.path.insert(0, str(ROOT))
@@ -183,6 +240,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "convergence": convergence,
     "elastic": elastic,
     "quality": quality,
+    "wire": wire,
+    "wire_10mbit": wire_10mbit,
+    "wire_quality": wire_quality,
     "heterogeneous": lambda: _heterogeneous_tables("heterogeneous"),
     "heterogeneous_int4_30_rounds": lambda: _heterogeneous_tables(HETEROGENEOUS_ROW_STUDY),
 }
@@ -201,10 +261,5 @@ def on_files(files: Any, config: Any) -> Any:
     return files
 
 
-def table_lines(text: str) -> list[str]:
-    """The markdown table rows of a generated block (what the README copies of it)."""
-    return [line for line in text.splitlines() if line.startswith("|")]
-
-
-if __name__ == "__main__":  # the README's copies: the throughput table, the elastic one, the quality one
-    print(throughput(), "", *table_lines(elastic()), "", *quality_overview(), sep="\n")
+if __name__ == "__main__":  # the README's copy
+    print(readme_results())

@@ -14,8 +14,10 @@
 - Every ```bash / ```sh block is either run (`<!-- run -->`), run by CI (`<!-- main-command -->`,
   `<!-- test-command -->`: .ci/run), or says what it needs that a test machine lacks
   (`<!-- needs: gpu -->`, `cluster`, `root`, `minutes`); an unmarked command block fails.
-- The README's throughput, elastic and quality tables are the ones docs/hooks/benchmarks.py generates
-  from benchmarks/*/*.json.
+- The README's results table is the one docs/hooks/benchmarks.py generates from benchmarks/*/*.json; the
+  pages' tables are its markers.
+- The README is read in five minutes (<= 1,000 words), a design or benchmark page is a few thousand words, and
+  no line of prose on a page is longer than 400 characters.
 """
 
 from __future__ import annotations
@@ -306,37 +308,32 @@ def test_every_command_block_is_run_or_says_what_it_needs():
     )
 
 
-def test_readme_throughput_table_is_generated_from_the_benchmark_json():
+def _hook():
     sys.path.insert(0, str(ROOT / "docs" / "hooks"))
     import benchmarks
 
-    assert benchmarks.throughput() in (ROOT / "README.md").read_text(), (
-        "README.md's throughput table differs from benchmarks/throughput/*.json; paste the output of "
+    return benchmarks
+
+
+def test_readme_results_table_is_generated_from_the_benchmark_json():
+    readme = (ROOT / "README.md").read_text()
+    assert _hook().readme_results() in readme, (
+        "README.md's results table differs from benchmarks/throughput/*.json; paste the output of "
         "`python docs/hooks/benchmarks.py`"
     )
+    assert len(re.findall(r"^\|---", readme, re.M)) == 1, "README.md: one results table; the others live in docs/"
 
 
-def test_readme_elastic_table_is_generated_from_the_benchmark_json():
-    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-    import benchmarks
-
-    rows = benchmarks.table_lines(benchmarks.elastic())
-    readme = (ROOT / "README.md").read_text()
-    assert rows and "\n".join(rows) in readme, (
-        "README.md's elastic table differs from benchmarks/elastic/elastic_runs.json; paste the output of "
-        "`python docs/hooks/benchmarks.py` (its second table)"
-    )
-
-
-def test_readme_quality_table_is_generated_from_the_benchmark_json():
-    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-    import benchmarks
-
-    rows = benchmarks.quality_overview()
-    assert rows and "\n".join(rows) in (ROOT / "README.md").read_text(), (
-        "README.md's quality table differs from benchmarks/quality/quality.json; paste the output of "
-        "`python docs/hooks/benchmarks.py` (its third table)"
-    )
+def test_the_pages_results_tables_are_generated_from_the_benchmark_json():
+    """The throughput, elastic and quality tables are on the pages as markers the hook fills, not as copies."""
+    pages = {"benchmarks.md": ("throughput", "elastic", "quality"), "elastic.md": ("elastic",)}
+    missing = [
+        f"docs/{page}: <!-- benchmark: {name} -->"
+        for page, names in pages.items()
+        for name in names
+        if f"<!-- benchmark: {name} -->" not in (ROOT / "docs" / page).read_text()
+    ]
+    assert not missing and set(_hook().TABLES) >= {n for names in pages.values() for n in names}, missing
 
 
 def test_install_commands_install_from_the_clone_and_the_extras_list_is_pyprojects():
@@ -381,3 +378,61 @@ def test_readme_links_resolve():
 def test_the_readme_is_a_landing_page():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines: move detail into docs/"
+
+
+# ---- length: pages a person reads -----------------------------------------------------------------------
+
+README_MAX_WORDS = 1000  # a newcomer reads it in five minutes
+PAGE_MAX_WORDS = 4000  # a page by topic
+PROSE_LINE_MAX_CHARS = 400
+FENCED = re.compile(r"^```.*?^```$", re.M | re.S)
+
+
+def _words(page: Path) -> int:
+    """`wc -w` of the markdown source."""
+    return len(page.read_text().split())
+
+
+def _long_lines(page: Path) -> list[str]:
+    """The lines outside fenced code longer than PROSE_LINE_MAX_CHARS, as `file:line (length)`."""
+    text = FENCED.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text())
+    return [
+        f"{page.relative_to(ROOT)}:{n} ({len(line)} characters)"
+        for n, line in enumerate(text.splitlines(), 1)
+        if len(line) > PROSE_LINE_MAX_CHARS
+    ]
+
+
+def test_the_readme_is_read_in_five_minutes():
+    assert _words(ROOT / "README.md") <= README_MAX_WORDS, f"README.md: {_words(ROOT / 'README.md')} words"
+
+
+def test_design_and_benchmark_pages_are_a_few_thousand_words():
+    pages = [ROOT / "docs" / "benchmarks.md", *sorted((ROOT / "docs").glob("design*.md"))]
+    too_long = {str(p.relative_to(ROOT)): _words(p) for p in pages if _words(p) > PAGE_MAX_WORDS}
+    assert len(pages) > 2 and not too_long, f"pages over {PAGE_MAX_WORDS} words (split them by topic): {too_long}"
+
+
+def test_no_line_of_prose_is_longer_than_a_paragraph():
+    long_lines = [line for page in PAGES for line in _long_lines(page)]
+    assert not long_lines, f"lines over {PROSE_LINE_MAX_CHARS} characters (wrap or shorten them): {long_lines}"
+
+
+def test_the_wire_recipe_states_each_formats_measured_ratio():
+    """One format, one ratio: docs/configuration.md's table of bytes per round says, at R = 2 and 4, what
+    benchmarks/wire/wire.json measured from the wire (to the digits it shows), as benchmarks.md's generated
+    table does."""
+    measured = {(r["wire"], r["replicas"]): r["ratio_to_fp32"] for r in _hook()._load("wire/wire.json")["wire"]}
+    section = (ROOT / "docs" / "configuration.md").read_text().split("## Choosing a wire format", 1)[1]
+    rows = [line for line in section.split("\n\n", 2)[2].splitlines() if line.startswith("| ") and "×" not in line]
+    wrong = []
+    for row in rows:
+        name, _, at2, at4 = (cell.strip() for cell in row.strip("|").split("|")[:4])
+        topk = re.search(r"`topk` ([\d.]+)", name)
+        dtype = name.split()[0].rstrip(",")
+        label = f"top{100 * float(topk[1]):g}%-{dtype}" if topk else dtype
+        for written, replicas in ((at2, 2), (at4, 4)):
+            digits = len(written.partition(".")[2])
+            if abs(float(written) - measured[(label, replicas)]) > 0.5 * 10**-digits + 1e-9:
+                wrong.append(f"{label} at R = {replicas}: {written}, measured {measured[(label, replicas)]:.2f}")
+    assert len(rows) > 5 and not wrong, wrong
