@@ -443,14 +443,18 @@ def run_cell(cell: Cell, a, steps: int, cells_dir: Path, log_root: Path) -> dict
 
 
 def wire_record(records: Sequence[dict]) -> dict:
-    """The bytes rank 0 sent over the run and its rounds (train_lm's summary record; ddp: none)."""
+    """The bytes rank 0 sent over the run, its rounds, the payload ratio and the sparse overlap per round (train_lm's
+    summary record; ddp: none)."""
     end = next((r for r in records if r.get("summary")), {})
     if not end.get("rounds"):
         return {}
+    overlap = end.get("senders_per_sent") or []
     return {
         "bytes_sent": end["bytes_sent"],
         "rounds": end["rounds"],
         "bytes_per_round": end["bytes_sent"] / end["rounds"],
+        "payload_ratio": end.get("payload_ratio"),  # fp32 bytes over one replica's payload (the field's measure)
+        "senders_per_sent": overlap,  # the sparse exchange's, per round (1: no two replicas sent a coordinate)
     }
 
 
