@@ -17,7 +17,7 @@
 - The README's results table is the one docs/hooks/benchmarks.py generates from benchmarks/*/*.json; the
   pages' tables are its markers.
 - The README is read in five minutes (<= 1,000 words), every page of docs/ is a few thousand words, and
-  no line of prose on a page is longer than 400 characters.
+  no line of prose on a page (benchmarks/*.md and benchmarks/*/README.md too) is longer than 400 characters.
 """
 
 from __future__ import annotations
@@ -413,8 +413,11 @@ def test_every_page_of_the_docs_is_a_few_thousand_words():
     assert len(pages) > 20 and not too_long, f"pages over {PAGE_MAX_WORDS} words (split them by topic): {too_long}"
 
 
+BENCHMARK_PAGES = [*sorted((ROOT / "benchmarks").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*/README.md"))]
+
+
 def test_no_line_of_prose_is_longer_than_a_paragraph():
-    long_lines = [line for page in PAGES for line in _long_lines(page)]
+    long_lines = [line for page in [*PAGES, *BENCHMARK_PAGES] for line in _long_lines(page)]
     assert not long_lines, f"lines over {PROSE_LINE_MAX_CHARS} characters (wrap or shorten them): {long_lines}"
 
 
