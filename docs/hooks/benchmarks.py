@@ -114,6 +114,24 @@ def wire_10mbit() -> str:
     return _table(["format", f"× compute-only at τ = {cell['tau']}", "at the tuner's τ"], rows)
 
 
+def wire_tuner() -> str:
+    """What `co2-tune-tau` measured per wire format at 10 Mbit/s, nodes capped at 0.4 core: the bytes a rank sends
+    per round, the exchange's and a step's seconds, its first guess of τ (`--verify_rounds 0`,
+    throughput_P4_10mbit_wire_capped) and the τ its verification picked (throughput_P4_10mbit_wire_verified)."""
+    guessed = _load("throughput/throughput_P4_10mbit_wire_capped.json")["cells"][0]["tuners"]
+    verified = _load("throughput/throughput_P4_10mbit_wire_verified.json")["cells"][0]["tuned_tau"]
+    rows = [_tuner_row(name, tuner, verified.get(name, "–")) for name, tuner in guessed.items()]
+    head = ["format", "MB per round per rank", "exchange, s", "step, s", "τ, first guess", "τ, verified"]
+    return _table(head, rows)
+
+
+def _tuner_row(name: str, tuner: dict[str, Any], verified_tau: int | str) -> list[str]:
+    comm, step = tuner["comm"], tuner["compute"]["t_step"]
+    label = f"`{_wire_format(name)}`" + (", decay 0.95" if name.endswith("-decay") else "")
+    megabytes, tau = f"{comm['bytes_sent'] / 1e6:.2f}", str(tuner["recommendation"]["tau"])
+    return [label, megabytes, f"{comm['t_comm']:.1f}", f"{step:.2f}", tau, str(verified_tau)]
+
+
 def _gap(gaps: list[float]) -> str:
     return f"{statistics.mean(gaps):+.1%} [{min(gaps):+.1%}, {max(gaps):+.1%}]" if gaps else "–"
 
@@ -242,6 +260,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "quality": quality,
     "wire": wire,
     "wire_10mbit": wire_10mbit,
+    "wire_tuner": wire_tuner,
     "wire_quality": wire_quality,
     "heterogeneous": lambda: _heterogeneous_tables("heterogeneous"),
     "heterogeneous_int4_30_rounds": lambda: _heterogeneous_tables(HETEROGENEOUS_ROW_STUDY),

@@ -16,8 +16,7 @@
   (`<!-- needs: gpu -->`, `cluster`, `root`, `minutes`); an unmarked command block fails.
 - The README's results table is the one docs/hooks/benchmarks.py generates from benchmarks/*/*.json; the
   pages' tables are its markers.
-- The README is read in five minutes (<= 1,000 words), every page of docs/ is a few thousand words, and
-  no line of prose on a page (benchmarks/*.md and benchmarks/*/README.md too) is longer than 400 characters.
+- The pages' length and figures: tests/project/test_docs_pages.py.
 """
 
 from __future__ import annotations
@@ -326,7 +325,11 @@ def test_readme_results_table_is_generated_from_the_benchmark_json():
 
 def test_the_pages_results_tables_are_generated_from_the_benchmark_json():
     """The throughput, elastic and quality tables are on the pages as markers the hook fills, not as copies."""
-    pages = {"benchmarks.md": ("throughput", "elastic", "quality"), "elastic-job.md": ("elastic",)}
+    pages = {
+        "benchmarks.md": ("throughput", "elastic", "quality"),
+        "elastic-job.md": ("elastic",),
+        "wire-formats.md": ("wire_tuner",),
+    }
     missing = [
         f"docs/{page}: <!-- benchmark: {name} -->"
         for page, names in pages.items()
@@ -378,47 +381,6 @@ def test_readme_links_resolve():
 def test_the_readme_is_a_landing_page():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines: move detail into docs/"
-
-
-# ---- length: pages a person reads -----------------------------------------------------------------------
-
-README_MAX_WORDS = 1000  # a newcomer reads it in five minutes
-PAGE_MAX_WORDS = 4000  # a page by topic
-PROSE_LINE_MAX_CHARS = 400
-FENCED = re.compile(r"^```.*?^```$", re.M | re.S)
-
-
-def _words(page: Path) -> int:
-    """`wc -w` of the markdown source."""
-    return len(page.read_text().split())
-
-
-def _long_lines(page: Path) -> list[str]:
-    """The lines outside fenced code longer than PROSE_LINE_MAX_CHARS, as `file:line (length)`."""
-    text = FENCED.sub(lambda m: "\n" * m.group(0).count("\n"), page.read_text())
-    return [
-        f"{page.relative_to(ROOT)}:{n} ({len(line)} characters)"
-        for n, line in enumerate(text.splitlines(), 1)
-        if len(line) > PROSE_LINE_MAX_CHARS
-    ]
-
-
-def test_the_readme_is_read_in_five_minutes():
-    assert _words(ROOT / "README.md") <= README_MAX_WORDS, f"README.md: {_words(ROOT / 'README.md')} words"
-
-
-def test_every_page_of_the_docs_is_a_few_thousand_words():
-    pages = sorted((ROOT / "docs").glob("*.md"))
-    too_long = {str(p.relative_to(ROOT)): _words(p) for p in pages if _words(p) > PAGE_MAX_WORDS}
-    assert len(pages) > 20 and not too_long, f"pages over {PAGE_MAX_WORDS} words (split them by topic): {too_long}"
-
-
-BENCHMARK_PAGES = [*sorted((ROOT / "benchmarks").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*/README.md"))]
-
-
-def test_no_line_of_prose_is_longer_than_a_paragraph():
-    long_lines = [line for page in [*PAGES, *BENCHMARK_PAGES] for line in _long_lines(page)]
-    assert not long_lines, f"lines over {PROSE_LINE_MAX_CHARS} characters (wrap or shorten them): {long_lines}"
 
 
 def test_the_wire_recipe_states_each_formats_measured_ratio():
