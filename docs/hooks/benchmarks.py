@@ -243,6 +243,48 @@ def quality() -> str:
     return body.split("\n", 2)[2]  # without its title: the page has its own heading
 
 
+PRESETS_TAU = 32
+PRESET_ROWS = (  # (setting, the quality study's method, applied, stand-in, outer step): configuration.md's ablation
+    (
+        "CO2 as published (`co2`, `co2_zero.core.config.PUBLISHED`)",
+        "co2",
+        "a round late",
+        "`shared`",
+        "heavy ball, adaptive Λ",
+    ),
+    ("`co2_eager`", "co2_eager", "a round late", "`eager`", "heavy ball, adaptive Λ"),
+    ("`co2_local`", "co2_local", "a round late", "`local`", "heavy ball, adaptive Λ"),
+    ("`diloco_eager`", "diloco_eager", "a round late", "`eager`", "Nesterov"),
+    ("`diloco_local`", "diloco_local", "a round late", "`local`", "Nesterov"),
+    ("`diloco_local_sync` (the defaults, d = 8)", "diloco_local_sync", "8 steps in", "`local`", "Nesterov"),
+    ("blocking DiLoCo (`diloco`)", "diloco", "at once (blocks)", "–", "Nesterov"),
+)
+
+
+def presets() -> str:
+    """The defaults' ablation, one change at a time (benchmarks/quality/quality.json at τ = PRESETS_TAU): each
+    setting's final validation loss at its best outer lr and momentum, mean over the seeds, against blocking
+    DiLoCo's."""
+    best = {r["method"]: r for r in _load("quality/quality.json")["table"] if r["tau"] == PRESETS_TAU}
+    blocking = best["diloco"]["final_val_loss"]["mean"]
+    rows = [_preset_row(row, best[row[1]], blocking) for row in PRESET_ROWS]
+    return _table(["setting", "applied", "stand-in", "outer step", "loss", "vs blocking DiLoCo"], rows)
+
+
+def _preset_row(row: tuple[str, ...], result: dict[str, Any], blocking: float) -> list[str]:
+    setting, method, applied, stand_in, step = row
+    loss = result["final_val_loss"]["mean"]
+    outer = f"{step}, β = {result['momentum']:g}, lr {result['outer_lr']:g}"
+    return [
+        setting,
+        applied,
+        stand_in,
+        outer,
+        f"{loss:.4f}",
+        "–" if method == "diloco" else f"{loss / blocking - 1:+.1%}",
+    ]
+
+
 def _heterogeneous_tables(study: str) -> str:
     """Replicas of different speeds (benchmarks/<study>/, scripts/bench_hetero.py): a table per case."""
     sys.path.insert(0, str(ROOT))
@@ -258,6 +300,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "convergence": convergence,
     "elastic": elastic,
     "quality": quality,
+    "presets": presets,
     "wire": wire,
     "wire_10mbit": wire_10mbit,
     "wire_tuner": wire_tuner,

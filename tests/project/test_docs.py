@@ -329,6 +329,7 @@ def test_the_pages_results_tables_are_generated_from_the_benchmark_json():
         "benchmarks.md": ("throughput", "elastic", "quality"),
         "elastic-job.md": ("elastic",),
         "wire-formats.md": ("wire_tuner",),
+        "configuration.md": ("presets",),
     }
     missing = [
         f"docs/{page}: <!-- benchmark: {name} -->"

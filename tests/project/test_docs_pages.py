@@ -54,8 +54,8 @@ def test_no_line_of_prose_is_longer_than_a_paragraph():
 
 # ---- figures: one fact, one value, generated --------------------------------------------------------------
 
-MEDIAN = re.compile(r"(?<![\d.])(\d+\.\d{3}) \[")  # a generated table's median, before its [range]
-TYPED_MEDIAN = re.compile(r"(?<![\d.])\d+\.\d{3}(?!\d)")
+MEDIAN = re.compile(r"(?<![\d.])(\d+\.\d{3,4}) \[")  # a generated table's median, before its [range]
+TYPED_MEDIAN = re.compile(r"(?<![\d.])\d+\.\d{3,4}(?!\d)")
 
 
 def _generated_figures() -> dict[str, str]:
