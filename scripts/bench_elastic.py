@@ -4,7 +4,7 @@ On the emulated cluster (scripts/emulated_cluster.py), P nodes at one link rate,
 replica (one rank, S = 1) and node 0 also the torchft Lighthouse. Every method runs twice in the same
 invocation: failure-free for --baseline_minutes, then for --minutes under a kill schedule: every
 --kill_every_s one node's replica is SIGKILLed (its whole process group) and restarted
---restart_after_s later with the same replica id, rotating over the nodes (docs/elastic.md). Methods:
+--restart_after_s later with the same replica id, rotating over the nodes (docs/elastic-job.md). Methods:
 `co2` is the training job's elastic mode (`python -m co2_zero.train --lighthouse`), `torchft-diloco`
 and `torchft-streaming` torchft's own DiLoCo / Streaming DiLoCo driven by scripts/torchft_peer.py on
 the same model, data and τ. Every node runs with its own hostname (torchft's checkpoint transport
@@ -22,7 +22,7 @@ Everything is read from the replicas' --events_jsonl logs (co2_zero/train/events
 - identical at end: at the end the benchmark writes a stop step (every replica's next few rounds)
   into the --stop_file; every replica stops at that round end and logs its parameter digest.
 
-Results: <out_dir>/elastic.json and elastic.md (docs/elastic.md renders the JSON). The whole thing
+Results: <out_dir>/elastic.json and elastic.md (docs/elastic-job.md renders the JSON). The whole thing
 takes about (minutes + baseline_minutes + 1.5) x methods minutes.
 
     python -m scripts.bench_elastic                              # the full run: 10 min + 3 min per method
@@ -202,7 +202,7 @@ def _seconds(stat: Optional[dict]) -> str:
 
 
 def table(result: dict) -> str:
-    """The markdown table of a result (elastic.md, docs/elastic.md)."""
+    """The markdown table of a result (elastic.md, docs/elastic-job.md)."""
     head = ["method", "step efficiency", "kill → survivors' next step, s (median / max)",
             "restart → joiner's first step, s (median / max)", "rounds dropped", "identical at end",
             "tokens/s failure-free"]  # fmt: skip
@@ -217,7 +217,7 @@ def table(result: dict) -> str:
 
 
 def report(result: dict) -> str:
-    """What was run, the table and the command (elastic.md below its title; docs/elastic.md renders it)."""
+    """What was run, the table and the command (elastic.md below its title; docs/elastic-job.md renders it)."""
     s = result["settings"]
     return "\n".join([
         f"P = {s['nodes']} replicas (one rank each) at {s['rate']} on the emulated cluster, `{s['train_flags']}`, "
@@ -338,7 +338,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def combined_report(combined: dict) -> str:
-    """What was repeated, the table and the commands (elastic_runs.md; docs/elastic.md and the README
+    """What was repeated, the table and the commands (elastic_runs.md; docs/elastic-job.md and the README
     render it)."""
     s = combined["settings"]
     return "\n".join([

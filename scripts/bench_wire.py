@@ -1,4 +1,4 @@
-"""Bytes on the wire and the codec's cost, per wire format (docs/design.md §5, docs/configuration.md).
+"""Bytes on the wire and the codec's cost, per wire format (docs/design.md §5, docs/wire-formats.md).
 
 1. Bytes per round, measured from the wire: R gloo ranks (plain CO2Optimizer, one replica each) train
    a model of --params parameters with every format (dense fp32, bf16, int8, fp8, int4, int2, and top-k

@@ -245,7 +245,7 @@ class CO2Config:
             "(Ψ/S fp32 words per rank). The payloads are all-gathered (`collective: all_gather`, what `auto` "
             "resolves to) and every replica applies the same outer step to their average. `1.0` (the "
             "default): dense. 0.015 with `int2`: 1/147 of the fp32 bytes per rank at R = 2, 1/73 at R = 4 (the "
-            'all-gather grows with R: docs/configuration.md, "Choosing a wire format").',
+            'all-gather grows with R: docs/wire-formats.md, "Choosing a wire format").',
             "accepted": "a number in (0, 1]",
             "neutral": 1.0,
         },

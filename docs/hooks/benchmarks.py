@@ -114,6 +114,24 @@ def wire_10mbit() -> str:
     return _table(["format", f"× compute-only at τ = {cell['tau']}", "at the tuner's τ"], rows)
 
 
+def wire_tuner() -> str:
+    """What `co2-tune-tau` measured per wire format at 10 Mbit/s, nodes capped at 0.4 core: the bytes a rank sends
+    per round, the exchange's and a step's seconds, its first guess of τ (`--verify_rounds 0`,
+    throughput_P4_10mbit_wire_capped) and the τ its verification picked (throughput_P4_10mbit_wire_verified)."""
+    guessed = _load("throughput/throughput_P4_10mbit_wire_capped.json")["cells"][0]["tuners"]
+    verified = _load("throughput/throughput_P4_10mbit_wire_verified.json")["cells"][0]["tuned_tau"]
+    rows = [_tuner_row(name, tuner, verified.get(name, "–")) for name, tuner in guessed.items()]
+    head = ["format", "MB per round per rank", "exchange, s", "step, s", "τ, first guess", "τ, verified"]
+    return _table(head, rows)
+
+
+def _tuner_row(name: str, tuner: dict[str, Any], verified_tau: int | str) -> list[str]:
+    comm, step = tuner["comm"], tuner["compute"]["t_step"]
+    label = f"`{_wire_format(name)}`" + (", decay 0.95" if name.endswith("-decay") else "")
+    megabytes, tau = f"{comm['bytes_sent'] / 1e6:.2f}", str(tuner["recommendation"]["tau"])
+    return [label, megabytes, f"{comm['t_comm']:.1f}", f"{step:.2f}", tau, str(verified_tau)]
+
+
 def _gap(gaps: list[float]) -> str:
     return f"{statistics.mean(gaps):+.1%} [{min(gaps):+.1%}, {max(gaps):+.1%}]" if gaps else "–"
 
@@ -225,6 +243,48 @@ def quality() -> str:
     return body.split("\n", 2)[2]  # without its title: the page has its own heading
 
 
+PRESETS_TAU = 32
+PRESET_ROWS = (  # (setting, the quality study's method, applied, stand-in, outer step): configuration.md's ablation
+    (
+        "CO2 as published (`co2`, `co2_zero.core.config.PUBLISHED`)",
+        "co2",
+        "a round late",
+        "`shared`",
+        "heavy ball, adaptive Λ",
+    ),
+    ("`co2_eager`", "co2_eager", "a round late", "`eager`", "heavy ball, adaptive Λ"),
+    ("`co2_local`", "co2_local", "a round late", "`local`", "heavy ball, adaptive Λ"),
+    ("`diloco_eager`", "diloco_eager", "a round late", "`eager`", "Nesterov"),
+    ("`diloco_local`", "diloco_local", "a round late", "`local`", "Nesterov"),
+    ("`diloco_local_sync` (the defaults, d = 8)", "diloco_local_sync", "8 steps in", "`local`", "Nesterov"),
+    ("blocking DiLoCo (`diloco`)", "diloco", "at once (blocks)", "–", "Nesterov"),
+)
+
+
+def presets() -> str:
+    """The defaults' ablation, one change at a time (benchmarks/quality/quality.json at τ = PRESETS_TAU): each
+    setting's final validation loss at its best outer lr and momentum, mean over the seeds, against blocking
+    DiLoCo's."""
+    best = {r["method"]: r for r in _load("quality/quality.json")["table"] if r["tau"] == PRESETS_TAU}
+    blocking = best["diloco"]["final_val_loss"]["mean"]
+    rows = [_preset_row(row, best[row[1]], blocking) for row in PRESET_ROWS]
+    return _table(["setting", "applied", "stand-in", "outer step", "loss", "vs blocking DiLoCo"], rows)
+
+
+def _preset_row(row: tuple[str, ...], result: dict[str, Any], blocking: float) -> list[str]:
+    setting, method, applied, stand_in, step = row
+    loss = result["final_val_loss"]["mean"]
+    outer = f"{step}, β = {result['momentum']:g}, lr {result['outer_lr']:g}"
+    return [
+        setting,
+        applied,
+        stand_in,
+        outer,
+        f"{loss:.4f}",
+        "–" if method == "diloco" else f"{loss / blocking - 1:+.1%}",
+    ]
+
+
 def _heterogeneous_tables(study: str) -> str:
     """Replicas of different speeds (benchmarks/<study>/, scripts/bench_hetero.py): a table per case."""
     sys.path.insert(0, str(ROOT))
@@ -240,8 +300,10 @@ TABLES: dict[str, Callable[[], str]] = {
     "convergence": convergence,
     "elastic": elastic,
     "quality": quality,
+    "presets": presets,
     "wire": wire,
     "wire_10mbit": wire_10mbit,
+    "wire_tuner": wire_tuner,
     "wire_quality": wire_quality,
     "heterogeneous": lambda: _heterogeneous_tables("heterogeneous"),
     "heterogeneous_int4_30_rounds": lambda: _heterogeneous_tables(HETEROGENEOUS_ROW_STUDY),

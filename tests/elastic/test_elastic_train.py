@@ -1,4 +1,4 @@
-"""The training job elastic (docs/elastic.md, "The training job"): `python -m co2_zero.train --lighthouse`.
+"""The training job elastic (docs/elastic-job.md, "The training job"): `python -m co2_zero.train --lighthouse`.
 
 Real processes: a torchft Lighthouse (tests/elastic/test_elastic.py's) and one `python -m co2_zero.train` per
 replica, each its own world (one rank, or a torchrun of 2 ranks with --engine fsdp), a tiny model. Two
