@@ -234,7 +234,7 @@ def test_impossible_combinations_are_refused_with_what_to_set(co2, field):
 @pytest.mark.parametrize(
     "co2,accepted",
     [
-        ({"feedback_decay": 0.9}, r"1.0, or topk < 1"),
+        ({"feedback_decay": 0.9}, r"1.0 or 'auto', or topk < 1"),
         ({"topk": 0.03, "feedback_decay": 0.0}, r"\(0, 1\]"),
         ({"topk": 0.03, "feedback_decay": 1.5}, r"\(0, 1\]"),
         ({"topk": 0.03, "feedback_decay": float("nan")}, r"\(0, 1\]"),
@@ -270,8 +270,9 @@ def test_existing_config_identities_survive_the_new_field():
     """`topk` at 1.0 leaves every existing config's hash (and so its checkpoints) as it was."""
     assert CO2Config().math_hash() == CO2Config(topk=1.0).math_hash() == "60dcf12d30d96517"
     assert CO2Config(topk=0.5).math_hash() != CO2Config().math_hash()
-    assert CO2Config(topk=0.5, feedback_decay=1.0).math_hash() == CO2Config(topk=0.5).math_hash()
+    assert CO2Config(topk=0.5, feedback_decay=0.95).math_hash() == CO2Config(topk=0.5).math_hash()  # its auto
     assert CO2Config(topk=0.5, feedback_decay=0.9).math_hash() != CO2Config(topk=0.5).math_hash()
+    assert CO2Config(feedback_decay=1.0).math_hash() == CO2Config().math_hash()  # dense: 1.0 is its auto
 
 
 # ---- FSDP2, S x R = 2 x 2: every inner step ------------------------------------------------------------
