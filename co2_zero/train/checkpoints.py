@@ -133,6 +133,19 @@ def rng_state(gen: torch.Generator) -> dict:
     return state
 
 
+def resume_position(trainer: Trainer, batches: Batches, extra: dict, resharded: bool) -> int:
+    """Put this rank's random streams where a resume from a checkpoint's `extra` goes on; returns the job's
+    step there. As saved; resharded, the last round start the engine resumed at: the data stream at this
+    rank's own optimizer steps there, the job's step on the fastest replica's clock (with replica_tau a slow
+    replica took fewer steps; --max_steps and --save_every count the fastest one's)."""
+    if not resharded:
+        restore_data_position(batches, extra["rng"], extra["step"], resharded=False)
+        return extra["step"]
+    engine = trainer.opt.engine
+    restore_data_position(batches, extra["rng"], engine.inner_steps, resharded=True)
+    return engine.agreed_step
+
+
 def restore_data_position(batches: Batches, state: dict, step: int, resharded: bool) -> None:
     """This rank's random streams on a resume from `state` (`rng_state` as saved). The same world: its own
     saved streams. Resharded (another world size: the file is rank `rank % saved world`'s, and the

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..core.plan import check_given
 from .args import CO2_METHODS, co2_config, get_args
-from .checkpoints import load, restore_data_position, resume_directory, rng_state, save, save_root, write_latest
+from .checkpoints import load, resume_directory, resume_position, rng_state, save, save_root, write_latest
 from .data import Batches, elastic_stream
 from .engines import Trainer, autocast, build_trainer
 from .events import Events, parameter_digest, stop_step
@@ -170,8 +170,7 @@ def resume(args, trainer: Trainer, batches: Batches, console: Console) -> int:
     """Load the --resume checkpoint into the trainer and the data sampler; returns the step to go on from."""
     directory = resume_directory(args)
     extra = load(trainer, directory, reshard=args.reshard)
-    step = trainer.opt.engine.inner_steps if args.reshard else extra["step"]  # resharded: the last round start
-    restore_data_position(batches, extra["rng"], step, resharded=args.reshard)
+    step = resume_position(trainer, batches, extra, resharded=args.reshard)
     console.line(f"resumed from {directory} at step {step}" + (" (resharded)" if args.reshard else ""))
     return step
 
