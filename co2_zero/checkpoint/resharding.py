@@ -25,6 +25,10 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
     geometry = state["geometry"]
     start, end = geometry["sub_shard"]
     momentum_start = geometry["momentum_range"][0]
+    residuals = state.get("residuals") or {}
+    gathered = (
+        residuals.get("gathered") if residuals.get("gathered") is not None and residuals["gathered"].numel() else None
+    )
     pieces = []
     for tensor_id, seg_start, seg_end, offset in geometry["segments"]:
         lo, hi = max(seg_start, start), min(seg_end, end)
@@ -37,6 +41,7 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
                 "start_point": state["start_point"][lo:hi].cpu().clone(),
                 "next_start": None if state["next_start"] is None else state["next_start"][lo:hi].cpu().clone(),
                 "momentum": state["momentum"][lo - momentum_start : hi - momentum_start].cpu().clone(),
+                "gathered": None if gathered is None else gathered[lo - start : hi - start].cpu().clone(),
             }
         )
     norms = state["previous_update_sq_norms"]
@@ -57,7 +62,10 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
         "fixed_replica_tau": state.get("fixed_replica_tau"),
         "stand_in": state.get("stand_in"),
         "pieces": pieces,
-        "own_pieces": _own_pieces(state),
+        "own_pieces": _partition_pieces(state, {key: state.get(key) for key in OWN}),
+        "strategy": geometry.get("strategy"),
+        "residual_pieces": _partition_pieces(state, {"displacement": residuals.get("displacement")}),
+        "gathered_residual": None if "gathered" not in residuals else gathered is not None,
         "update_sq_norms_partial": None if norms is None else norms.cpu().clone(),
     }
 
@@ -65,16 +73,17 @@ def consolidate(state: dict[str, Any]) -> dict[str, Any]:
 OWN = ("own_start", "own_momentum")  # a stand-in's state: its replica's own, over a rank's whole partition
 
 
-def _own_pieces(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The stand-in's tensors (those the state has) cut per parameter tensor, over the whole partition."""
-    held = [key for key in OWN if state.get(key) is not None]
+def _partition_pieces(state: dict[str, Any], tensors: dict[str, Optional[torch.Tensor]]) -> list[dict[str, Any]]:
+    """`tensors` laid over this rank's whole partition (those that are not None), cut per parameter tensor:
+    a replica's own state (a stand-in's, the error-feedback residual of its displacements); [] when none is."""
+    held = {key: value for key, value in tensors.items() if value is not None}
     if not held:
         return []
     return [
         {
             "tensor_id": tensor_id,
             "offset": offset,
-            **{key: state[key][seg_start:seg_end].cpu().clone() for key in held},
+            **{key: value[seg_start:seg_end].cpu().clone() for key, value in held.items()},
         }
         for tensor_id, seg_start, seg_end, offset in state["geometry"]["segments"]
     ]
@@ -141,6 +150,7 @@ def reshard(
         "momentum": whole_momentum[lo:hi].clone(),
         **_stand_in(shares, identity, whole_momentum, applied_at_once=next_start is None),
         "previous_update_sq_norms": norms,
+        "residuals": _residuals(shares, identity, by_tensor),
         "fixed_sync_delay": saved.get("fixed_sync_delay"),
         "fixed_replica_tau": fixed,
     }
@@ -175,6 +185,30 @@ def _stand_in(
     if "own_momentum" in held:
         momentum = _assemble(own, "own_momentum", geometry) * (saved_replicas / grid["replicas"])
     return {"own_start": own_start, "own_momentum": momentum}
+
+
+def _residuals(
+    shares: Sequence[dict[str, Any]], identity: dict[str, Any], by_tensor: dict[int, list[dict[str, Any]]]
+) -> Optional[dict[str, torch.Tensor]]:
+    """The error-feedback residuals (`comm.Residuals`) of the target rank, or None when the saved run kept
+    none (docs/design.md §7). `displacement`, a replica's own unsent error: with the same R, saved replica
+    m's laid over this rank's partition; with another R, the mean over the saved replicas (the exchange
+    sends the mean of what the replicas send, so the mean of their residuals is what the average still
+    owes: kept exactly for any R). `gathered`, an owner's unsent error per element of its sub-shard: cut
+    like the start point, when both runs use the same collective (else it means another thing: 0)."""
+    if not any(share["residual_pieces"] for share in shares):
+        return None
+    geometry, replicas = identity["geometry"], shares[0]["replicas"]
+    own = [_by_tensor(s["residual_pieces"] for s in shares if s["replica"] == r) for r in range(replicas)]
+    if identity["grid"]["replicas"] == replicas:
+        displacement = _assemble(own[identity["rank"] // identity["grid"]["shards"]], "displacement", geometry)
+    else:
+        displacement = torch.stack([_assemble(pieces, "displacement", geometry) for pieces in own]).mean(0)
+    start, end = geometry["sub_shard"]
+    gathered = torch.zeros(0 if shares[0]["gathered_residual"] is False else end - start, dtype=torch.float32)
+    if shares[0]["gathered_residual"] and shares[0]["strategy"] == geometry.get("strategy"):
+        gathered = _assemble(by_tensor, "gathered", geometry)[start:end]
+    return {"displacement": displacement, "gathered": gathered}
 
 
 def stand_in_cost(shares: Sequence[dict[str, Any]], state: dict[str, Any], keeps_copy: bool) -> Optional[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ def tag(step: int) -> str:
 def save(trainer: Trainer, save_dir: Path, step: int, extra: dict) -> Path:
     """Write this rank's part of checkpoint save_dir/step<step> (collective); returns its directory."""
     name = tag(step)
+    extra = {**extra, "run_id": trainer.run_id}  # the run its --save_dir belongs to (`ownership`)
     if trainer.ds_engine is not None:  # co2_zero.deepspeed's per-rank files, or plain DeepSpeed's own
         trainer.ds_engine.save_checkpoint(save_dir, tag=name, client_state=extra, save_latest=False)
         return save_dir / name
@@ -52,11 +54,13 @@ def load(trainer: Trainer, directory: Path, reshard: bool = False) -> dict:
     checkpoint may come from another R x S, world size or engine (CO2 methods only). A load the library
     refuses for want of reshard=True says which flag gives it."""
     try:
-        return _load(trainer, directory, reshard)
+        extra = _load(trainer, directory, reshard)
     except CO2Error as error:
         if reshard or "reshard=True" not in str(error):
             raise
         raise CO2Error(f"{error} (with this job: --reshard)") from error
+    trainer.run_id = extra.get("run_id")  # None: saved before checkpoints said it (the CO2 state may)
+    return extra
 
 
 def _load(trainer: Trainer, directory: Path, reshard: bool) -> dict:
@@ -131,6 +135,28 @@ def rng_state(gen: torch.Generator) -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def resume(args, trainer: Trainer, batches: Batches, console: Any) -> int:
+    """Load the --resume checkpoint into the trainer and the data sampler; returns the step to go on from."""
+    directory = resume_directory(args)
+    extra = load(trainer, directory, reshard=args.reshard)
+    step = resume_position(trainer, batches, extra, resharded=args.reshard)
+    console.line(f"resumed from {directory} at step {step}" + (" (resharded)" if args.reshard else ""))
+    return step
+
+
+def resume_position(trainer: Trainer, batches: Batches, extra: dict, resharded: bool) -> int:
+    """Put this rank's random streams where a resume from a checkpoint's `extra` goes on; returns the job's
+    step there. As saved; resharded, the last round start the engine resumed at: the data stream at this
+    rank's own optimizer steps there, the job's step on the fastest replica's clock (with replica_tau a slow
+    replica took fewer steps; --max_steps and --save_every count the fastest one's)."""
+    if not resharded:
+        restore_data_position(batches, extra["rng"], extra["step"], resharded=False)
+        return extra["step"]
+    engine = trainer.opt.engine
+    restore_data_position(batches, extra["rng"], engine.inner_steps, resharded=True)
+    return engine.agreed_step
 
 
 def restore_data_position(batches: Batches, state: dict, step: int, resharded: bool) -> None:

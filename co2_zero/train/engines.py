@@ -43,6 +43,7 @@ class Trainer:
     ds_engine: Any = None
     sched: Any = None
     membership: Any = None
+    run_id: Optional[str] = None  # the run its checkpoints belong to (`ownership`): loaded, or claimed at launch
 
     def grid(self, world: int) -> tuple[int, int]:
         """(R, S) actually used: the CO2 topology's replicas and shards (elastic: the replicas of the

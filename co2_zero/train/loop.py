@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 from ..core.plan import check_given
 from .args import CO2_METHODS, co2_config, get_args
-from .checkpoints import load, restore_data_position, resume_directory, rng_state, save, save_root, write_latest
+from .checkpoints import resume, rng_state, save, save_root, write_latest
 from .data import Batches, elastic_stream
 from .engines import Trainer, autocast, build_trainer
 from .events import Events, parameter_digest, stop_step
 from .model import flops_per_token, gpt_from_args
+from .ownership import claim_save_dir
 from .pacing import JobSteps
 from .preflight import fit_to_whole_rounds, warn_single_process
 from .state import Clock, Console, RoundEnd, Tally
@@ -143,6 +144,7 @@ def build(args) -> Job:
     start_step = joined_at
     if start_step is None:
         start_step = resume(args, trainer, batches, console) if args.resume else 0
+    claim_save_dir(args, trainer)  # before it trains: a --save_dir with another run's checkpoints is refused
     if args.lighthouse:  # this replica's own stream (by --replica_id), at the step it starts from
         batches.seek(start_step)
     n_params = sum(p.numel() for p in model.parameters())
@@ -164,16 +166,6 @@ def joined_step(args, trainer: Trainer, console: Console) -> Optional[int]:
     skipped = " (a live peer's state is newer: --resume not loaded)" if args.resume else ""
     console.line(f"replica {args.replica_id} joined the running job at step {engine.inner_steps}{skipped}")
     return engine.inner_steps
-
-
-def resume(args, trainer: Trainer, batches: Batches, console: Console) -> int:
-    """Load the --resume checkpoint into the trainer and the data sampler; returns the step to go on from."""
-    directory = resume_directory(args)
-    extra = load(trainer, directory, reshard=args.reshard)
-    step = trainer.opt.engine.inner_steps if args.reshard else extra["step"]  # resharded: the last round start
-    restore_data_position(batches, extra["rng"], step, resharded=args.reshard)
-    console.line(f"resumed from {directory} at step {step}" + (" (resharded)" if args.reshard else ""))
-    return step
 
 
 def header(job: Job) -> str:

@@ -241,7 +241,7 @@ def test_resume_continues_exactly(resumed, case):
     bit: the data sampler, the LR schedule, the inner optimizer and the CO2 state all come back."""
     work, straight, again, _ = resumed[case]
     assert (work / "ckpt" / "latest").read_text() == "step00000008"
-    assert sorted(p.name for p in (work / "ckpt").iterdir()) == ["latest", "step00000004", "step00000008"]
+    assert sorted(p.name for p in (work / "ckpt").iterdir()) == ["co2_run", "latest", "step00000004", "step00000008"]
     assert len(list((work / "ckpt" / "step00000004").glob("*rank*"))) == 2  # a file per rank, no nesting
     first, rest = by_step(straight), by_step(again)
     assert min(rest) == 4 and rest[4]["val_loss"] == first[4]["val_loss"]  # the resumed model

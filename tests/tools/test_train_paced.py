@@ -35,6 +35,7 @@ def paced(tmp_path_factory):
     planned = {
         "straight": [*PACED, "--save_dir", "ckpt", "--save_every", "8", "--events_jsonl", "events.jsonl"],
         "again": [*PACED, "--resume", "ckpt/step00000008"],
+        "resharded": [*PACED, "--resume", "ckpt/step00000008", "--reshard", "--save_dir", "ckpt2", "--save_every", "8"],
         **{engine: [*PACED, "--engine", engine, "--shards_per_replica", "1"] for engine in OTHER_ENGINES},
         "auto": ["--tau", str(TAU), "--replica_tau", "auto", "--max_steps", "24"],
     }
@@ -84,6 +85,16 @@ def test_a_paced_checkpoint_resumes_exactly(paced):
         assert (again[step]["loss"], again[step]["val_loss"]) == (straight[step]["loss"], straight[step]["val_loss"])
     assert paced["again"][0][-1]["val_loss"] == paced["straight"][0][-1]["val_loss"]
     assert "resumed from ckpt/step00000008 at step 8" in paced["again"][1]
+
+
+def test_a_paced_checkpoint_resharded_resumes_on_the_jobs_clock(paced):
+    """The step-8 checkpoint loaded with --reshard (the same grid: the inner state restarts): the job goes on
+    from step 8 of the fastest replica's clock, not from the slow replica's own 4 steps; every replica takes
+    the rounds that are left (one model at the end), and the save at step 16 agrees on its step."""
+    records, report, root = paced["resharded"]
+    assert "resumed from ckpt/step00000008 at step 8 (resharded)" in report, report[-3000:]
+    assert sorted(by_step(records)) == [8, 12, 16] and records[-1]["steps"] == 16
+    assert (root / "ckpt2" / "latest").read_text() == "step00000016"
 
 
 def test_auto_fixes_the_steps_and_ends_with_one_model(paced):

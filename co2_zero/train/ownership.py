@@ -1,0 +1,99 @@
+"""A --save_dir belongs to one run: the run id in DIR/co2_run, claimed at launch. A run that finds another
+run's checkpoints there refuses before it trains, naming both runs and what to do; two launches into one
+directory at the same time cannot both claim it (the file is created by a hard link, which fails when it
+exists). A resumed run keeps its run id (the CO2 state's `run_id`, and every checkpoint's `extra`), so
+--resume of the run that owns a directory goes on saving there."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from co2_zero import CO2Error, checkpoint
+
+from .engines import Trainer
+
+OWNER = "co2_run"  # in a --save_dir: the id of the run whose checkpoints it holds
+
+
+def claim_save_dir(args, trainer: Trainer) -> None:
+    """Rank 0 claims --save_dir for this launch's run (fresh: a new id) and every rank learns the outcome;
+    CO2Error on every rank if the directory holds another run's checkpoints. Elastic replicas save into
+    directories of their own (`checkpoints.save_root`) and claim none."""
+    if not args.save_dir or args.lighthouse:
+        return
+    verdict: list = [None, None]
+    if dist.get_rank() == 0:
+        run_id = run_id_of(trainer) or secrets.token_hex(8)
+        verdict = [run_id, claim(Path(args.save_dir), run_id, args.resume)]
+    dist.broadcast_object_list(verdict, src=0)
+    run_id, problem = verdict
+    if problem is not None:
+        raise CO2Error(problem)
+    trainer.run_id = run_id
+    if trainer.co2 and trainer.opt.engine.run_id is None:  # its checkpoints' markers name the same run
+        trainer.opt.engine.name_run(run_id)
+
+
+def run_id_of(trainer: Trainer) -> Optional[str]:
+    """The run a loaded checkpoint belonged to (the CO2 state's, else its `extra`'s), or None (a fresh run)."""
+    if trainer.co2 and trainer.opt.engine.run_id is not None:
+        return trainer.opt.engine.run_id
+    return trainer.run_id
+
+
+def claim(root: Path, run_id: str, resume: Optional[str]) -> Optional[str]:
+    """Make `root` run `run_id`'s, or say why not: its owner file names another run; without one (written
+    by an earlier version), a complete checkpoint of another run, or for a fresh run any `latest`."""
+    owner = read_owner(root)
+    if owner is None:
+        others = sorted({marker.get("run_id") for _, marker in checkpoint.complete_checkpoints(root)} - {run_id, None})
+        if others:
+            owner = others[0]
+        elif resume is None and (root / "latest").is_file():
+            owner = "unknown (its checkpoints name none)"
+        else:
+            owner = _create_owner(root, run_id)
+    if owner == run_id:
+        return None
+    this = f"resumed from {resume}" if resume is not None else "a new run"
+    return (
+        f"--save_dir {root} holds the checkpoints of run {owner} ({root / OWNER}; latest: {_latest(root)}), and "
+        f"this launch is run {run_id} ({this}). A save directory belongs to one run, so nothing was written: "
+        f"continue run {owner} with --resume (its latest checkpoint) or --resume {root}/step<N>, or give this "
+        f"run a new --save_dir"
+    )
+
+
+def read_owner(root: Path) -> Optional[str]:
+    """The run id `root`'s owner file names, or None when it has none."""
+    try:
+        return (root / OWNER).read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
+def _create_owner(root: Path, run_id: str) -> str:
+    """Write the owner file whole under a temporary name, then link it in place: of two launches claiming at
+    once, one link fails (the file exists). Returns the owner the file names afterwards."""
+    root.mkdir(parents=True, exist_ok=True)
+    temp = root / f".{OWNER}.{secrets.token_hex(6)}.tmp"
+    checkpoint.write_text_atomic(temp, run_id)
+    try:
+        os.link(temp, root / OWNER)
+    except FileExistsError:
+        pass
+    finally:
+        temp.unlink(missing_ok=True)
+    return read_owner(root) or run_id
+
+
+def _latest(root: Path) -> str:
+    try:
+        return (root / "latest").read_text().strip()
+    except OSError:
+        return "none"
