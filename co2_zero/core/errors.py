@@ -1,8 +1,6 @@
 """Errors co2_zero raises, and warnings it gives, at run time (bad configuration raises ValueError)."""
 
 import re
-from datetime import timedelta
-from typing import Any, Callable
 
 # How torch words a passed deadline: gloo "Timed out waiting 5000ms for recv operation", "Operation
 # timed out!" (Work.wait), "Application timeout caused pair closure" (the next collective on that pair);
@@ -45,15 +43,6 @@ def collective_error(what: str, error: BaseException, timeout_s: float) -> CO2Er
             f"probably dead or stuck"
         )
     return CO2Error(f"co2: {what} failed: {detail}")
-
-
-def wait_within(start: Callable[[], Any], what: str, timeout_s: float) -> None:
-    """Start a collective (`start` returns its async work) and wait for it within `timeout_s`: the deadline
-    every collective of the library and of its tools has, and `collective_error` when it fails."""
-    try:
-        start().wait(timeout=timedelta(seconds=timeout_s))
-    except Exception as error:
-        raise collective_error(what, error, timeout_s) from error
 
 
 def missing_extra(package: str, extra: str, error: ImportError) -> ImportError:

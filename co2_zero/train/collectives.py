@@ -1,9 +1,9 @@
-"""The collectives the training job issues itself on the default group, each within a deadline.
+"""The training job's own collectives: the loss average of a log point and the deadline of each.
 
-The loss average of a log point (with rank 0's --max_seconds verdict), the validation loss and the
-barriers. As the library's own do (`co2_zero.core.errors.wait_within`), each waits at most the job's
-timeout_s and fails as a CO2Error naming the collective, the group's ranks and the ranks this one waited
-for (a lost rank: at once, its connection closed), not as a bare backend error inside the loop.
+The loss average carries rank 0's --max_seconds verdict too. Like the validation loss and the barriers
+(loop.py), it waits at most the job's timeout_s through `co2_zero.core.deadline`, the library's own
+mechanism, and fails as a CO2Error naming the step, the collective and the lost rank, not as a bare
+backend error inside the loop.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..core.config import CO2Config
-from ..core.errors import wait_within
+from ..core.deadline import all_reduce
 
 
 def deadline_s(config: Optional[CO2Config], args: Any) -> float:
@@ -23,25 +22,6 @@ def deadline_s(config: Optional[CO2Config], args: Any) -> float:
         return float(config.timeout_s)
     given = getattr(args, "timeout_s", None)
     return float(given if given is not None else CO2Config().timeout_s)
-
-
-def on_default_group(what: str) -> str:
-    """`what`, with the default group's ranks and the ones this rank waits for (a lost one is among them)."""
-    ranks, me = list(range(dist.get_world_size())), dist.get_rank()
-    others = [r for r in ranks if r != me]
-    peers = f"rank {others[0]}" if len(others) == 1 else f"ranks {others}"
-    return f"{what} on the default group (global ranks {ranks}), where rank {me} waited for {peers},"
-
-
-def all_reduce(tensor: torch.Tensor, what: str, timeout_s: float) -> None:
-    """Sum `tensor` over every rank in place, within `timeout_s` (CO2Error naming `what` otherwise)."""
-    wait_within(lambda: dist.all_reduce(tensor, async_op=True), on_default_group(what), timeout_s)
-
-
-def barrier(what: str, timeout_s: float, device: torch.device) -> None:
-    """Every rank got here, within `timeout_s` (NCCL's barrier must know the rank's GPU, `device`)."""
-    ids = [device.index] if dist.get_backend() == "nccl" else None
-    wait_within(lambda: dist.barrier(async_op=True, device_ids=ids), on_default_group(what), timeout_s)
 
 
 def mean_loss_and_stop(

@@ -20,10 +20,11 @@ import torch
 import torch._dynamo  # noqa: F401  before any process group (below)
 import torch.distributed as dist
 
+from ..core.deadline import all_reduce, barrier
 from ..core.plan import check_given
 from .args import CO2_METHODS, co2_config, get_args
 from .checkpoints import load, restore_data_position, resume_directory, rng_state, save, save_root, write_latest
-from .collectives import all_reduce, barrier, deadline_s, mean_loss_and_stop
+from .collectives import deadline_s, mean_loss_and_stop
 from .data import Batches, elastic_stream
 from .engines import Trainer, autocast, build_trainer
 from .events import Events, parameter_digest, stop_step
