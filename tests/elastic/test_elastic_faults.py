@@ -77,16 +77,15 @@ def test_a_replica_frozen_in_its_exchange_longer_than_timeout_s_leaves_and_the_o
     stops waiting for its data once the Lighthouse drops it (the heartbeat timeout, 3 s here), not after
     timeout_s, cuts that round and trains on alone. When replica 1 runs again its peer is rounds ahead:
     it must not take the peer's counters under its training loop (step, LR, data), so it leaves with a
-    CO2Error that says it is behind its peers, instead of training on and ending with another model. On a
-    loaded host. A freeze that outlasts the job: test_a_replica_frozen_until_its_peer_ended_the_job_leaves_saying_so."""
+    CO2Error that says it is behind its peers, instead of training on and ending with another model. A
+    freeze that outlasts the job: test_a_replica_frozen_until_its_peer_ended_the_job_leaves_saying_so."""
     timeout_s, frozen_round, resumed = 15.0, 2, tmp_path / "resumed"
     job = job_factory(12 * TAU)  # past round 5, replica 0 steps slowly until a quorum holds both: it still
     plan = {"start_replicas": 2, "replicas": 2, "timeout_s": timeout_s}  # trains when replica 1 runs again
-    with busy_host():  # a loaded host (issue 66)
-        survivor = job.start(0, gate=(5, str(resumed)), **plan)
-        hook = (HERE, "freeze_in_exchange", (frozen_round, timeout_s + 4, str(resumed)))
-        frozen = job.start(1, hooks=[hook], **plan)
-        job.wait([*survivor, *frozen], timeout=300)
+    survivor = job.start(0, gate=(5, str(resumed)), **plan)
+    hook = (HERE, "freeze_in_exchange", (frozen_round, timeout_s + 4, str(resumed)))
+    frozen = job.start(1, hooks=[hook], **plan)
+    job.wait([*survivor, *frozen], timeout=300)
     frozen_result = job.result(1)
     error = frozen_result.get("error", "")
     assert "replica 1 is behind its peers" in error and "restart it to rejoin" in error, frozen_result.get("history")
