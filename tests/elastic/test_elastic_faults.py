@@ -126,6 +126,25 @@ def test_a_replica_frozen_until_its_peer_ended_the_job_leaves_saying_so(job_fact
     assert len(lost) == 1 and re.search(r"round [12]:", lost[0]), result["warnings"]
 
 
+def test_a_replica_frozen_while_its_peer_trains_on_leaves_behind_not_as_if_the_job_ended(job_factory, tmp_path):  # noqa: F811
+    """Issue 66, the freeze that does not outlast the job, on a loaded host: replica 1 is frozen in its
+    exchange of round 1 until replica 0 has trained to round 3; replica 0 then waits at round 5 until it
+    runs again. Woken while its peer still trains, replica 1 is told it is behind (not that the job
+    ended) and leaves; replica 0 ends the job without an error."""
+    reached, resumed = tmp_path / "reached", tmp_path / "resumed"
+    job = job_factory(8 * TAU)
+    plan = {"start_replicas": 2, "replicas": 2, "timeout_s": 20.0}
+    with busy_host():
+        survivor = job.start(0, reached=(3, str(reached)), gate=(5, str(resumed)), **plan)
+        frozen = job.start(1, hooks=[(HERE, "freeze_in_exchange", (1, 1.0, str(resumed), str(reached)))], **plan)
+        job.wait([*survivor, *frozen], timeout=300)
+    frozen_result = job.result(1)
+    error = frozen_result.get("error", "")
+    assert "replica 1 is behind its peers" in error and "restart it to rejoin" in error, frozen_result.get("history")
+    result = job.result(0)
+    assert "error" not in result, result["error"]
+
+
 def late_final_quorum(seconds: float) -> None:
     """Hook: this replica asks for finalize()'s last quorum `seconds` late (heartbeating all along)."""
     import time
