@@ -119,8 +119,10 @@ class CO2Hooks:
 
     def barrier(self, name: Optional[str] = None) -> None:
         """Every rank got here (Lightning's barrier `name`), within timeout_s."""
-        if dist.is_initialized():
-            deadline.barrier(f"Lightning's barrier {name or ''}".rstrip(), self.co2.timeout_s, self.root_device)  # type: ignore[attr-defined]
+        if not dist.is_initialized():
+            return
+        device = self.root_device  # type: ignore[attr-defined]  # the Lightning strategy's
+        deadline.barrier(f"Lightning's barrier {name or ''}".rstrip(), self.co2.timeout_s, device)
 
     # ---- checkpoints --------------------------------------------------------------------------------
 
