@@ -259,8 +259,8 @@ class Membership:
 
     def _record_end(self, peers: Peers) -> None:
         """Rank 0 of this replica records on the Lighthouse that its launch ended the job at this round end."""
-        if self.engine.topology.rank == 0:
-            member = next(m for m in peers.members if replica_number(m) == str(self.replica_id))
+        member = next((m for m in peers.members if replica_number(m) == str(self.replica_id)), None)
+        if self.engine.topology.rank == 0 and member is not None:
             record_end(self.lighthouse, member, self.engine.rounds, self.timeout_s)
 
     def _check_replica_whole(self, round_index: int) -> None:
