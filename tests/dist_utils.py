@@ -6,7 +6,8 @@ its traceback; a run that outlives `timeout` is killed and fails, so a hang is a
 stuck suite. gloo on the CPU by default; the GPU suite passes `backend="nccl"` (one GPU per rank) or
 `device="cuda"` with gloo (ranks sharing a GPU), and `tests.models` then builds on that device.
 A rank that dies of a signal (a native abort) or hangs is reported with faulthandler's dump of its threads.
-`launch_jobs(jobs, ranks, ...)` runs whole scripts under one torchrun launch, one after the other.
+`launch_jobs(jobs, ranks, ...)` runs whole scripts under one torchrun launch, one after the other; `busy_host()`
+loads the host with a busy loop while a fault test runs.
 """
 
 from __future__ import annotations
@@ -74,6 +75,17 @@ def environment(**extra: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def busy_host() -> Iterator[None]:
+    """A busy loop beside the ranks for as long as the block runs: a loaded host, as a shared machine is."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 class Outcome(NamedTuple):

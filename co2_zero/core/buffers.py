@@ -9,7 +9,6 @@ follows `nonfinite` ("raise": NonFiniteError, nothing changed; "skip_round": the
 from __future__ import annotations
 
 import warnings
-from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from .comm import wire_bytes
 from .config import CO2Config
+from .deadline import wait_within
 from .errors import NonFiniteError, collective_error
 from .topology import Topology, collective_device
 
@@ -56,13 +56,9 @@ class ModuleBuffers:
         first round end falls back to."""
         if not self.tensors:
             return
-        flat, timeout_s = self.flat(), self.config.timeout_s
-        try:
-            work = dist.broadcast(flat, src=0, group=self.topology.control_group, async_op=True)
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except Exception as error:
-            what = f"start-up broadcast of the module buffers on the {self.topology.describe_control()}"
-            raise collective_error(what, error, timeout_s) from error
+        flat, group = self.flat(), self.topology.control_group
+        what = f"start-up broadcast of the module buffers on the {self.topology.describe_control()}"
+        wait_within(lambda: dist.broadcast(flat, src=0, group=group, async_op=True), what, self.config.timeout_s)
         self.write(flat)
         self.agreed = flat
 

@@ -12,7 +12,7 @@ All run before the background worker exists, so the outer group is still free fo
 from __future__ import annotations
 
 import math
-from datetime import timedelta
+from functools import partial
 from typing import Callable
 
 import torch
@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from .comm import Layout
 from .config import CO2Config
-from .errors import CO2Error, collective_error
+from .deadline import wait_within
+from .errors import CO2Error
 from .parameter_order import TensorIdentity, agree_on_parameters
 from .partition import ParameterWatch, Partition, local_values
 from .topology import Topology, collective_device, fingerprint, gather_fingerprints
@@ -106,12 +107,10 @@ def _broadcast_frozen(watch: ParameterWatch, topology: Topology, timeout_s: floa
     for dtype in sorted({p.dtype for _, p in frozen}, key=str):
         params = [p for _, p in frozen if p.dtype == dtype]
         flat = torch.cat([p.reshape(-1).to(device) for p in params])
-        try:
-            work = dist.broadcast(flat, src=topology.outer_ranks[0], group=topology.outer_group, async_op=True)
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except Exception as error:
-            what = f"start-up broadcast of the frozen parameters on the {topology.describe_outer()}"
-            raise collective_error(what, error, timeout_s) from error
+        what = f"start-up broadcast of the frozen parameters on the {topology.describe_outer()}"
+        source, group = topology.outer_ranks[0], topology.outer_group
+        broadcast = partial(dist.broadcast, flat, src=source, group=group, async_op=True)
+        wait_within(broadcast, what, timeout_s)
         offset = 0
         for p in params:
             p.copy_(flat[offset : offset + p.numel()].view_as(p))

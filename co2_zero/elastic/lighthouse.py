@@ -4,7 +4,8 @@ torchft names each replica group `"<replica_id>:<uuid>"` (one uuid per launch), 
 ids tell two launches with one `replica_id` apart; `QuorumIds` keeps them from the Manager's quorum
 result. `live_members` reads which of them still heartbeat, from the Lighthouse's status page: an
 exchange that waits for a peer the Lighthouse has dropped stops waiting (`wait_watched`) after the
-heartbeat timeout, not after `timeout_s`.
+heartbeat timeout, not after `timeout_s`. `post_end` records there that a launch reached the job's end
+(`ended_members` reads it back), so that a replica that comes back after its peers ended is told so.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import urllib.request
 import warnings
 from collections import Counter
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 from ..core.errors import CO2Error
@@ -22,6 +24,9 @@ from ..core.errors import CO2Error
 # heartbeat is older than the heartbeat timeout (the quorum then leaves it out)
 _HEARTBEAT = re.compile(r'<li class="heartbeat\s*(\w*)\s*">\s*(\S+): seen')
 POLL_S = 0.5  # how often a waiting exchange asks the Lighthouse who is alive
+# A launch that reached the job's end heartbeats once as "<its replica group id>/ended@<round>": no launch
+# has that name, and the status page lists it (old after the heartbeat timeout) as long as the Lighthouse runs
+ENDED = "/ended@"
 
 
 class QuorumIds:
@@ -72,14 +77,38 @@ def check_unique(members: tuple[str, ...], round_index: int, replica_id: int) ->
     )
 
 
-def live_members(lighthouse: str, timeout_s: float = 2.0) -> Optional[set[str]]:
-    """The replica groups whose heartbeat the Lighthouse holds fresh; None if it cannot be asked."""
+def _heartbeats(lighthouse: str, timeout_s: float) -> Optional[list[tuple[str, str]]]:
+    """(state, name) of every heartbeat on the Lighthouse's status page (state "old": past its timeout);
+    None if it cannot be asked."""
     try:
         with urllib.request.urlopen(f"{lighthouse.rstrip('/')}/status", timeout=timeout_s) as page:
             text = page.read().decode("utf-8", "replace")
     except Exception:
         return None
-    return {member for state, member in _HEARTBEAT.findall(text) if state != "old"}
+    return _HEARTBEAT.findall(text)
+
+
+def live_members(lighthouse: str, timeout_s: float = 2.0) -> Optional[set[str]]:
+    """The replica groups whose heartbeat the Lighthouse holds fresh; None if it cannot be asked."""
+    beats = _heartbeats(lighthouse, timeout_s)
+    if beats is None:
+        return None
+    return {member for state, member in beats if state != "old" and ENDED not in member}
+
+
+def post_end(lighthouse: str, member: str, round_index: int, timeout_s: float) -> None:
+    """Record on the Lighthouse that launch `member` ended the job at round end `round_index` (finalize()'s)."""
+    from torchft._torchft import LighthouseClient
+
+    timeout = timedelta(seconds=timeout_s)
+    LighthouseClient(lighthouse, timeout).heartbeat(f"{member}{ENDED}{round_index}", timeout=timeout)
+
+
+def ended_members(lighthouse: str, timeout_s: float = 2.0) -> dict[str, int]:
+    """The launches that recorded the job's end (`post_end`), each with its round end; {} if none or the
+    Lighthouse cannot be asked."""
+    ended = (member.split(ENDED) for _, member in _heartbeats(lighthouse, timeout_s) or () if ENDED in member)
+    return {member: int(round_index) for member, round_index in ended}
 
 
 def wait_watched(

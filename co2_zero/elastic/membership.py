@@ -20,8 +20,10 @@ from ..core.comm import Layout
 from ..core.errors import CO2Error, missing_extra
 from ..core.plan import ResolvedPlan
 from ..core.topology import Topology, collective_device
+from .agreement import ReplicaRefused
 from .exchange import ElasticExchange, Peers, drop_group
-from .lighthouse import QuorumIds, check_unique
+from .job_end import check_lost, record_end
+from .lighthouse import QuorumIds, check_unique, replica_number
 from .quiet import quiet_torchft
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,6 +90,7 @@ class Membership:
         self.history: list[RoundRecord] = []
         self.changes: list[str] = []  # "replicas 3 -> 2 at round 17", one per change of the quorum
         self.quorum: tuple[int, ...] = ()  # the replica ids of the latest quorum (the job's R now)
+        self._members: tuple[str, ...] = ()  # the latest quorum's launches ("<replica_id>:<uuid>", torchft's)
         self.manager: Any = None
         self.exchange: Optional[ElasticExchange] = None
         self.engine: Optional[RoundEngine] = None
@@ -214,7 +217,7 @@ class Membership:
         """finalize()'s last quorum. A replica that cut the last round while its peers committed it is a
         step behind them: it heals from a live peer here, as it would at the next round end if there
         were one, so that every replica ends with one model."""
-        peers = self._quorum(round_index, joining=False)  # finalize() checked every rank of the replica is here
+        peers = self._quorum(round_index, joining=False, ending=True)  # finalize() checked every rank is here
         healed, self._received = self._received is not None, None
         if self.manager.errored():
             raise CO2Error(
@@ -243,13 +246,22 @@ class Membership:
 
     def end(self, peers: Peers, error: Optional[Exception]) -> None:
         """The vote on finalize()'s last meeting. This replica's model is final either way (it was not
-        behind, or it healed in the quorum); a failed meeting only cost a peer that trains on its round."""
+        behind, or it healed in the quorum); a failed meeting only cost a peer that trains on its round.
+        The job's end is then recorded on the Lighthouse, where a replica that comes back later reads it."""
+        if not isinstance(error, ReplicaRefused):
+            self._record_end(peers)
         if not self._vote(error):
             warnings.warn(
                 f"co2 elastic: finalize: the last meeting with replicas {list(peers.replicas)} failed ({error}); "
                 f"replica {self.replica_id} ends with its own model (it was not behind them, or healed in the quorum)",
                 stacklevel=2,
             )
+
+    def _record_end(self, peers: Peers) -> None:
+        """Rank 0 of this replica records on the Lighthouse that its launch ended the job at this round end."""
+        member = next((m for m in peers.members if replica_number(m) == str(self.replica_id)), None)
+        if self.engine.topology.rank == 0 and member is not None:
+            record_end(self.lighthouse, member, self.engine.rounds, self.timeout_s)
 
     def _check_replica_whole(self, round_index: int) -> None:
         """Every rank of this replica (S > 1) reached the round end, within timeout_s. The replica is the
@@ -281,9 +293,10 @@ class Membership:
         self._whole_at = round_index
         return probe.tolist()
 
-    def _quorum(self, round_index: int, joining: bool, serve_now: bool = True) -> Peers:
+    def _quorum(self, round_index: int, joining: bool, serve_now: bool = True, ending: bool = False) -> Peers:
         """serve_now: a peer that heals from this replica gets its state as of now (main thread, between
-        rounds); False: as `prepare_background_round` fixed it."""
+        rounds); False: as `prepare_background_round` fixed it. ending: finalize()'s, where peers that
+        ended are no loss."""
         if serve_now:
             self._served = self.engine.state_for_peer()
         try:
@@ -307,7 +320,13 @@ class Membership:
             raise
         shards = self.engine.topology.world_size
         replicas = tuple(rank // shards for rank in (group._global_ranks or [self.replica_id * shards]))
-        self.quorum = replicas
+        if not joining and not ending:
+            try:
+                check_lost(self, round_index, lost=[m for m in self._members if m not in members], replicas=replicas)
+            except CO2Error:
+                drop_group(group)
+                raise
+        self.quorum, self._members = replicas, members
         return Peers(group, replicas, replicas.index(self.replica_id), contributes=True, members=members)
 
     def _vote(self, error: Optional[BaseException]) -> bool:

@@ -5,12 +5,15 @@
 - after each round end: the round's figures (`co2/wait_s`, `co2/round_end_s`, ...) through the Trainer's
   loggers, at the round's optimizer step;
 - when fit ends: `finalize()`, so every rank holds the same model;
+- Lightning's own collectives (`reduce_boolean_decision`: ModelCheckpoint's and EarlyStopping's decisions;
+  `barrier`) within the CO2 config's timeout_s: a lost rank is a CO2Error naming it (`co2_zero.core.deadline`);
 - checkpoints: during fit, a Lightning checkpoint path is a directory of per-rank files written by
   `co2_zero.checkpoint` (tag `checkpoint`: module, inner optimizer and CO2 state of every rank, plus
   Lightning's own entries as the plain-data `extra`); after `finalize()` one model is left, so
   `trainer.save_checkpoint` writes Lightning's usual single file from rank 0, without optimizer state.
 
-A strategy provides `co2_optimizer` and the two per-rank methods `_save_per_rank` / `_load_per_rank`.
+A strategy provides `co2` (its CO2Config), `co2_optimizer` and the two per-rank methods `_save_per_rank` /
+`_load_per_rank`.
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from ..core import deadline
+from ..core.config import CO2Config
 from ..core.errors import CO2Error
+from ..core.topology import collective_device
 
 TAG = "checkpoint"  # the co2_zero.checkpoint tag inside a Lightning checkpoint path (DeepSpeed's name)
 PER_RANK = ("state_dict", "optimizer_states")  # what the per-rank files hold themselves
@@ -56,6 +64,7 @@ class CO2Hooks:
     """Mixed in before a Lightning strategy class; see the module docstring."""
 
     _logged_round: Optional[int] = None
+    co2: CO2Config
 
     @property
     def co2_optimizer(self) -> Any:
@@ -96,6 +105,24 @@ class CO2Hooks:
         co2 = self.co2_optimizer
         if co2 is not None and not co2.engine.finalized:
             co2.finalize()
+
+    # ---- Lightning's own collectives, within timeout_s -------------------------------------------------
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """`decision` of every rank, combined (all, or any), as Lightning's; a lost or stuck rank is a
+        CO2Error naming it, as the library's own collectives fail, not a bare backend error."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return decision
+        votes = torch.tensor(int(decision), dtype=torch.int64, device=collective_device())
+        deadline.all_reduce(votes, "Lightning's reduce_boolean_decision", self.co2.timeout_s)
+        return votes.item() == dist.get_world_size() if all else votes.item() > 0
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Every rank got here (Lightning's barrier `name`), within timeout_s."""
+        if not dist.is_initialized():
+            return
+        device = self.root_device  # type: ignore[attr-defined]  # the Lightning strategy's
+        deadline.barrier(f"Lightning's barrier {name or ''}".rstrip(), self.co2.timeout_s, device)
 
     # ---- checkpoints --------------------------------------------------------------------------------
 

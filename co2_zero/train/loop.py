@@ -20,9 +20,11 @@ import torch
 import torch._dynamo  # noqa: F401  before any process group (below)
 import torch.distributed as dist
 
+from ..core.deadline import all_reduce, barrier
 from ..core.plan import check_given
 from .args import CO2_METHODS, co2_config, get_args
 from .checkpoints import resume, rng_state, save, save_root, write_latest
+from .collectives import deadline_s, mean_loss_and_stop
 from .data import Batches, elastic_stream
 from .engines import Trainer, autocast, build_trainer
 from .events import Events, parameter_digest, stop_step
@@ -81,11 +83,12 @@ class Job:
     def master(self) -> bool:
         return self.rank == 0
 
+    @property
+    def timeout_s(self) -> float:
+        return deadline_s(self.config, self.args)  # the deadline of the job's own collectives
+
     def barrier(self) -> None:
-        if dist.get_backend() == "nccl":  # NCCL's barrier must know the rank's GPU
-            dist.barrier(device_ids=[self.device.index])
-        else:
-            dist.barrier()
+        barrier("a barrier of the training job", self.timeout_s, self.device)
 
     def memory_gib(self) -> Optional[float]:
         return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
@@ -208,7 +211,7 @@ def evaluate(model, batches, rank, world, alone, args=None, shards=1) -> float:
             total += model(x, y).double()
     s = torch.stack([total, torch.tensor(float(len(mine)), dtype=torch.float64, device=device)])
     if not alone and world > 1:
-        dist.all_reduce(s)
+        all_reduce(s, "the validation loss", deadline_s(None, args))
     model.train(was_training)
     return (s[0] / s[1]).item()
 
@@ -318,26 +321,14 @@ def save_job(job: Job, clock: Clock, step: int) -> None:
         job.console.line(f"step {step} | checkpoint {directory} ({time.perf_counter() - t:.1f}s)")
 
 
-def mean_loss_and_stop(job: Job, tally: Tally, out_of_time: bool) -> tuple[float, bool]:
-    """The loss averaged over ranks and the steps since the last log line, and rank 0's --max_seconds
-    verdict, in one all-reduce (the loop's only default-group collective): all ranks stop together."""
-    d = job.device
-    s = torch.stack([torch.as_tensor(tally.loss_sum, dtype=torch.float64, device=d).reshape(()),
-                     torch.tensor(float(tally.loss_n), dtype=torch.float64, device=d),
-                     torch.tensor(float(out_of_time), dtype=torch.float64, device=d)])  # fmt: skip
-    dist.all_reduce(s)
-    loss_sum, loss_n, stop = s.tolist()
-    tally.loss_sum, tally.loss_n = 0.0, 0
-    return loss_sum / loss_n, stop > 0
-
-
 def log_point(job: Job, clock: Clock, tally: Tally, step: int, end: RoundEnd) -> bool:
     """Average the loss over ranks, log, validate every --eval_every points. Returns True when rank 0
     says --max_seconds is up."""
     a = job.args
     tally.add_round_end(end, co2=job.trainer.co2 and job.trainer.opt.round_ended)
     out_of_time = job.master and a.max_seconds > 0 and clock.training_s() >= a.max_seconds
-    loss, stop = mean_loss_and_stop(job, tally, out_of_time)
+    loss, stop = mean_loss_and_stop(tally.loss_sum, tally.loss_n, out_of_time, step, job.device, job.timeout_s)
+    tally.loss_sum, tally.loss_n = 0.0, 0
     # After the all-reduce (and its .tolist() sync): the interval ends when the slowest rank got here,
     # so the time rank 0 waits for the others is counted in this interval, not lost between two.
     now = time.perf_counter()

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -113,11 +114,15 @@ def replica_main(replica: int, rank: int, port: int, lighthouse: str, out: str, 
     model = _model(config, shards)
     membership = Membership(lighthouse, replica, start_replicas=plan.get("start_replicas", 3))
     healed_at = _record_heals(membership)
-    try:
-        opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), config, model, membership=membership)
-        result = {**_train(replica, rank, opt, model, membership, steps, {**plan, "die": die}), "healed_at": healed_at}
-    except CO2Error as error:
-        result = {"error": str(error), "error_at": time.time()}
+    with warnings.catch_warnings(record=True) as caught:  # the library's warnings, e.g. a lost peer's
+        warnings.simplefilter("always")
+        try:
+            opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), config, model, membership=membership)
+            train = _train(replica, rank, opt, model, membership, steps, {**plan, "die": die})
+            result = {**train, "healed_at": healed_at}
+        except CO2Error as error:
+            result = {"error": str(error), "error_at": time.time()}
+    result["warnings"] = [str(w.message) for w in caught]
     torch.save(result, f"{out}.tmp")
     os.replace(f"{out}.tmp", out)
     dist.destroy_process_group()

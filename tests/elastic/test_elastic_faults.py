@@ -11,12 +11,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.dist_utils import busy_host
 from tests.elastic.test_elastic import (  # noqa: F401  (job_factory: the fixture)
     CONFIG,
     HEARTBEAT_TIMEOUT_MS,
@@ -31,18 +31,20 @@ pytest.importorskip("torchft", reason="the elastic extra (torchft) is not instal
 HERE = "tests.elastic.test_elastic_faults"
 
 
-def freeze_in_exchange(round_index: int, seconds: float, resumed: str) -> None:
+def freeze_in_exchange(round_index: int, seconds: float, resumed: str, until: str = "") -> None:
     """Hook: SIGSTOP this whole process (its heartbeats too) inside its exchange of round `round_index`,
     after the small all-reduce of who contributes (its peers are then inside the average, waiting for
-    its data); a helper process sends SIGCONT `seconds` later; `resumed` is created once it runs again."""
+    its data); a helper process sends SIGCONT `seconds` later (given `until`: once that path exists, then
+    `seconds`); `resumed` is created once it runs again."""
     from co2_zero import elastic
 
     original = elastic.ElasticExchange._who_contributes
+    wait = f"while [ ! -e {until} ]; do sleep 0.2; done; " if until else ""
 
     def frozen(self, peers):
         contributors = original(self, peers)
         if self.round_index == round_index:
-            subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+            subprocess.Popen(["sh", "-c", f"{wait}sleep {seconds}; kill -CONT {os.getpid()}"])
             os.kill(os.getpid(), signal.SIGSTOP)
             Path(resumed).touch()
         return contributors
@@ -75,7 +77,8 @@ def test_a_replica_frozen_in_its_exchange_longer_than_timeout_s_leaves_and_the_o
     stops waiting for its data once the Lighthouse drops it (the heartbeat timeout, 3 s here), not after
     timeout_s, cuts that round and trains on alone. When replica 1 runs again its peer is rounds ahead:
     it must not take the peer's counters under its training loop (step, LR, data), so it leaves with a
-    CO2Error that says it is behind its peers, instead of training on and ending with another model."""
+    CO2Error that says it is behind its peers, instead of training on and ending with another model. A
+    freeze that outlasts the job: test_a_replica_frozen_until_its_peer_ended_the_job_leaves_saying_so."""
     timeout_s, frozen_round, resumed = 15.0, 2, tmp_path / "resumed"
     job = job_factory(12 * TAU)  # past round 5, replica 0 steps slowly until a quorum holds both: it still
     plan = {"start_replicas": 2, "replicas": 2, "timeout_s": timeout_s}  # trains when replica 1 runs again
@@ -95,6 +98,51 @@ def test_a_replica_frozen_in_its_exchange_longer_than_timeout_s_leaves_and_the_o
     stall = max(result["stalls"])
     limit = HEARTBEAT_TIMEOUT_MS / 1000 + 5.0  # the heartbeat timeout, a poll, a quorum on a loaded host
     assert stall < min(limit, timeout_s - 4), f"replica 0 stalled {stall:.1f} s waiting for the frozen replica"
+
+
+def test_a_replica_frozen_until_its_peer_ended_the_job_leaves_saying_so(job_factory, tmp_path):  # noqa: F811
+    """Issue 66: replica 1 is frozen (SIGSTOP) inside its exchange of round 1 until replica 0 has ended the
+    job, on a loaded host. Replica 0 goes on alone, with a warning naming the round and the replica it
+    lost. Replica 1 then wakes alone in its quorum: it must not train the remaining rounds by itself and
+    exit 0 with a second final model of the job; it leaves with a CO2Error saying the job ended without it."""
+    rounds, frozen_round, resumed = 6, 1, tmp_path / "resumed"
+    job = job_factory(rounds * TAU)
+    plan = {"start_replicas": 2, "replicas": 2, "timeout_s": 20.0}
+    ended = tmp_path / "replica0_rank0.pt"  # replica 0's result: written after its finalize()
+    with busy_host():
+        survivor = job.start(0, **plan)
+        frozen = job.start(
+            1, hooks=[(HERE, "freeze_in_exchange", (frozen_round, 1.0, str(resumed), str(ended)))], **plan
+        )
+        job.wait([*survivor, *frozen], timeout=300)
+    assert resumed.exists(), "replica 1 was never frozen"
+    frozen_result = job.result(1)
+    error = frozen_result.get("error", "")
+    assert "the job ended without replica 1: replica(s) [0]" in error, frozen_result.get("history")
+    assert f"at round end {rounds}" in error, error
+    result = job.result(0)
+    assert "error" not in result, result["error"]
+    lost = [w for w in result["warnings"] if "replica 0 lost replica(s) [1]" in w and "goes on with replicas [0]" in w]
+    assert len(lost) == 1 and re.search(r"round [12]:", lost[0]), result["warnings"]
+
+
+def test_a_replica_frozen_while_its_peer_trains_on_leaves_behind_not_as_if_the_job_ended(job_factory, tmp_path):  # noqa: F811
+    """Issue 66, the freeze that does not outlast the job, on a loaded host: replica 1 is frozen in its
+    exchange of round 1 until replica 0 has trained to round 3; replica 0 then waits at round 5 until it
+    runs again. Woken while its peer still trains, replica 1 is told it is behind (not that the job
+    ended) and leaves; replica 0 ends the job without an error."""
+    reached, resumed = tmp_path / "reached", tmp_path / "resumed"
+    job = job_factory(8 * TAU)
+    plan = {"start_replicas": 2, "replicas": 2, "timeout_s": 20.0}
+    with busy_host():
+        survivor = job.start(0, reached=(3, str(reached)), gate=(5, str(resumed)), **plan)
+        frozen = job.start(1, hooks=[(HERE, "freeze_in_exchange", (1, 1.0, str(resumed), str(reached)))], **plan)
+        job.wait([*survivor, *frozen], timeout=300)
+    frozen_result = job.result(1)
+    error = frozen_result.get("error", "")
+    assert "replica 1 is behind its peers" in error and "restart it to rejoin" in error, frozen_result.get("history")
+    result = job.result(0)
+    assert "error" not in result, result["error"]
 
 
 def late_final_quorum(seconds: float) -> None:
@@ -209,15 +257,11 @@ def test_a_replica_late_for_one_quorum_on_a_loaded_host_is_waited_for(job_factor
     round is averaged over all three and the model is the reference's."""
     rounds, late_round = 6, 2
     job = job_factory(rounds * TAU, join_timeout_ms=documented_join_timeout_ms())
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with busy_host():
         plan = {"start_replicas": 3, "replicas": 3}
         processes = [p for r in range(2) for p in job.start(r, **plan)]
         processes += job.start(2, straggle=(late_round, 6.0), **plan)
         job.wait(processes, timeout=300)
-    finally:
-        busy.kill()
-        busy.wait()
     results = [job.result(r) for r in range(3)]
     assert all("error" not in result for result in results), [result.get("error") for result in results]
     schedule = _schedule(results[0]["history"], rounds)

@@ -8,6 +8,7 @@ one property of the recorded results.
 from __future__ import annotations
 
 import csv
+import signal
 import warnings
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from co2_zero import CO2Config, CO2Optimizer  # noqa: E402
 from co2_zero.lightning import CO2Strategy  # noqa: E402
 from tests import models  # noqa: E402
 from tests.compare import assert_close  # noqa: E402
-from tests.dist_utils import run_ranks  # noqa: E402
+from tests.dist_utils import busy_host, launch_ranks, run_ranks  # noqa: E402
 from tests.lightning_app import Lit, Recorder, as_torchrun, loader, params, trainer  # noqa: E402
 from tests.reference import simulate  # noqa: E402
 from tests.scenarios import co2  # noqa: E402
@@ -293,3 +294,35 @@ def test_missing_lightning_names_the_extra(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[lightning\]'"):
         importlib.import_module("co2_zero.lightning")
+
+
+def _fit_losing_rank_1(rank: int, world: int) -> None:
+    """A fit in which every rank asks Lightning's `reduce_boolean_decision` after each optimizer step (as
+    ModelCheckpoint and EarlyStopping do); rank 1 SIGKILLs itself as it reaches the one of step 3."""
+    import os
+
+    from lightning.pytorch.callbacks import Callback
+
+    class Decide(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if rank == 1 and trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            trainer.strategy.reduce_boolean_decision(False, all=False)
+
+    as_torchrun(rank, world)
+    run = trainer(world, CO2Strategy(co2={"tau": 2, "timeout_s": 30.0}), max_steps=8, callbacks=[Decide()])
+    run.fit(Lit(), loader(lambda i: models.batch(rank, i), 8))
+
+
+def test_a_rank_killed_at_a_lightning_decision_fails_the_survivor_with_a_co2_error_naming_it():
+    """Issue 66: rank 1 is killed as it reaches Lightning's reduce_boolean_decision; rank 0, inside that
+    all-reduce, raises `CO2Error` naming the decision and rank 1 at once (a closed connection is no
+    timeout), not gloo's bare RuntimeError. On a loaded host."""
+    with busy_host():
+        survivor, killed = launch_ranks(_fit_losing_rank_1, WORLD, timeout=400)
+    assert killed.exitcode == -signal.SIGKILL, killed
+    assert survivor.exitcode not in (0, None) and survivor.error, f"rank 0 did not fail: {survivor}"
+    last = survivor.error.strip().splitlines()[-1]
+    assert last.startswith("co2_zero.core.errors.CO2Error: co2: Lightning's reduce_boolean_decision"), last
+    assert "global ranks [0, 1]" in last and "waited for rank 1" in last, last
+    assert survivor.ended_at - killed.ended_at < 30.0, (survivor.ended_at, killed.ended_at)

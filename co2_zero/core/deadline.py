@@ -1,0 +1,44 @@
+"""Every collective with a deadline: the library's own, and those its tools issue on the default group.
+
+A collective is started asynchronously and waited for within `timeout_s`; when it fails (a peer died:
+at once, its connection closed; or the deadline passed) it raises `collective_error`'s CO2Error naming
+what it was, the group's ranks and the ranks this one waited for, never a bare backend error.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import collective_error
+
+
+def wait_within(start: Callable[[], Any], what: str, timeout_s: float) -> None:
+    """Start a collective (`start` returns its async work) and wait for it within `timeout_s`; the
+    CO2Error (`collective_error`, whose message starts with `what`) when it fails."""
+    try:
+        start().wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as error:
+        raise collective_error(what, error, timeout_s) from error
+
+
+def on_default_group(what: str) -> str:
+    """`what`, with the default group's ranks and those this rank waits for (a lost one is among them)."""
+    ranks, me = list(range(dist.get_world_size())), dist.get_rank()
+    others = [r for r in ranks if r != me]
+    peers = f"rank {others[0]}" if len(others) == 1 else f"ranks {others}"
+    return f"{what} on the default group (global ranks {ranks}), where rank {me} waited for {peers},"
+
+
+def all_reduce(tensor: torch.Tensor, what: str, timeout_s: float) -> None:
+    """Sum `tensor` over the default group in place, within `timeout_s`."""
+    wait_within(lambda: dist.all_reduce(tensor, async_op=True), on_default_group(what), timeout_s)
+
+
+def barrier(what: str, timeout_s: float, device: torch.device) -> None:
+    """Every rank of the default group got here, within `timeout_s` (NCCL's barrier needs the rank's GPU)."""
+    ids = [device.index] if dist.get_backend() == "nccl" else None
+    wait_within(lambda: dist.barrier(async_op=True, device_ids=ids), on_default_group(what), timeout_s)
