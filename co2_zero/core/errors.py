@@ -16,6 +16,11 @@ class CO2Error(RuntimeError):
     """
 
 
+class CheckpointRefusedError(CO2Error):
+    """A checkpoint load refused, on every rank, before anything changed: nothing to load, a missing or
+    damaged file, another config or grid. The user's to fix (the tools report it in one line)."""
+
+
 class CO2TimeoutError(CO2Error, TimeoutError):
     """A wait on the background exchange passed its deadline (`timeout_s`)."""
 
