@@ -124,7 +124,8 @@ def _choose(root: Path, tag: Optional[str]) -> _Choice:
         if tag in complete:
             return _Choice(tag, None)
         state = "does not exist" if not (root / tag).exists() else f"is incomplete (no valid {MARKER})"
-        return _Choice(None, f"{root / tag} {state}; complete checkpoints in {root}: {sorted(complete)}")
+        found = f"complete checkpoints there: {sorted(complete)}" if complete else "no complete checkpoint there"
+        return _Choice(None, f"{root / tag} {state} (in {root.resolve()}: {found})")
     latest = root / LATEST
     if latest.is_file():
         named = latest.read_text().strip()
