@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from co2_zero import CO2Optimizer  # noqa: E402
 from co2_zero.core.compress import FORMATS, RecordLayout, dequantize_into, quantize_with_feedback_  # noqa: E402
 from co2_zero.core.sparse import SparseLayout, add_decoded_, encode_with_feedback_  # noqa: E402
+from co2_zero.train.cli import ToolParser, run_tool  # noqa: E402
 from co2_zero.train.link import round_bytes  # noqa: E402
 from tests.dist_utils import run_ranks  # noqa: E402
 
@@ -70,7 +71,7 @@ BLOCKING = {"tau": 1, "overlap": False, "outer_lr": 0.7, "outer_momentum": 0.9, 
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--params", type=int, default=1_000_000, help="parameters of the model (one square Linear)")
     p.add_argument("--codec_elements", type=int, default=25_000_000, help="elements of the codec's vector")
@@ -268,4 +269,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(Path(__file__).name, main))

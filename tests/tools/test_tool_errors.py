@@ -130,3 +130,12 @@ def test_given_flags_are_those_on_the_command_line():
     parser = train_args.build_parser()
     assert train_args.given_flags(parser, ["--lr", "0.003", "--no-overlap", "--eager"]) == ["lr", "overlap", "stand_in"]
     assert train_args.given_flags(parser, []) == []
+
+
+@pytest.mark.parametrize("script", ["bench_wire", "bench_throughput"])
+def test_a_benchmark_script_refuses_a_flag_in_one_line(tmp_path, script):
+    cmd = [sys.executable, "-m", f"scripts.{script}", "--no_such_flag"]
+    proc = subprocess.run(cmd, cwd=SCRIPT.parents[1], env=_env(), capture_output=True, text=True, timeout=240)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{script}.py: error: unrecognized arguments: --no_such_flag"), lines[0]
