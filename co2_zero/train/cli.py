@@ -3,7 +3,8 @@
 A bad flag, a refused setting or a checkpoint that cannot be loaded is the user's to fix, and under torchrun
 a traceback per rank would bury the one line that says what to fix. Every rank of the launch raises the
 same refusal (flags are checked before any process group; a checkpoint load refuses on every rank), so
-rank 0 alone prints it. `--debug` lets the exception through, with its traceback.
+rank 0 alone prints it (another rank prints its own only if rank 0 did not end the launch within a few
+seconds, i.e. did not refuse). `--debug` lets the exception through, with its traceback.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ USAGE_ERROR = 2  # argparse's exit status for a bad command line
 DEBUG_FLAG = "--debug"
 DEBUG_HELP = "let an error through with its traceback (default: one line, printed by rank 0, exit status 2)"
 USER_ERRORS = (ValueError, CheckpointRefusedError)  # refused settings (CO2Config, flags), refused loads
-# How long a rank other than 0 waits after a refusal before it exits: torchrun ends the whole launch at the
-# first rank's exit, and rank 0 must have printed the line by then (it ends the others on its own exit).
+# How long a rank other than 0 waits after a refusal before it prints and exits: torchrun ends the whole launch
+# at the first rank's exit, so rank 0 must print first (its exit ends the others, which then print nothing).
 RANK_0_FIRST_S = 5.0
 
 
@@ -31,10 +32,15 @@ def first_rank() -> bool:
 
 
 def report(prog: str, message: str) -> None:
-    """Print `message` as the tool's one error line (rank 0 only); a multi-line message joins into one."""
+    """Print `message` as the tool's one error line, a multi-line message joined into one: rank 0 at once; any
+    other rank only if it is still running RANK_0_FIRST_S later (rank 0 did not end the launch: it did not
+    refuse), naming itself."""
+    text = "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
     if first_rank():
-        text = "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
         print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
+        return
+    time.sleep(RANK_0_FIRST_S)
+    print(f"{prog}: error (rank {os.environ.get('RANK')}): {text}", file=sys.stderr, flush=True)
 
 
 class ToolParser(argparse.ArgumentParser):
@@ -42,7 +48,6 @@ class ToolParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         report(self.prog, f"{message} ({self.prog} --help lists the flags)")
-        rank_0_first()
         raise SystemExit(USAGE_ERROR)
 
 
@@ -55,17 +60,9 @@ def run_tool(prog: str, body: Callable[[Optional[Sequence[str]]], int], argv: Op
     try:
         return body(argv)
     except USER_ERRORS as error:
-        report(prog, str(error))
+        report(prog, str(error))  # before the groups end: a rank that alone refused must print before any fails
         _end_process_groups()
-        rank_0_first()
         return USAGE_ERROR
-
-
-def rank_0_first() -> None:
-    """On a rank other than 0, wait up to RANK_0_FIRST_S before exiting: every rank refuses, and the
-    launcher must not end rank 0 before it printed the line."""
-    if not first_rank():
-        time.sleep(RANK_0_FIRST_S)
 
 
 def _end_process_groups() -> None:

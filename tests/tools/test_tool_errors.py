@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from co2_zero.train import args as train_args
-from co2_zero.train import ds_config
+from co2_zero.train import cli, ds_config
 from tests.tools.test_train_lm_smoke import SCRIPT, TINY, _env
 
 LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -139,3 +139,25 @@ def test_a_benchmark_script_refuses_a_flag_in_one_line(tmp_path, script):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"{script}.py: error: unrecognized arguments: --no_such_flag"), lines[0]
+
+
+def _refuse(argv):
+    raise ValueError("comm_dtype='int3' is invalid; accepted: 'fp32' | 'int8'")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_rank_0_prints_at_once_another_rank_only_when_still_running(rank, monkeypatch, capsys):
+    """Rank 0's line ends the launch (torchrun ends the others); a rank still running after the wait names itself:
+    the refusal was its own, and without its line the launch would end with no word on why."""
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(cli, "RANK_0_FIRST_S", 0.0)
+    assert cli.run_tool("co2-train", _refuse, []) == 2
+    err = capsys.readouterr().err
+    who = "error" if rank == "0" else "error (rank 1)"
+    assert err == f"co2-train: {who}: comm_dtype='int3' is invalid; accepted: 'fp32' | 'int8'\n", err
+
+
+def test_debug_lets_the_error_through(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="int3"):
+        cli.run_tool("co2-train", _refuse, ["--debug"])
