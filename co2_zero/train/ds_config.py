@@ -41,14 +41,24 @@ def _read(config: dict, path: tuple[Any, ...]) -> Any:
     return config
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def settle(args: argparse.Namespace) -> list[str]:
-    """Take the config's value for each flag of FLAG_KEYS left at its default (the config's LR, too, when
-    it has a scheduler); returns what the given flags replace in the config, one line each."""
-    config = json.loads(deepspeed_config_path(args).read_text())
+    """Take the config's value for each flag of FLAG_KEYS left at its default; returns what the given flags
+    replace in the config (a value, its scheduler, its train_batch_size), one line each."""
+    path = deepspeed_config_path(args)
+    if not path.is_file():
+        raise ValueError(
+            f"--deepspeed_config {args.deepspeed_config}: no such file; accepted: a DeepSpeed JSON config, or a "
+            f"shipped one by name ({', '.join(configs.names())})"
+        )
+    config = json.loads(path.read_text())
     given, replaced = set(args.flags_given), []
     for flag, path in FLAG_KEYS.items():
         value = _read(config, path)
-        if value is None:
+        if not _number(value):  # absent, or a Trainer's "auto": the flag's value fills it
             continue
         if flag not in given:
             setattr(args, flag, value)

@@ -48,6 +48,7 @@ FLAG_CASES = {
     "short_run": (["--tau", "64", "--max_steps", "32"], ("--max_steps=32", "accepted:")),
     "resume_missing": (["--resume", "ck_missing"], ("--resume ck_missing", "accepted:")),
     "bad_choice": (["--method", "nope"], ("--method", "nope")),
+    "deepspeed_config": (["--engine", "deepspeed", "--deepspeed_config", "nope.json"], ("nope.json", "accepted:")),
 }
 
 
