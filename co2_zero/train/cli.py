@@ -3,8 +3,8 @@
 A bad flag, a refused setting or a checkpoint that cannot be loaded is the user's to fix, and under torchrun
 a traceback per rank would bury the one line that says what to fix. Every rank of the launch raises the
 same refusal (flags are checked before any process group; a checkpoint load refuses on every rank), so
-rank 0 alone prints it (another rank prints its own only if rank 0 did not end the launch within a few
-seconds, i.e. did not refuse). `--debug` lets the exception through, with its traceback.
+rank 0 alone prints it (another rank prints its own only if rank 0 did not end the launch within half a
+minute, i.e. did not refuse). `--debug` lets the exception through, with its traceback.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ DEBUG_HELP = "let an error through with its traceback (default: one line, printe
 USER_ERRORS = (ValueError, CheckpointRefusedError)  # refused settings (CO2Config, flags), refused loads
 # How long a rank other than 0 waits after a refusal before it prints and exits: torchrun ends the whole launch
 # at the first rank's exit, so rank 0 must print first (its exit ends the others, which then print nothing).
-RANK_0_FIRST_S = 5.0
+RANK_0_FIRST_S = 30.0  # far longer than rank 0 takes to exit, even on a loaded host
 
 
 def first_rank() -> bool:
