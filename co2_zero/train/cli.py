@@ -15,12 +15,11 @@ import sys
 import time
 from typing import Callable, NoReturn, Optional, Sequence
 
-from ..core.errors import CheckpointRefusedError
+from ..core.errors import CO2Error
 
 USAGE_ERROR = 2  # argparse's exit status for a bad command line
 DEBUG_FLAG = "--debug"
 DEBUG_HELP = "let an error through with its traceback (default: one line, printed by rank 0, exit status 2)"
-USER_ERRORS = (ValueError, CheckpointRefusedError)  # refused settings (CO2Config, flags), refused loads
 # How long a rank other than 0 waits after a refusal before it prints and exits: torchrun ends the whole launch
 # at the first rank's exit, so rank 0 must print first (its exit ends the others, which then print nothing).
 RANK_0_FIRST_S = 30.0  # far longer than rank 0 takes to exit, even on a loaded host
@@ -52,14 +51,17 @@ class ToolParser(argparse.ArgumentParser):
 
 
 def run_tool(prog: str, body: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None) -> int:
-    """Run a tool's `body(argv)`; a user error (`USER_ERRORS`) becomes `report`'s line and exit status 2
-    unless `--debug` is among the arguments. Any other exception keeps its traceback: it is not the user's."""
+    """Run a tool's `body(argv)`; a user error (a refused setting: ValueError; a refused checkpoint load:
+    `CO2Error.refused`) becomes `report`'s line and exit status 2 unless `--debug` is among the arguments. Any
+    other exception keeps its traceback: it is not the user's."""
     given = sys.argv[1:] if argv is None else list(argv)
     if DEBUG_FLAG in given:
         return body(argv)
     try:
         return body(argv)
-    except USER_ERRORS as error:
+    except (ValueError, CO2Error) as error:
+        if isinstance(error, CO2Error) and not error.refused:
+            raise
         report(prog, str(error))  # before the groups end: a rank that alone refused must print before any fails
         _end_process_groups()
         return USAGE_ERROR

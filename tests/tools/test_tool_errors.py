@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from co2_zero.core.errors import CO2Error, load_refused
 from co2_zero.train import args as train_args
 from co2_zero.train import cli, ds_config
 from tests.tools.test_train_lm_smoke import SCRIPT, TINY, _env
@@ -162,3 +163,19 @@ def test_debug_lets_the_error_through(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="int3"):
         cli.run_tool("co2-train", _refuse, ["--debug"])
+
+
+def test_a_refused_load_is_the_users_a_failed_exchange_is_not(monkeypatch, capsys):
+    """A checkpoint load that refused (`CO2Error.refused`) is one line; a CO2Error of a failure keeps its traceback."""
+    monkeypatch.setenv("RANK", "0")
+
+    def refused(argv):
+        raise load_refused("co2 checkpoint load from ckpt refused: nothing there")
+
+    def failed(argv):
+        raise CO2Error("co2: round 2: the background exchange failed")
+
+    assert cli.run_tool("co2-train", refused, []) == 2
+    assert capsys.readouterr().err == "co2-train: error: co2 checkpoint load from ckpt refused: nothing there\n"
+    with pytest.raises(CO2Error, match="round 2"):
+        cli.run_tool("co2-train", failed, [])
