@@ -20,7 +20,6 @@ headline.png (validation loss vs wall-clock, mean over seeds, every seed faint).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from co2_zero.train.cli import ToolParser, run_tool
 from scripts import bench_convergence as bc
 from scripts import bench_throughput as bt
 from scripts import emulated_cluster as ec
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def get_args(argv: Optional[Sequence[str]] = None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolParser(description=__doc__.split("\n")[0])
     p.add_argument("--throughput", default=str(ROOT / "benchmarks" / "throughput" / "throughput_compress.json"),
                    help="a bench_throughput.py result holding the cell --nodes:--rate")  # fmt: skip
     p.add_argument("--nodes", type=int, default=4)
@@ -239,4 +239,4 @@ def plot(result: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(Path(__file__).name, main))

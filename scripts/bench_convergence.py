@@ -22,7 +22,6 @@ gap_penalty none / constant (λ = --gap_value) against the default adaptive, and
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shlex
@@ -32,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from co2_zero.train.cli import ToolParser, run_tool
 from scripts import bench_throughput as bt
 from scripts import emulated_cluster as ec
 
@@ -66,7 +66,7 @@ ABLATIONS = {
 
 
 def get_args(argv: Optional[Sequence[str]] = None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--steps", type=int, default=288, help="inner steps per rank, every run (a multiple of both taus)")
@@ -277,4 +277,4 @@ def _zoom(ax, runs: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(Path(__file__).name, main))

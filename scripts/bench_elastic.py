@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from co2_zero.train.cli import ToolParser, run_tool
 from scripts import emulated_cluster as ec
 from scripts import torchft_peer
 
@@ -314,7 +315,7 @@ def combined_table(c: dict) -> str:
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", nargs="+", default=["co2", "torchft-diloco"], choices=tuple(METHODS))
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--rate", default="1gbit", help="every node's link: 100mbit | 1gbit | 10gbit | <x>[kmg]bit")
@@ -533,4 +534,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(Path(__file__).name, main))

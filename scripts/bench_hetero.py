@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from co2_zero.train.cli import ToolParser, run_tool
 from scripts import bench_hetero_report as report
 from scripts import emulated_cluster as ec
 from scripts import torchft_peer
@@ -64,7 +65,7 @@ PACING = {m: m for m in ("replica_tau", "auto", "pinned")} | {"uniform": "fixed"
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--reps", type=int, default=3)
@@ -313,4 +314,4 @@ def _logged(work: Path, case: str, rep: int, fn, *args) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(Path(__file__).name, main))

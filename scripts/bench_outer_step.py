@@ -17,7 +17,6 @@ The model is defined here (nanoGPT's GPT-2 shapes: 12 tensors per block, tied he
 from the training job (co2_zero.train), so the benchmark stays fixed while the training script evolves.
 """
 
-import argparse
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from torch import nn
 from co2_zero import CO2Config, CO2Optimizer
 from co2_zero.core.config import PUBLISHED
 from co2_zero.core.outer import OuterHyper, Segment, SegmentIndex, outer_step
+from co2_zero.train.cli import ToolParser, run_tool
 
 PRESETS = {  # n_layer, n_head, n_embd, block_size, vocab_size, batch_size
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=512, batch_size=8),
@@ -43,7 +43,7 @@ PRESETS = {  # n_layer, n_head, n_embd, block_size, vocab_size, batch_size
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolParser(description=__doc__.split("\n")[0])
     a = p.add_argument
     a("--device", default="cpu", choices=["cpu", "cuda"])
     a("--model", default=None, choices=list(PRESETS), help="size preset (default: tiny on CPU, gpt2 on CUDA)")
@@ -366,4 +366,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool("bench_outer_step.py", main))

@@ -66,6 +66,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional, Sequence
 
+from co2_zero.train.cli import ToolParser, run_tool
 from scripts import bench_compression as bcomp
 from scripts import bench_convergence as bc
 
@@ -203,7 +204,7 @@ class Cell:
 
 
 def get_args(argv: Optional[Sequence[str]] = None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--taus", type=int, nargs="+", default=[8, 32, 128])
     p.add_argument("--seeds", type=int, nargs="+", default=[1337, 1338, 1339],
@@ -828,4 +829,4 @@ def run_cells(a, methods: Sequence[str], grid: dict, steps: int, results: dict, 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(Path(__file__).name, main))

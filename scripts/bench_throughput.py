@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from co2_zero.train.cli import ToolParser, run_tool
 from scripts import emulated_cluster as ec
 from scripts import torchft_peer
 
@@ -88,7 +89,7 @@ def run_flags(label: str, model: list[str], co2_flags: list[str]) -> list[str]:
 
 
 def get_args(argv: Optional[Sequence[str]] = None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", nargs="+", default=["4:1gbit", "2:1gbit"],
                    help="NODES:RATE pairs, RATE in 100mbit|1gbit|10gbit|unshaped")  # fmt: skip
     p.add_argument("--methods", nargs="+", default=["none", "ddp", "co2", "localsgd", "slowmo", "diloco"],
@@ -412,4 +413,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(Path(__file__).name, main))

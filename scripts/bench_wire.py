@@ -52,6 +52,8 @@ sys.path.insert(0, str(ROOT))
 from co2_zero import CO2Optimizer  # noqa: E402
 from co2_zero.core.compress import FORMATS, RecordLayout, dequantize_into, quantize_with_feedback_  # noqa: E402
 from co2_zero.core.sparse import SparseLayout, average_over_senders_, encode_with_feedback_  # noqa: E402
+from co2_zero.train.cli import ToolParser, run_tool  # noqa: E402
+from co2_zero.train.link import round_bytes  # noqa: E402
 from tests.dist_utils import run_ranks  # noqa: E402
 
 # label -> the co2 config's wire fields
@@ -72,7 +74,7 @@ BLOCKING = {"tau": 1, "overlap": False, "outer_lr": 0.7, "outer_momentum": 0.9, 
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--params", type=int, default=1_000_000, help="parameters of the model (one square Linear)")
     p.add_argument("--codec_elements", type=int, default=25_000_000, help="elements of the codec's vector")
@@ -118,14 +120,7 @@ def wire_rank(rank: int, world: int, params: int) -> dict:
 def closed_form(label: str, padded: int, replicas: int) -> int:
     """design §5's bytes per round per rank, without the norms' all-reduce (2 float64 per tensor)."""
     wire = WIRES[label]
-    share = (replicas - 1) / replicas
-    if wire.get("topk", 1.0) < 1.0:
-        return (replicas - 1) * SparseLayout.for_length(padded, wire["topk"], wire["comm_dtype"]).nbytes
-    dtype = wire["comm_dtype"]
-    if dtype in FORMATS:  # all-to-all + all-gather of R records of a sub-shard
-        record = RecordLayout.for_length(padded // replicas, bits=FORMATS[dtype].bits).nbytes
-        return int(2 * share * replicas * record)
-    return int(2 * share * padded * (4 if dtype == "fp32" else 2))  # gloo: ring all-reduce
+    return round_bytes(padded, replicas, wire["comm_dtype"], wire.get("topk", 1.0))
 
 
 def measure_wire(a: argparse.Namespace) -> list[dict]:
@@ -280,4 +275,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(Path(__file__).name, main))

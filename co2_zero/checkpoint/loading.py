@@ -4,6 +4,7 @@ nothing changed, and only when every rank succeeded and all read the same save d
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
@@ -11,7 +12,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from ..core.config import PUBLISHED, CO2Config
-from ..core.errors import CO2Error
+from ..core.errors import CO2Error, load_refused
 from ..core.pace import Pace
 from ..core.topology import text_words, words_text
 from .agreement import (
@@ -70,7 +71,7 @@ def load(
     """
     loaded = load_checkpoint(directory, framework_state(model, optimizer), tag=tag, reshard=reshard)
     if loaded is None:
-        raise CO2Error(f"co2 checkpoint: no complete checkpoint in {directory}; nothing was loaded")
+        raise load_refused(f"co2 checkpoint: no complete checkpoint in {directory}; nothing was loaded")
     return loaded[1]
 
 
@@ -123,7 +124,8 @@ def _choose(root: Path, tag: Optional[str]) -> _Choice:
         if tag in complete:
             return _Choice(tag, None)
         state = "does not exist" if not (root / tag).exists() else f"is incomplete (no valid {MARKER})"
-        return _Choice(None, f"{root / tag} {state}; complete checkpoints in {root}: {sorted(complete)}")
+        found = f"complete checkpoints there: {sorted(complete)}" if complete else "no complete checkpoint there"
+        return _Choice(None, f"{root / tag} {state} (in {root.resolve()}: {found})")
     latest = root / LATEST
     if latest.is_file():
         named = latest.read_text().strip()
@@ -157,7 +159,7 @@ def _agree_on_choice(agreement: Agreement, root: Path, tag: Optional[str]) -> Op
     table = agreement.exchange([kind, *text_words(chosen, TAG_WORDS), *problem_words(problem)], "load: choose")
     kind, chosen = table[0][0], words_text(table[0][1 : 1 + TAG_WORDS])
     if kind == 2:
-        raise CO2Error(
+        raise load_refused(
             f"co2 checkpoint load from {root} refused: {words_text(table[0][1 + TAG_WORDS :])}. {agreement.consequence}"
         )
     return None if kind == 1 else chosen
@@ -313,6 +315,30 @@ def _config_hint(saved_hash: Any) -> str:
     return "resume with the same co2 config (the defaults and presets: docs/configuration.md)"
 
 
+def _flat(fields: dict[str, Any]) -> dict[str, Any]:
+    """`math_fields` as JSON holds them, nested sections as dotted names (gap_penalty.mode)."""
+    flat: dict[str, Any] = {}
+    for key, value in json.loads(json.dumps(fields)).items():
+        flat.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
+    return flat
+
+
+def _config_difference(saved: Any, config: CO2Config) -> str:
+    """The co2 config fields that differ from the checkpoint's, each with both values ("" for a checkpoint
+    without that record); a field left out is at its neutral value, the one that changes nothing. Compact:
+    a refusal travels between ranks in 512 bytes."""
+    if not isinstance(saved, dict):
+        return ""
+    before, now = _flat(saved), _flat(config.math_fields())
+    differ = [name for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name)]
+
+    def value(fields: dict[str, Any], name: str) -> str:
+        return repr(fields[name]) if name in fields else "neutral"
+
+    shown = ", ".join(f"{n} {value(before, n)} -> {value(now, n)}" for n in differ)
+    return f"co2 config fields differ (checkpoint -> here): {shown}; "
+
+
 def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkState) -> _Plan:
     engine = framework.engine
     topology = engine.topology
@@ -325,7 +351,10 @@ def _prepare_same(directory: Path, marker: dict[str, Any], framework: FrameworkS
     for key, value in here.items():
         if marker.get(key) != value:
             hint = _config_hint(marker.get(key)) if key == "config_hash" else "or pass reshard=True"
-            raise Refused(f"{directory.name}: {key}={marker.get(key)!r} in the checkpoint, {value!r} here; {hint}")
+            fields = _config_difference(marker.get("config"), engine.config) if key == "config_hash" else ""
+            raise Refused(
+                f"{directory.name}: {fields}{key}={marker.get(key)!r} in the checkpoint, {value!r} here; {hint}"
+            )
     payload = _open(directory, marker, topology.rank)
     name = marker["files"][topology.rank]["name"]
     try:

@@ -1,7 +1,8 @@
 """The shipped DeepSpeed configs with a "co2" section, as package data.
 
 They are installed with the package (`pip install co2_zero` has them too) and are the files the checkout's
-top-level `configs/` links to. `path("ds_zero2_co2.json")` gives a file DeepSpeed can read:
+top-level `configs/` links to; `ds_zero2_co2_hf.json` is the Hugging Face Trainer's ("auto" for what the Trainer
+fills in; examples/ links to it). `path("ds_zero2_co2.json")` gives a file DeepSpeed can read:
 
     import co2_zero.configs, co2_zero.deepspeed
     co2_zero.deepspeed.initialize(model=model, model_parameters=model.parameters(),

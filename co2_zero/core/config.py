@@ -414,12 +414,10 @@ class CO2Config:
                 flat[key] = value
         return flat
 
-    def math_hash(self) -> str:
-        """Hash of the fields that change the trajectory (not timeouts, collectives or sharding).
-
-        A field whose metadata names a `"neutral"` value (the one that behaves as if the field did not
-        exist) enters the hash only when it differs from it, so adding such a field keeps the identity
-        of every existing config, and of the checkpoints saved with it."""
+    def math_fields(self) -> dict[str, Any]:
+        """The fields that change the trajectory (not timeouts, collectives or sharding). A field whose metadata
+        names a `"neutral"` value (behaving as if it did not exist) is in only when it differs from it, so adding
+        such a field keeps the identity of every existing config, and of the checkpoints saved with it."""
         plumbing = ("timeout_s", "collective", "shards_per_replica")  # the result is independent of them
         math = {k: v for k, v in _identity_fields(self).items() if k not in plumbing}
         math["stand_in"] = self.effective_stand_in  # `auto` is whichever it resolves to
@@ -429,7 +427,11 @@ class CO2Config:
                 math[name] = self.effective(name)
         if not self.measures_sync_delay:
             math["sync_delay"] = self.steps_before_apply  # null and tau are the same schedule
-        return hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:16]
+        return math
+
+    def math_hash(self) -> str:
+        """Hash of `math_fields`: the config identity a checkpoint carries and a load compares."""
+        return hashlib.sha256(json.dumps(self.math_fields(), sort_keys=True).encode()).hexdigest()[:16]
 
     def resolve_shards(self, world_size: int) -> int:
         """S as a number. `"node"`: the ranks per node as the launcher says (torchrun:

@@ -13,7 +13,18 @@ class CO2Error(RuntimeError):
 
     Raised on every rank, naming the round and the process group (or the checkpoint, rank and file); a
     save or load that raised it left the saved and the live state as they were. Failures lists each case.
+    `refused` is True for a checkpoint load that refused before changing anything (nothing to load, a
+    missing or damaged file, another config or grid): the user's to fix, which the tools report in one line.
     """
+
+    refused = False
+
+
+def load_refused(message: str) -> CO2Error:
+    """The CO2Error of a checkpoint load that refused before changing anything (`CO2Error.refused`)."""
+    error = CO2Error(message)
+    error.refused = True
+    return error
 
 
 class CO2TimeoutError(CO2Error, TimeoutError):

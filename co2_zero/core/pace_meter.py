@@ -132,8 +132,8 @@ class PaceMeter:
 def fixed_message(pace: Pace, step_ns: Sequence[int]) -> str:
     """What the job logs when the τ_r are fixed."""
     times = ", ".join(f"{ns / 1e6:.3g}" for ns in step_ns)
-    which = "fix" if pace.before is None else "correct them to"
+    which = "fixed at" if pace.before is None else "corrected to"
     return (
-        f"co2: replica_tau 'auto': inner steps of {times} ms (per rank) {which} replica_tau={list(pace.taus)} "
-        f"from round {pace.from_round} on"
+        f"co2: replica_tau 'auto': one inner step took {times} ms (per rank): replica_tau {which} "
+        f"{list(pace.taus)} from round {pace.from_round} on"
     )

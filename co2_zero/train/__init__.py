@@ -54,6 +54,9 @@ deepspeed) and names the newest in DIR/latest; --resume continues from it (or fr
 directory given), on the same flags; with --reshard, from a checkpoint of another R x S, world size or
 engine (CO2 methods).
 
+A user error (a refused flag or setting, a checkpoint that cannot be loaded) is one line, printed by rank 0
+before any process group is built where it can be, and exit status 2 (cli.py); --debug shows its traceback.
+
 CO2 methods train whole rounds: a --max_steps (optimizer steps) shorter than one round of tau is refused,
 another that is not a multiple of tau is rounded up to one, with a warning (finalize() would drop a partial
 round). A world of one process (no torchrun) warns that R = 1 has nothing to average. The
@@ -62,6 +65,17 @@ With --replica_tau (replicas of different speeds, pacing.py) every step count ab
 replica's: each replica takes its own steps per round, and the tokens logged are what they trained.
 """
 
-from .loop import main
+from typing import Optional, Sequence
+
+from . import loop
+from .args import program
+from .cli import run_tool
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`co2-train` / `python -m co2_zero.train` / scripts/train_lm.py: one training job; returns 0, or 2 after
+    a user error's one line (cli.py; --debug: its traceback)."""
+    return run_tool(program(), loop.main, argv)
+
 
 __all__ = ["main"]

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .. import configs
 from ..core import support
 from ..core.config import PUBLISHED, STAND_INS, CO2Config
 from ..core.step_budget import step_budget_problem
+from .cli import DEBUG_HELP, ToolParser
 from .data import BYTE_VOCAB, TOKEN_VOCAB
+from .ds_config import announce, json_co2_section, settle
+from .ds_config import deepspeed_config_path as deepspeed_config_path  # where it was, for its callers
 from .model import MODEL_PRESETS
 
 # The baselines are CO2 configurations; "co2" is the library's defaults (CO2Config), "co2_published" CO2 as
@@ -70,12 +71,15 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         help="co2 (the defaults), co2_published, a blocking CO2-family baseline, ddp or none",
     )
     a("--engine", default="plain", choices=ENGINES, help="plain: CO2Optimizer (or DDP); the others shard")
-    a("--deepspeed_config", default="configs/ds_zero2_co2.json", help="--engine deepspeed: ZeRO config")
+    a("--deepspeed_config", default="configs/ds_zero2_co2.json",
+      help="--engine deepspeed: the DeepSpeed config (ZeRO stage, precision, batch, accumulation, clipping, AdamW, "
+           "LR scheduler, co2 section); a flag given replaces its value, and rank 0 says so")  # fmt: skip
     a("--max_steps", type=int, default=320,
       help="optimizer steps per rank (CO2: at least tau; rounded up to whole rounds, with a warning)")  # fmt: skip
     a("--max_seconds", type=float, default=0.0, help="stop at the next round end after this (0: off)")
     a("--seed", type=int, default=1337, help="model init and held-out batches; rank r samples with seed + r")
     a("--threads", type=int, default=1, help="torch.set_num_threads per process")
+    a("--debug", action="store_true", help=DEBUG_HELP)
     a("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's; LOCAL_RANK is used
 
 
@@ -223,12 +227,16 @@ def _log_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
     """The parser of every training flag (also the model/CO2 flags of `co2-tune-tau`)."""
-    prog = "python -m co2_zero.train" if sys.argv[0].endswith("__main__.py") else None  # not "__main__.py"
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpWithDefaults)
+    p = ToolParser(prog=program(), description=description, formatter_class=HelpWithDefaults)
     for add in (_run_flags, _device_flags, _data_flags, _model_flags, _optimizer_flags, _co2_flags,
                 _checkpoint_flags, _elastic_flags, _log_flags):  # fmt: skip
         add(p)
     return p
+
+
+def program() -> str:
+    """The job's name in its messages: `co2-train`, `train_lm.py`, or `python -m co2_zero.train` (not "__main__.py")."""
+    return "python -m co2_zero.train" if sys.argv[0].endswith("__main__.py") else Path(sys.argv[0]).name
 
 
 def get_args(argv: Optional[Sequence[str]] = None, description: str = "") -> argparse.Namespace:
@@ -243,10 +251,21 @@ def get_args(argv: Optional[Sequence[str]] = None, description: str = "") -> arg
         args.vocab_size = TOKEN_VOCAB if args.data else BYTE_VOCAB
     if args.dtype is None and args.engine != "deepspeed":
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    args.flags_given = given_flags(p, argv)
+    if args.engine == "deepspeed":
+        announce(args, settle(args))  # the config's batch, clipping, AdamW and scheduler, unless a flag is given
     problem = _inconsistency(args)
     if problem:
         p.error(problem)
     return args
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> list[str]:
+    """The flags given on the command line (their destinations, sorted), as opposed to left at their defaults."""
+    unset = object()
+    every = vars(parser.parse_args([]))
+    parsed = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(every, unset)))
+    return sorted(name for name, value in vars(parsed).items() if value is not unset)
 
 
 def _inconsistency(args: argparse.Namespace) -> Optional[str]:
@@ -264,11 +283,34 @@ def _inconsistency(args: argparse.Namespace) -> Optional[str]:
         return "--reshard applies to --resume; accepted: --reshard together with --resume"
     if args.reshard and args.method not in CO2_METHODS:
         return f"--reshard with --method {args.method}: only the CO2 methods ({', '.join(CO2_METHODS)}) reshard"
-    config = co2_config(args) if args.method in CO2_METHODS else None  # resolved once, for every check below
+    try:  # resolved once, for every check below; a refused setting is the flags' error, before any process group
+        config = co2_config(args) if args.method in CO2_METHODS else None
+    except ValueError as error:
+        if args.debug:
+            raise
+        return str(error)
     return (
-        _shorter_than_a_round(args, config)
+        _missing_checkpoint(args)
+        or _shorter_than_a_round(args, config)
         or _saves_inside_a_round(args, config)
         or _elastic_inconsistency(args, config)
+    )
+
+
+def _missing_checkpoint(args: argparse.Namespace) -> Optional[str]:
+    """A --resume that names no existing directory (or --save_dir without its `latest`), or None: refused
+    here, before any process group or model is built (an elastic job picks among its replicas' saves later)."""
+    if not args.resume or args.lighthouse:
+        return None
+    if args.resume != "latest":
+        if Path(args.resume).is_dir():
+            return None
+        return f"--resume {args.resume}: no such directory; accepted: a checkpoint directory (DIR/step<N>) of a run"
+    if (Path(args.save_dir) / "latest").is_file():
+        return None
+    return (
+        f"--resume with --save_dir {args.save_dir}: no {Path(args.save_dir) / 'latest'} (no run saved there); "
+        f"accepted: the --save_dir of an earlier run, or a checkpoint directory (--resume DIR/step<N>)"
     )
 
 
@@ -338,24 +380,3 @@ def co2_config(args: argparse.Namespace) -> CO2Config:
         if getattr(args, flag, None) is not None:
             put(name, getattr(args, flag))
     return CO2Config.from_dict(fields)
-
-
-def json_co2_section(args: argparse.Namespace) -> dict:
-    """The "co2" section of --deepspeed_config (engine deepspeed), or {}."""
-    if getattr(args, "engine", "plain") != "deepspeed":
-        return {}
-    section = json.loads(deepspeed_config_path(args).read_text()).get("co2") or {}
-    return {k: dict(v) if isinstance(v, dict) else v for k, v in section.items()}
-
-
-def deepspeed_config_path(args: argparse.Namespace) -> Path:
-    """--deepspeed_config as given when that file exists, else the shipped config of that name
-    (`co2_zero.configs`: "configs/ds_zero2_co2.json" works from any directory and in an installed
-    package, not only in the checkout)."""
-    path = Path(args.deepspeed_config)
-    if path.is_file() or path.is_absolute() or path.parent.name not in ("", "configs"):
-        return path
-    try:
-        return configs.path(path.name)
-    except ValueError:
-        return path  # not a shipped name: DeepSpeed reports the missing file by its given name

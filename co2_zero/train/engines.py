@@ -9,7 +9,6 @@ frameworks are imported only by the engine that needs them.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import warnings
@@ -19,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .args import deepspeed_config_path
+from .ds_config import deepspeed_config
 from .pacing import JobSteps
 
 
@@ -184,38 +183,25 @@ def build_fairscale(args, model, co2, clock: Callable[[int], float]) -> Trainer:
     return Trainer(step, opt, lr, model, co2=True, sched=sched)
 
 
-def _deepspeed_config(args, co2) -> dict:
-    """--deepspeed_config with this job's batch, accumulation, clipping, AdamW, precision and co2 section."""
-    config = json.loads(deepspeed_config_path(args).read_text())
-    for key in ("co2", "scheduler", "train_batch_size"):  # replaced by co2_config and the flags below
-        config.pop(key, None)
-    config.update(train_micro_batch_size_per_gpu=args.batch_size, gradient_accumulation_steps=args.grad_accum,
-                  gradient_clipping=args.grad_clip)  # fmt: skip
-    config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"].update(
-        torch_adam=True, **{k: list(v) if k == "betas" else v for k, v in adamw_kwargs(args).items()}
-    )
-    if args.dtype is not None:
-        config["bf16"] = {"enabled": args.dtype == "bfloat16"}
-        config.pop("fp16", None)
-    if co2 is not None:
-        config["co2"] = co2.to_dict()
-    return config
-
-
 def build_deepspeed(args, model, co2, clock: Callable[[int], float]) -> Trainer:
-    """DeepSpeed from --deepspeed_config: its ZeRO stage and precision (unless --dtype), this job's
-    batch, accumulation, clipping, AdamW and LR schedule, and the co2 section `co2_config` resolved
-    (--method ddp: none, i.e. plain DeepSpeed data parallelism)."""
+    """DeepSpeed from --deepspeed_config: its ZeRO stage and precision (unless --dtype); its batch,
+    accumulation, clipping, AdamW and LR scheduler unless a flag was given (ds_config.py); the co2 section
+    `co2_config` resolved (--method ddp: none, i.e. plain DeepSpeed data parallelism)."""
     os.environ["DS_ACCELERATOR"] = args.device  # DeepSpeed's accelerator is this job's device
     import co2_zero.deepspeed
 
     if co2 is None and args.method != "ddp":
         raise ValueError("--engine deepspeed runs the CO2-family methods or ddp")
+    config = deepspeed_config(args, co2, adamw_kwargs(args))
+
+    def job_schedule(inner):  # warmup, then cosine to --min_lr
+        return torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(args, clock))
+
     engine, opt, _, sched = co2_zero.deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
-        config=_deepspeed_config(args, co2),
-        lr_scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(args, clock)),
+        config=config,
+        lr_scheduler=None if "scheduler" in config else job_schedule,  # the config's, unless an LR flag was given
     )
     if args.compile:
         engine.compile()

@@ -318,9 +318,9 @@ def test_every_inner_step_matches_the_reference(results):
         assert run["fixed"] == SETTLED
         assert "replica_tau='measured'" in run["plan"]
         assert run["logged"] == [
-            "co2: replica_tau 'auto': inner steps of 1, 2 ms (per rank) fix replica_tau=[4, 2] from round "
-            f"{MEASURED_ROUNDS} on",
-            "co2: replica_tau 'auto': inner steps of 1, 2 ms (per rank) correct them to replica_tau=[4, 2] from "
+            f"co2: replica_tau 'auto': one inner step took 1, 2 ms (per rank): replica_tau fixed at [4, 2] from "
+            f"round {MEASURED_ROUNDS} on",
+            f"co2: replica_tau 'auto': one inner step took 1, 2 ms (per rank): replica_tau corrected to [4, 2] from "
             f"round {CORRECTED} on",
         ]
     assert runs[0]["clock"] == runs[1]["clock"] == [float(TAU * (t + 1)) for t in range(ROUNDS)]

@@ -285,11 +285,20 @@ def test_documented_code_runs(block, request, tmp_path):
         pytest.fail(verdict, pytrace=False)
 
 
-def test_readme_deepspeed_example_averages_two_replicas_on_its_two_ranks(tmp_path):
-    """The README promises 2 ranks: the DeepSpeed example's grid must then be R = 2 replicas, not one."""
-    (block,) = [b for b in runnable() if b.where.startswith("README.md") and "co2_zero.deepspeed.initialize" in b.code]
-    checked = block._replace(code=block.code + "\nassert optimizer.topology.replicas == 2, optimizer.topology\n")
-    verdict = run_on_ranks([checked], 2, tmp_path)[block.where]
+AVERAGING_EXAMPLES = {  # a README example (by a line of its code) -> its CO2 optimizer's name
+    "co2_zero.deepspeed.initialize": "optimizer",
+    "fully_shard(model, mesh=mesh)": "opt",
+    "CO2OSS(": "opt",
+}
+
+
+@pytest.mark.parametrize("example", list(AVERAGING_EXAMPLES))
+def test_readme_examples_average_two_replicas_on_the_ranks_they_name(example, tmp_path):
+    """An example that names its ranks averages R = 2 replicas there, not one (R = 1 averages nothing)."""
+    (block,) = [b for b in runnable() if b.where.startswith("README.md") and example in b.code]
+    opt = AVERAGING_EXAMPLES[example]
+    checked = block._replace(code=block.code + f"\nassert {opt}.topology.replicas == 2, {opt}.topology\n")
+    verdict = run_on_ranks([checked], _ranks(block), tmp_path)[block.where]
     assert verdict is None, verdict
 
 
