@@ -52,6 +52,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--out_dir", default=str(ROOT / "benchmarks" / "format_defaults"))
+    p.add_argument("--report", action="store_true", help="only rewrite the table from <out_dir>/format_defaults.json")
     return p.parse_args(argv)
 
 
@@ -101,6 +102,10 @@ def table(runs: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
+def _overlap(value: Optional[float]) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
 def markdown(rows: list[dict], a: argparse.Namespace, command: str) -> str:
     head = (
         f"# A user who changes only the format\n\n{a.rounds} rounds at τ = {a.tau}, {a.nodes} ranks, AdamW, "
@@ -110,7 +115,7 @@ def markdown(rows: list[dict], a: argparse.Namespace, command: str) -> str:
     )
     lines = [
         f"| {r['case']} | {r['vs_fp32']:.3f} [{r['min']:.3f}, {r['max']:.3f}] | "
-        f"{r['payload_ratio'] or 1:.1f}× | {r['senders_per_sent'] or '–'} |"
+        f"{r['payload_ratio'] or 1:.1f}× | {_overlap(r['senders_per_sent'])} |"
         for r in rows
     ]
     return head + "\n".join(lines) + f"\n\nCommand:\n\n    {command}\n"
@@ -118,6 +123,10 @@ def markdown(rows: list[dict], a: argparse.Namespace, command: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = get_args(argv)
+    if a.report:
+        done = json.loads((Path(a.out_dir) / "format_defaults.json").read_text())
+        (Path(a.out_dir) / "format_defaults.md").write_text(markdown(done["rows"], a, done["command"]))
+        return 0
     log_root = Path(tempfile.mkdtemp(prefix="c2z-formats-"))
     runs: dict[str, list[dict]] = {}
     for label, flags in cases(a):
