@@ -421,7 +421,8 @@ def summary_line(final: float, initial: float, steps_run: int, resumed_at: Optio
         f"{tokens_per_s:,.0f} tok/s | R x S = {grid[0]} x {grid[1]}"
     )
     if co2 is not None:
-        line += f" | {co2.rounds} rounds | rank 0: {_bytes(co2.bytes_sent)} sent, {co2.wait_s:.2f}s blocked"
+        rounds = f"{co2.rounds} round" + ("" if co2.rounds == 1 else "s")
+        line += f" | {rounds} | rank 0: {_bytes(co2.bytes_sent)} sent, {co2.wait_s:.2f}s blocked"
     return line
 
 

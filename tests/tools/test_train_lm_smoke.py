@@ -125,7 +125,7 @@ def test_summary_counts_every_exchange(tmp_path):
     assert (one["rounds"], three["rounds"]) == (1, 3)
     assert one["bytes_sent"] >= 4 * one["n_params"]  # fp32 all_reduce over R = 2: 8 (R - 1) / R bytes per element
     assert three["bytes_sent"] == 3 * one["bytes_sent"], (one["bytes_sent"], three["bytes_sent"])
-    assert f"| 1 rounds | rank 0: {one['bytes_sent'] / 1e3:.1f} kB sent" in summary_line(stderr), summary_line(stderr)
+    assert f"| 1 round | rank 0: {one['bytes_sent'] / 1e3:.1f} kB sent" in summary_line(stderr), summary_line(stderr)
 
 
 def test_one_process_warns_that_there_is_nothing_to_average(tmp_path):
