@@ -152,7 +152,7 @@ class CO2Config:
         default="auto",
         metadata={
             "doc": "α, the outer learning rate. `auto` (the default): 0.5, or 1.0 with `topk` < 1. Its best dense "
-            "value rises with tau: 0.2 at tau 8, 0.5 at 32, 1.0 at 128 in the quality study (docs/configuration.md).",
+            "value rises with tau (the quality study's best per tau: docs/benchmarks.md).",
             "accepted": "a number > 0, or 'auto'",
         },
     )
