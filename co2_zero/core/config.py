@@ -25,7 +25,14 @@ COLLECTIVES = ("auto", "reduce_scatter", "all_reduce", "all_gather")
 # int8/fp8/int4/int2: block-quantized with error feedback (compress.py)
 COMM_DTYPES = ("fp32", "bf16", "int8", "fp8", "int4", "int2")
 NONFINITE_POLICIES = ("raise", "skip_round")
-STAND_INS = ("auto", "shared", "eager", "local")  # where a replica starts a round while the last average is in flight
+STAND_INS = ("auto", "shared", "local")  # where a replica starts a round while the last average is in flight
+# Values a field no longer takes: (field, value) -> (why, what to set instead); the CHANGELOG says when.
+RETIRED = {
+    ("stand_in", "eager"): (
+        "the eager stand-in trained worse than local in its own study",
+        "'local' (what the default 'auto' picks with overlap: true), or 'shared'",
+    ),
+}
 # The accepted values of every choice field, by dotted name (for messages that name another rank's value).
 CHOICES = {
     "gap_penalty.mode": PENALTY_MODES,
@@ -83,6 +90,9 @@ def _as_floats(instance: Any, *names: str) -> None:
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if isinstance(value, str) and (name, value) in RETIRED:
+        why, accepted = RETIRED[name, value]
+        raise ValueError(f"co2 config: {name}={value!r} is retired ({why}); accepted: {accepted}")
     if value not in choices:
         _fail(name, value, " | ".join(repr(c) for c in choices))
 
@@ -199,11 +209,9 @@ class CO2Config:
             "doc": "Where each replica starts a round while the last average is in flight; the true average "
             'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `auto` (the default): '
             "`local` (`shared` with `overlap: false`). `shared`: the shared start point, as published. "
-            "`eager`: plus an outer step on the replica's own share of the average (Kale et al., arXiv "
-            "2502.12996). `local`: the outer step the average will take, on the replica's own displacement "
+            "`local`: the outer step the average will take, on the replica's own displacement "
             "instead (with the outer momentum; with a clip, `collective: all_reduce`, which `auto` picks). "
-            "`eager` and `local` set explicitly need `overlap: true`, `eager` also `clip.mode: none` and "
-            "`nonfinite: raise` (an elastic membership refuses `eager`); costs up to 2Ψ/S fp32 words per rank.",
+            "`local` set explicitly needs `overlap: true`; it costs up to 2Ψ/S fp32 words per rank.",
         },
     )
     sync_delay: Optional[Union[int, str]] = field(
@@ -299,8 +307,7 @@ class CO2Config:
             "run, and saved in checkpoints; with an elastic membership "
             "`auto` measures every round instead, over each "
             'round\'s quorum (docs/elastic.md, "Replicas of different speeds"), and a list is refused. It needs '
-            "`sync_delay` null or `auto` (both: the round end), a `comm_dtype` other than `bf16` and a stand-in "
-            "other than `eager`.",
+            "`sync_delay` null or `auto` (both: the round end) and a `comm_dtype` other than `bf16`.",
             "accepted": "null, 'auto', or a list of one integer in [1, tau] per replica, the largest equal to tau",
             "neutral": None,
         },

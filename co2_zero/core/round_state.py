@@ -35,8 +35,8 @@ PEER_FIELDS = ("next_start", "momentum", "previous_update_sq_norms", *COUNTERS, 
 class RoundState:
     """One rank's round state. The two partition buffers trade roles every round (start point B; D, then
     Nx); the momentum lives on this rank's slice. A stand-in (docs/design.md §3, "Stand-ins") adds this
-    replica's own round start and (with outer momentum) eager's momentum of its own shares, or local's
-    copy of the outer momentum where that is sharded (with all_reduce every rank holds it whole)."""
+    replica's own round start and (with outer momentum) its copy of the outer momentum where that is
+    sharded (with all_reduce every rank holds it whole)."""
 
     start_point: torch.Tensor
     next_start: torch.Tensor
@@ -71,7 +71,7 @@ class RoundState:
         momentum = torch.zeros(exchange.slice_length, dtype=torch.float32, device=device)
         reduce_scatter = exchange.strategy == "reduce_scatter"
         stand_in = plan.stand_in
-        keeps_copy = stand_in == "eager" or (stand_in == "local" and reduce_scatter)
+        keeps_copy = stand_in == "local" and reduce_scatter
         return cls(
             start_point=start_point,
             next_start=start_point.clone(),
@@ -151,8 +151,8 @@ class RoundState:
             "previous_update_sq_norms": self.previous_update_sq_norms,
             # comm_dtype int8/fp8, topk < 1: the error-feedback residuals (comm.Residuals), else None
             "residuals": None if self.residuals is None else self.residuals._asdict(),
-            # a stand-in: this replica's own round start and its momentum (eager: of its own shares; local: a
-            # copy of the outer momentum where that is sharded; resharding makes it from the momentum), else None
+            # a stand-in: this replica's own round start and its copy of the outer momentum where that is
+            # sharded (resharding makes it from the momentum), else None
             "stand_in": stand_in,
             "own_start": self.own_start,
             "own_momentum": self.own_momentum,
@@ -424,7 +424,7 @@ def _check_tensors(state: RoundState, saved: dict[str, Any], config: CO2Config, 
     if norms is not None:
         like = torch.zeros(num_tensors, dtype=torch.float64)
         _check_tensor(source, "previous_update_sq_norms", norms, like)
-    for key in ("own_start", "own_momentum"):  # a resharded state has no own_start (and eager's no own_momentum)
+    for key in ("own_start", "own_momentum"):  # a resharded state has no own_start
         if key == "own_momentum" and state.own_momentum is None and config.effective_stand_in == "local":
             continue  # local's copy of the momentum, offered by resharding; not kept here (all_reduce, or β = 0)
         if saved.get(key) is not None:

@@ -52,7 +52,7 @@ class StateReads:
 
     @property
     def keeps_own_momentum(self) -> bool:
-        """Whether this rank keeps a stand-in's own momentum (eager's, or local's copy where it is sharded)."""
+        """Whether this rank keeps the local stand-in's copy of the outer momentum (where that is sharded)."""
         return self.state.own_momentum is not None
 
     @property

@@ -126,7 +126,7 @@ def _row(subject: str, refused: Values, accepted: str, why: str, **context: Valu
 
 
 _SPARSE, _DENSE, _SET = besides(1.0), one_of(1.0), besides(None)
-_EAGER, _STEP = one_of("eager"), besides(None, "auto")
+_STEP = besides(None, "auto")
 _UNTESTED = "the token-weighted average is built and tested without it"
 _ELASTIC = one_of(True)
 _FIXED_OWNERS = (
@@ -146,11 +146,7 @@ TABLE: tuple[Refusal, ...] = (
     _row("sync_delay", _STEP, "null or 'auto' (both: at once), or overlap: true",
          "a blocking round applies its average at once", overlap=one_of(False)),
     _row("overlap", one_of(False), "true, or stand_in: 'auto' or 'shared'",
-         "a blocking round has no average in flight to stand in for", stand_in=one_of("eager", "local")),
-    _row("clip.mode", one_of("value", "norm"), "'none', or stand_in: 'local' or 'shared'",
-         "eager's momentum of its own shares is not clipped", stand_in=_EAGER),
-    _row("nonfinite", one_of("skip_round"), "'raise', or stand_in: 'local' or 'shared'",
-         "a skipped round would leave eager's share in its momentum", stand_in=_EAGER),
+         "a blocking round has no average in flight to stand in for", stand_in=one_of("local")),
     _row("plan.collective", one_of("reduce_scatter"), "collective: 'all_reduce' (or topk < 1, which all-gathers), "
          "or stand_in: 'shared' with an outer step for it (co2_zero.core.config.PUBLISHED's)",
          "the local stand-in would follow a copy of the outer momentum that a clipped step leaves unknown",
@@ -158,8 +154,6 @@ TABLE: tuple[Refusal, ...] = (
     # replicas of different speeds (docs/design.md §3)
     _row("sync_delay", _STEP, "null or 'auto' (the round end: rounds differ in length)", _UNTESTED, replica_tau=_SET),
     _row("comm_dtype", one_of("bf16"), "'fp32', 'int8', 'fp8', 'int4' or 'int2'", _UNTESTED, replica_tau=_SET),
-    _row("stand_in", _EAGER, "'auto', 'shared' or 'local'", "eager's share would be 1/R, not the replica's weight",
-         replica_tau=_SET),
     _row("replica_tau", _SET, "null", "each replica has to run rounds x its own steps_per_round steps; a loop "
          "of your own runs it, or co2-train", driver=one_of("lightning", "hf-trainer")),
     _row("replica_tau", _SET, "null; or CO2Optimizer with the membership in a loop of your own",
@@ -183,9 +177,6 @@ TABLE: tuple[Refusal, ...] = (
     _row("overlap", one_of(False), "true", "elastic mode runs CO2's overlapped rounds", elastic=_ELASTIC),
     _row("plan.sync_delay", one_of("fixed"), "'auto' (the round end there), null, or the value of tau ({tau})",
          "a quorum is formed and healed at round ends, where the average in flight is applied", elastic=_ELASTIC),
-    _row("plan.stand_in", _EAGER, "'auto' or 'local' (the defaults), or 'shared'",
-         "an eager replica's share is 1/R of an average whose contributors are known only inside each round's "
-         "quorum, and a healing replica would need its own momentum of its shares", elastic=_ELASTIC),
     _row("float_buffers", besides(0), "a model without float buffers, or no membership",
          "elastic mode does not average buffers across replicas", elastic=_ELASTIC),
     _row("replicas", besides(1), "one replica per launch (one torchrun per replica, its ranks the replica's shards)",

@@ -41,16 +41,13 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     "collective: 'all_gather' with topk: 1.0": (PLAIN, {"collective": "all_gather"}),
     "feedback_decay: not 1.0 with topk: 1.0": (PLAIN, {"feedback_decay": 0.95}),
     "sync_delay: not null, 'auto' with overlap: false": (PLAIN, {"sync_delay": 1, "overlap": False}),
-    "overlap: false with stand_in: 'eager', 'local'": (PLAIN, {"overlap": False, "stand_in": "local"}),
-    "clip.mode: 'value', 'norm' with stand_in: 'eager'": (PLAIN, {"clip": {"mode": "value"}, "stand_in": "eager"}),
-    "nonfinite: 'skip_round' with stand_in: 'eager'": (PLAIN, {"nonfinite": "skip_round", "stand_in": "eager"}),
+    "overlap: false with stand_in: 'local'": (PLAIN, {"overlap": False, "stand_in": "local"}),
     "plan.collective: 'reduce_scatter' with clip.mode: not 'none' and plan.stand_in: 'local'": (
         PLAIN,
         {"clip": {"mode": "norm"}, "collective": "reduce_scatter"},
     ),
     "sync_delay: not null, 'auto' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "sync_delay": 1}),
     "comm_dtype: 'bf16' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "comm_dtype": "bf16"}),
-    "stand_in: 'eager' with replica_tau: not null": (PLAIN, {"replica_tau": [2, 1], "stand_in": "eager"}),
     "replica_tau: not null with driver: 'lightning', 'hf-trainer'": (LIGHTNING, {"replica_tau": [2, 1]}),
     "replica_tau: not null with driver: 'co2-train' and elastic: true": (f"{TRAIN}+{ELASTIC}", {"replica_tau": "auto"}),
     "replica_tau: not null, 'auto' with elastic: true": (ELASTIC, {"replica_tau": [2, 1]}),
@@ -61,7 +58,6 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     "plan.collective: not 'all_reduce' with elastic: true": (ELASTIC, {"collective": "reduce_scatter"}),
     "overlap: false with elastic: true": (ELASTIC, {"overlap": False}),
     "plan.sync_delay: 'fixed' with elastic: true": (ELASTIC, {"sync_delay": 1}),
-    "plan.stand_in: 'eager' with elastic: true": (ELASTIC, {"stand_in": "eager"}),
     "replicas: not 1 with elastic: true": (ELASTIC, {}),
     "float_buffers: not 0 with elastic: true": (ELASTIC + "+buffers", {}),
 }
@@ -72,8 +68,8 @@ EXTRA_WITNESSES = [
 
 # Allowed: every stand-in with overlap and without, each wire format, and a few more; each runs a round.
 GRID = [
-    *({"stand_in": stand_in} for stand_in in ("auto", "shared", "eager", "local")),
-    *({"stand_in": stand_in, "overlap": False} for stand_in in ("auto", "shared", "eager", "local")),
+    *({"stand_in": stand_in} for stand_in in ("auto", "shared", "local")),
+    *({"stand_in": stand_in, "overlap": False} for stand_in in ("auto", "shared", "local")),
     {"comm_dtype": "int8"},
     {"comm_dtype": "bf16", "topk": 0.5},
     {"clip": {"mode": "norm"}, "collective": "all_reduce"},
@@ -193,7 +189,7 @@ def test_every_refused_combination_is_refused_when_built_with_its_message(result
 
 def test_every_allowed_combination_of_the_grid_runs_a_round(results):
     allowed = [section for section in GRID if _allowed(section)]
-    assert len(allowed) == len(GRID) - 2  # eager and local without overlap are the grid's only refused cells
+    assert len(allowed) == len(GRID) - 1  # local without overlap is the grid's only refused cell
     for got in results:
         assert len(got["ran"]) == len(allowed)
         for section, ran in zip(allowed, got["ran"]):
