@@ -5,8 +5,9 @@ instead and why. `check(facts)` raises `Unsupported` for the first row whose con
 naming a fact that `facts` lacks is left for a later check that knows it. The facts are the `CO2Config`
 fields by dotted name (as given), the plan's resolved choices as `plan.<field>` (`co2_zero.core.plan`),
 and where the config runs: `integration`, `driver` (what counts the steps), `elastic`, `replicas`,
-`float_buffers`. `CO2Config` checks the rows that need only its fields when it is built; the plan checks
-every row when the optimizer is built. A single field's type and range are the schema's
+`float_buffers`, and for a resharded checkpoint load `replicas_changed` (with `saved_replicas`). `CO2Config`
+checks the rows that need only its fields when it is built; the plan checks every row when the optimizer
+is built, and `checkpoint.load` the rows of a resharded load. A single field's type and range are the schema's
 (`co2_zero.core.config`); docs/configuration.md's support matrix is generated from this table.
 """
 
@@ -110,6 +111,8 @@ def describe(name: str, facts: Mapping[str, Any]) -> str:
         return "an elastic membership (membership=)" if value else "no membership"
     if name == "replicas":
         return f"R={value} replicas in this launch"
+    if name == "replicas_changed":
+        return f"a resharded load from R={facts['saved_replicas']} to R={facts['replicas']} replicas"
     if name == "float_buffers":
         return f"a model with {value} float buffer(s) (e.g. BatchNorm statistics)"
     if name.startswith("plan."):
@@ -162,6 +165,9 @@ TABLE: tuple[Refusal, ...] = (
     _row("replica_tau", besides(None, "auto"), "null or 'auto' (each replica measures its own steps per round)",
          "a list is keyed by the replica's place in a fixed grid, and each round's quorum changes who is averaged",
          elastic=_ELASTIC),
+    _row("replica_tau", _SET, "null, or resume with the saved run's number of replicas (any number of shards per "
+         "replica)", "each replica's steps and data position belong to its place among the replicas",
+         replicas_changed=one_of(True)),
     # where the config runs
     _row("shards_per_replica", besides("node", 1), "1 or 'node' (read as 1); shard a replica with FSDP2 "
          "(co2_zero.fsdp.replica_mesh), co2_zero.fairscale.CO2OSS or co2_zero.deepspeed",

@@ -26,13 +26,14 @@ from tests import models
 from tests.dist_utils import run_ranks
 
 TAU = 2
-ELASTIC, PLAIN, FAIRSCALE, DEEPSPEED, LIGHTNING, TRAIN = (
+ELASTIC, PLAIN, FAIRSCALE, DEEPSPEED, LIGHTNING, TRAIN, RESHARD = (
     "elastic",
     "plain",
     "fairscale",
     "deepspeed",
     "lightning",
     "train",
+    "reshard",
 )
 
 # str(row) -> (entry point, co2 section): the cheapest real build that meets the row (and no row before it)
@@ -51,6 +52,7 @@ WITNESSES: dict[str, tuple[str, dict[str, Any]]] = {
     "replica_tau: not null with driver: 'lightning', 'hf-trainer'": (LIGHTNING, {"replica_tau": [2, 1]}),
     "replica_tau: not null with driver: 'co2-train' and elastic: true": (f"{TRAIN}+{ELASTIC}", {"replica_tau": "auto"}),
     "replica_tau: not null, 'auto' with elastic: true": (ELASTIC, {"replica_tau": [2, 1]}),
+    "replica_tau: not null with replicas_changed: true": (RESHARD, {"replica_tau": "auto"}),
     "shards_per_replica: not 'node', 1 with integration: 'plain'": (PLAIN, {"shards_per_replica": 2}),
     "elastic: true with integration: 'fairscale', 'deepspeed'": (FAIRSCALE + "+" + ELASTIC, {}),
     "topk: not 1.0 with elastic: true": (ELASTIC, {"topk": 0.5}),
@@ -107,8 +109,11 @@ def _build(entry: str, section: dict[str, Any]) -> Any:
         from co2_zero.lightning import CO2Strategy
 
         return CO2Strategy(co2=co2)
+    if entry == RESHARD:  # checkpoint.load(..., reshard=True)'s check, of a saved run of R = 2 loaded at R = 1
+        from co2_zero.checkpoint.loading import check_replicas_kept
+
+        return check_replicas_kept(CO2Config.from_dict(co2), saved_replicas=2, replicas=1)
     if entry.startswith(TRAIN):  # co2-train's own check, as co2_zero.train.loop.build makes it
-        from co2_zero import CO2Config
         from co2_zero.core.plan import check_given
 
         return check_given(CO2Config.from_dict(co2), driver="co2-train", elastic=membership is not None)
@@ -181,9 +186,12 @@ def test_every_refused_combination_is_refused_when_built_with_its_message(result
         subject = row.subject.removeprefix("plan.")
         assert re.search(rf"\b{re.escape(subject)}\b|elastic membership|replicas", message), message
         for name, _ in row.context:  # every setting it is refused with is named
-            named = {"integration": "", "driver": "", "elastic": "elastic membership"}.get(
-                name, name.removeprefix("plan.")
-            )
+            named = {
+                "integration": "",
+                "driver": "",
+                "elastic": "elastic membership",
+                "replicas_changed": "resharded",
+            }.get(name, name.removeprefix("plan."))
             assert named in message, (name, message)
 
 
