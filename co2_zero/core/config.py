@@ -12,12 +12,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from . import support
+from .field_checks import (
+    as_floats,
+    build_section,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    fail,
+    is_int_at_least,
+)
 
 PENALTY_MODES = ("none", "constant", "adaptive")
 CLIP_MODES = ("none", "value", "norm")
@@ -26,13 +35,6 @@ COLLECTIVES = ("auto", "reduce_scatter", "all_reduce", "all_gather")
 COMM_DTYPES = ("fp32", "bf16", "int8", "fp8", "int4", "int2")
 NONFINITE_POLICIES = ("raise", "skip_round")
 STAND_INS = ("auto", "shared", "local")  # where a replica starts a round while the last average is in flight
-# Values a field no longer takes: (field, value) -> (why, what to set instead); the CHANGELOG says when.
-RETIRED = {
-    ("stand_in", "eager"): (
-        "the eager stand-in trained worse than local in its own study",
-        "'local' (what the default 'auto' picks with overlap: true), or 'shared'",
-    ),
-}
 # The accepted values of every choice field, by dotted name (for messages that name another rank's value).
 CHOICES = {
     "gap_penalty.mode": PENALTY_MODES,
@@ -55,59 +57,6 @@ PUBLISHED: dict[str, Any] = {
     "sync_delay": None,
     "gap_penalty": {"mode": "adaptive", "value": 1.0, "strength": 2.0},
 }
-
-
-def _fail(name: str, value: Any, accepted: str) -> None:
-    raise ValueError(f"co2 config: {name}={value!r} is invalid; accepted: {accepted}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        _fail(name, value, "true or false")
-
-
-def _is_int_at_least(value: Any, minimum: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not _is_int_at_least(value, minimum):
-        _fail(name, value, f"an integer >= {minimum}")
-
-
-def _check_number(name: str, value: Any, accepted: str, ok) -> None:
-    """A finite int or float for which `ok` holds (inf and NaN are refused: they poison the outer state)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(name, value, accepted)
-    if not math.isfinite(float(value)) or not ok(float(value)):
-        _fail(name, value, accepted)
-
-
-def _as_floats(instance: Any, *names: str) -> None:
-    """Store int values of float fields as floats, so `1` (JSON) and `1.0` (Python) are one config."""
-    for name in names:
-        object.__setattr__(instance, name, float(getattr(instance, name)))
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if isinstance(value, str) and (name, value) in RETIRED:
-        why, accepted = RETIRED[name, value]
-        raise ValueError(f"co2 config: {name}={value!r} is retired ({why}); accepted: {accepted}")
-    if value not in choices:
-        _fail(name, value, " | ".join(repr(c) for c in choices))
-
-
-def _build(cls, name: str, value: Any):
-    """Accept a nested section as the dataclass itself or as a mapping of its fields."""
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, Mapping):
-        _fail(name, value, f"a mapping with keys {[f.name for f in dataclasses.fields(cls)]}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in value:
-        if key not in known:
-            _fail(f"{name}.{key}", value[key], f"no such key; known keys of {name}: {sorted(known)}")
-    return cls(**value)
 
 
 def _identity_fields(section: Any) -> dict[str, Any]:
@@ -140,10 +89,10 @@ class GapPenalty:
     strength: float = field(default=2.0, metadata={"doc": "γ for `adaptive`: Λ = 1 + γ·‖δ‖/(‖g‖ + 1e-12)."})
 
     def __post_init__(self) -> None:
-        _check_choice("gap_penalty.mode", self.mode, PENALTY_MODES)
-        _check_number("gap_penalty.value", self.value, "a number >= 1", lambda v: v >= 1.0)
-        _check_number("gap_penalty.strength", self.strength, "a number >= 0", lambda v: v >= 0.0)
-        _as_floats(self, "value", "strength")
+        check_choice("gap_penalty.mode", self.mode, PENALTY_MODES)
+        check_number("gap_penalty.value", self.value, "a number >= 1", lambda v: v >= 1.0)
+        check_number("gap_penalty.strength", self.strength, "a number >= 0", lambda v: v >= 0.0)
+        as_floats(self, "value", "strength")
 
 
 @dataclass(frozen=True)
@@ -161,9 +110,9 @@ class Clip:
     threshold: float = field(default=1.0, metadata={"doc": "φ, the clipping threshold."})
 
     def __post_init__(self) -> None:
-        _check_choice("clip.mode", self.mode, CLIP_MODES)
-        _check_number("clip.threshold", self.threshold, "a number > 0", lambda v: v > 0.0)
-        _as_floats(self, "threshold")
+        check_choice("clip.mode", self.mode, CLIP_MODES)
+        check_number("clip.threshold", self.threshold, "a number > 0", lambda v: v > 0.0)
+        as_floats(self, "threshold")
 
 
 @dataclass(frozen=True)
@@ -325,28 +274,28 @@ class CO2Config:
     )
 
     def __post_init__(self) -> None:
-        _check_int("tau", self.tau, 1)
-        _check_number("outer_lr", self.outer_lr, "a number > 0", lambda v: v > 0.0)
-        _check_number("outer_momentum", self.outer_momentum, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
-        _check_bool("nesterov", self.nesterov)
-        _check_bool("overlap", self.overlap)
-        object.__setattr__(self, "gap_penalty", _build(GapPenalty, "gap_penalty", self.gap_penalty))
-        object.__setattr__(self, "clip", _build(Clip, "clip", self.clip))
-        if self.shards_per_replica != "node" and not _is_int_at_least(self.shards_per_replica, 1):
-            _fail("shards_per_replica", self.shards_per_replica, "an integer >= 1, or 'node'")
-        _check_choice("collective", self.collective, COLLECTIVES)
-        _check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
-        _check_number("topk", self.topk, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
-        _check_number("feedback_decay", self.feedback_decay, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        check_int("tau", self.tau, 1)
+        check_number("outer_lr", self.outer_lr, "a number > 0", lambda v: v > 0.0)
+        check_number("outer_momentum", self.outer_momentum, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
+        check_bool("nesterov", self.nesterov)
+        check_bool("overlap", self.overlap)
+        object.__setattr__(self, "gap_penalty", build_section(GapPenalty, "gap_penalty", self.gap_penalty))
+        object.__setattr__(self, "clip", build_section(Clip, "clip", self.clip))
+        if self.shards_per_replica != "node" and not is_int_at_least(self.shards_per_replica, 1):
+            fail("shards_per_replica", self.shards_per_replica, "an integer >= 1, or 'node'")
+        check_choice("collective", self.collective, COLLECTIVES)
+        check_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        check_number("topk", self.topk, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        check_number("feedback_decay", self.feedback_decay, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
         seconds = f"a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
-        _check_number("timeout_s", self.timeout_s, seconds, lambda v: 0 < v <= MAX_TIMEOUT_S)
-        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        _check_choice("stand_in", self.stand_in, STAND_INS)
+        check_number("timeout_s", self.timeout_s, seconds, lambda v: 0 < v <= MAX_TIMEOUT_S)
+        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_choice("stand_in", self.stand_in, STAND_INS)
         if self.sync_delay is not None:
             self._check_sync_delay()
         if self.replica_tau is not None:
             self._check_replica_tau()
-        _as_floats(self, "outer_lr", "outer_momentum", "timeout_s", "topk", "feedback_decay")
+        as_floats(self, "outer_lr", "outer_momentum", "timeout_s", "topk", "feedback_decay")
         support.check(self.leaves())  # the combinations that need no more than these fields
 
     @property
@@ -376,11 +325,11 @@ class CO2Config:
         accepted = f"null, 'auto', or an integer in [1, tau={self.tau}]"
         if isinstance(self.sync_delay, str):
             if self.sync_delay != "auto":
-                _fail("sync_delay", self.sync_delay, accepted)
+                fail("sync_delay", self.sync_delay, accepted)
         else:
-            _check_int("sync_delay", self.sync_delay, 1)
+            check_int("sync_delay", self.sync_delay, 1)
             if self.sync_delay > self.tau:
-                _fail("sync_delay", self.sync_delay, accepted)
+                fail("sync_delay", self.sync_delay, accepted)
 
     @property
     def sparse(self) -> bool:
@@ -398,23 +347,23 @@ class CO2Config:
         if value == "auto":
             return
         if not isinstance(value, (list, tuple)) or not value:
-            _fail("replica_tau", value, accepted)
+            fail("replica_tau", value, accepted)
         for tau in value:
             if isinstance(tau, bool) or not isinstance(tau, int) or not 1 <= tau <= self.tau:
-                _fail("replica_tau", value, accepted)
+                fail("replica_tau", value, accepted)
         if max(value) != self.tau:
-            _fail("replica_tau", value, accepted)
+            fail("replica_tau", value, accepted)
         object.__setattr__(self, "replica_tau", tuple(value))
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:
         """Build from a plain dict, e.g. the `"co2"` section of a DeepSpeed JSON config."""
-        return _build(cls, "co2", section)
+        return build_section(cls, "co2", section)
 
     @classmethod
     def coerce(cls, value: CO2Config | Mapping[str, Any] | None) -> CO2Config:
         """A `CO2Config`, a dict of its fields, or None (all defaults)."""
-        return cls() if value is None else _build(cls, "co2", value)
+        return cls() if value is None else build_section(cls, "co2", value)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
