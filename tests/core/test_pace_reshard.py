@@ -170,4 +170,4 @@ def test_a_change_of_r_is_refused_naming_replica_tau_and_r(results):
         message = got["other_r"]
         assert "replica_tau='auto' is not supported with a resharded load from R=2 to R=1 replicas" in message, message
         accepted = "null, or resume with the saved run's number of replicas (any number of shards per replica)"
-        assert message.endswith(f"accepted: {accepted}"), message
+        assert f"accepted: {accepted}" in message, message
