@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..core.pace import Pace
-from ..core.round_state import saved_pace
+from ..core.round_schedule import saved_pace
 
 
 def consolidate(state: dict[str, Any]) -> dict[str, Any]:

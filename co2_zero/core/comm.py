@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ from .errors import NonFiniteError
 from .outer import OuterHyper, Segment, SegmentIndex, outer_step
 from .plan import ResolvedPlan
 from .topology import Topology, collective_device
+
+if TYPE_CHECKING:
+    from .round_schedule import RoundDecision
 
 # torch 2.13 renamed the tensor collectives `*_single` and warns on the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -90,6 +93,7 @@ class PipelineJob(NamedTuple):
     g_buffer: Optional[torch.Tensor]  # reduce_scatter: where this rank's sub-shard of g lands
     previous_update_sq_norms: Optional[torch.Tensor]  # the staleness gap's partial norms (None: no gap)
     round_index: int
+    decision: RoundDecision  # the round's: its staleness, and every replica's displacement weight
 
 
 class RoundResult(NamedTuple):
@@ -178,10 +182,7 @@ class OuterExchange:
             else None
         )
         self.bytes_sent = 0  # by this rank's pipelines so far (`wire_bytes`); written by the worker only
-        r = topology.replica_index
-        # replica_tau: R·w_r, so that the plain mean over R below is the token-weighted average (`pace`);
-        # compressed, the scaled D is what is sent and the residual keeps what it could not send of it
-        self.displacement_scale = plan.pace.displacement_scale(r)
+        r = self.replica = topology.replica_index
         start, end = layout.sub_shard_range(r)
         self.sub_shard = slice(start, end)
         sub_shard_segments = layout.segments_in(start, end)
@@ -210,17 +211,6 @@ class OuterExchange:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.worker = BackgroundWorker(f"co2-outer-rank{topology.rank}")
 
-    def set_staleness(self, staleness: float) -> None:
-        """The share of a round before the average is applied, for the next pipelines' gap (`OuterHyper`):
-        `sync_delay: "auto"` changes it once. Call with no pipeline in flight (the worker reads it)."""
-        if staleness != self.hyper.staleness:
-            self.hyper = self.hyper._replace(staleness=staleness)
-
-    def set_displacement_scale(self, scale: float) -> None:
-        """R·w_r for the next pipelines (`Pace.displacement_scale`): replica_tau "auto" changes it once.
-        Call with no pipeline in flight (the worker reads it)."""
-        self.displacement_scale = scale
-
     def launch(self, job: PipelineJob) -> Future:
         """Start pipeline `job.round_index` in the background; the new start point lands in `job.work`.
 
@@ -247,8 +237,11 @@ class OuterExchange:
         # Read only when the round turns out non-finite. all_reduce overwrites D, so its largest |D|
         # is taken now (on the device, no sync); reduce_scatter leaves D intact until the all-gather.
         local_max = largest_abs(live) if self.strategy != "reduce_scatter" else None
-        if self.displacement_scale != 1.0:
-            job.work.mul_(self.displacement_scale)
+        # replica_tau: R·w_r, so that the plain mean over R below is the token-weighted average (`pace`);
+        # compressed, the scaled D is what is sent and the residual keeps what it could not send of it
+        scale = job.decision.weights[self.replica]
+        if scale != 1.0:
+            job.work.mul_(scale)
         g = self._average(job.work, job.g_buffer)
         result = outer_step(
             g,
@@ -257,7 +250,7 @@ class OuterExchange:
             segments=self.segment_index,
             counted=self.counted_index,
             previous_update_sq_norms=job.previous_update_sq_norms,
-            hyper=self.hyper,
+            hyper=self.hyper._replace(staleness=job.decision.staleness),
             sum_across_ranks=self._sum_across_ranks,
         )
         skipped = None

@@ -86,7 +86,7 @@ def _save_every_step_of_a_round(rank: int, root: str) -> dict:
             checkpoint.save(f"{root}/{_name(schedule, stand_in)}", model, opt, extra={"step": step}, tag=f"s{step}")
             if schedule == "delay":
                 _save_an_older_state(f"{root}/{_name(schedule, stand_in)}", model, opt, step)
-        out[_name(schedule, stand_in)] = {"delay": opt.engine.state.schedule.steps}
+        out[_name(schedule, stand_in)] = {"delay": opt.engine.schedule.apply.steps}
     return out
 
 

@@ -101,7 +101,7 @@ def _resume_one_by_two(rank: int, world: int, directory: str, name: str) -> dict
     extra = EXTRA[rank] % opt.steps_per_round
     for _ in range(extra):
         _step(rank, model, opt, record)
-    fixed = opt.engine.state.fixed_replica_tau
+    fixed = opt.engine.schedule.fixed_replica_tau
     _finalize(opt, extra)
     out = {"loaded": loaded, "steps": record, "final": _params(model), "fixed": fixed}
     return {**out, "other_r": _load_as_one_replica(directory, name)}
