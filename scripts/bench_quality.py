@@ -8,9 +8,6 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
   diloco              blocking DiLoCo: overlap off, Nesterov outer momentum, no gap penalty (train_lm's preset)
   co2                 CO2 as published (train_lm's co2_published: co2_zero 0.1's defaults, `stand_in: shared`,
                       adaptive gap penalty, applied at the round end) at the outer lr / momentum of the cell
-  co2_eager           the same with `stand_in: eager` (Kale et al.'s eager updates)
-  diloco_eager        the paper's "1-outer-step eager" (Kale et al. 2502.12996): DiLoCo's outer step
-                      (Nesterov, no gap penalty), overlapped one round late, with `stand_in: eager`
   co2_local           co2 with `stand_in: local` (below)
   diloco_local        DiLoCo's outer step overlapped a whole round late with `stand_in: local`: diloco_local_sync
                       without its sync delay, what that setting becomes where the link needs the whole round
@@ -31,8 +28,9 @@ P = 4 ranks on gloo over loopback (plain `torchrun --standalone`: the link does 
                       optimizer (Nesterov) at the cell's outer lr / momentum, fp32 (unavailable without torchft)
 
 Tuning: per method and τ, every (outer lr, momentum) of the method's grid with the first seed; the
-best is then confirmed with the other seeds. co2_local, diloco_eager and diloco_local, the stand-in
-ablation, run at τ 32 only (ABLATION_TAUS). Each run is one cell, (method, τ, outer lr, momentum,
+best is then confirmed with the other seeds. co2_local and diloco_local, the stand-in ablation, run at
+τ 32 only (ABLATION_TAUS). The retired eager stand-in's cells (co2_eager, diloco_eager) stay in the
+committed JSON; they are no longer run. Each run is one cell, (method, τ, outer lr, momentum,
 seed), written to <out_dir>/cells/<name>.json when it finishes; a cell whose JSON exists is skipped,
 so the study resumes where it stopped. The summary (also alone: --summary) writes
 
@@ -82,35 +80,28 @@ WIRE = {"diloco_local_sync_int8": ("int8", 1.0), "diloco_local_sync_int4": ("int
 # SparseLoCo's decaying error feedback (`feedback_decay`) where a wire method sets one
 DECAY = {"diloco_local_sync_topk1.5_int2_decay": 0.95, "diloco_local_sync_topk0.9_int2_decay": 0.95,
          "diloco_local_sync_topk3_int2_decay": 0.95}  # fmt: skip
-CO2_FAMILY = ("diloco", "co2", "co2_eager", "co2_local", "diloco_eager", "diloco_local", "diloco_local_sync",
-              *WIRE)  # fmt: skip
-STAND_IN = {"co2_eager": "eager", "co2_local": "local", "diloco_eager": "eager", "diloco_local": "local",
-            "diloco_local_sync": "local", **{m: "local" for m in WIRE}}  # fmt: skip
+CO2_FAMILY = ("diloco", "co2", "co2_local", "diloco_local", "diloco_local_sync", *WIRE)
+STAND_IN = {"co2_local": "local", "diloco_local": "local", "diloco_local_sync": "local", **{m: "local" for m in WIRE}}
 # with the config field `sync_delay`: min(SYNC_DELAY, τ) steps, what the study model's exchange needs at 100 Mbit/s
 # (its blocking DiLoCo runs 18% slower than CO2 at τ 32 there: the exchange takes about 6 of its steps)
 SYNCED = ("diloco_local_sync", *WIRE)
 SYNC_DELAY = 8
 # the diloco preset's outer step
-DILOCO_STEP = ("diloco", "diloco_eager", "diloco_local", "diloco_local_sync", *WIRE)
+DILOCO_STEP = ("diloco", "diloco_local", "diloco_local_sync", *WIRE)
 PEERS = {"torchft_diloco": "diloco", "torchft_streaming": "streaming"}  # method -> the peer's algorithm
 METHODS = ("ddp", *CO2_FAMILY, *PEERS)
 # (outer lrs, outer momenta) tried per method at every τ. The DiLoCo family keeps Nesterov 0.9 and
 # tunes the outer lr, as the issue and Charles et al. (2503.09799) do; CO2 tunes its momentum as well
 # (0.8 too: at τ 32 its loss fell with the momentum up to the old grid's edge, 0.5), and so does
-# diloco_eager: a one-round-late Nesterov step overshoots at 0.9 (1.66 against blocking DiLoCo's 1.34
-# at τ 32, lr 0.5), so it gets the lower momentum a delayed update needs as well. co2_eager is the
-# other way round: at τ 32 it was best at the first grid's corner (lr 0.5, momentum 0.8: 1.386, against
-# 1.46-1.55 at momentum 0 and 0.5), so its grid moved there (lr 0.3 lost too; all those cells stay in
-# the JSON).
+# diloco_local: a one-round-late Nesterov step may overshoot at 0.9, so it gets the lower momentum a
+# delayed update needs as well.
 NESTEROV_GRID = ((0.5, 0.7, 1.0), (0.9,))
 CO2_GRID = ((0.5, 0.7, 1.0), (0.0, 0.5, 0.8))
 GRIDS = {
     "diloco": NESTEROV_GRID,
     "co2": CO2_GRID,
-    "co2_eager": ((0.5, 0.7, 1.0), (0.8, 0.9)),
-    "diloco_eager": ((0.5, 0.7, 1.0), (0.5, 0.9)),
-    "diloco_local": ((0.5, 0.7, 1.0), (0.5, 0.9)),  # as diloco_eager: a round late, 0.9 may overshoot
-    "co2_local": ((0.5, 0.7, 1.0), (0.8,)),  # eager's best momentum; 0.5 lost on the device (1.56 vs 1.47)
+    "diloco_local": ((0.5, 0.7, 1.0), (0.5, 0.9)),  # a round late, 0.9 may overshoot
+    "co2_local": ((0.5, 0.7, 1.0), (0.8,)),  # 0.5 lost on the device (1.56 vs 1.47)
     "diloco_local_sync": NESTEROV_GRID,
     **{m: ((0.5,), (0.9,)) for m in WIRE},  # the fp32 defaults' best at τ 32: the wire format alone
     "torchft_diloco": NESTEROV_GRID,
@@ -135,7 +126,6 @@ GRIDS["diloco_local@32"] = ((0.2, *GRIDS["diloco_local@32"][0]), GRIDS["diloco_l
 # stand-in a one-round-late average needs is asked once, where the study's comparison is closest
 ABLATION_TAUS = {
     "co2_local": (32,),
-    "diloco_eager": (32,),
     "diloco_local": (32,),
     **{m: (8, 32, 128) for m in WIRE},
 }
@@ -145,8 +135,6 @@ THROUGHPUT_LABELS = {
     "ddp": ("ddp",),
     "diloco": ("diloco", "localsgd"),
     "co2": ("co2",),
-    "co2_eager": ("co2",),
-    "diloco_eager": ("co2",),
     "diloco_local": ("co2",),
     "co2_local": ("co2",),
     "diloco_local_sync": (),  # applied after SYNC_DELAY steps: only its own run says whether that hides the exchange
@@ -161,8 +149,6 @@ PUBLISHED = {
     "ddp": "–",
     "diloco": "+2.0% (35M, M=4, H=30), +0.3% (2.4B, M=4): Charles et al. 2503.09799",
     "co2": "ours before (benchmarks, compressed exchange): +16–20% at τ 27–64 with 12–27 rounds",
-    "co2_eager": "eager recovers most of the one-step delay's loss: Kale et al. 2502.12996",
-    "diloco_eager": "the paper's own setting of eager: Kale et al. 2502.12996",
     "diloco_local": "–",
     "co2_local": "–",
     "diloco_local_sync": "a sync overlapped by a few steps costs about nothing: Douillard et al. 2501.18512",
@@ -298,16 +284,16 @@ def train_flags(cell: Cell, steps: int, eval_points: int, common: Sequence[str])
     if cell.method == "ddp":
         return [*flags, "--method", "ddp"]
     method = ["--method", "diloco"] if cell.method in (*DILOCO_STEP, *PEERS) else ["--method", "co2_published"]
-    eager = ["--stand_in", STAND_IN[cell.method]] if cell.method in STAND_IN else []
+    schedule = ["--stand_in", STAND_IN[cell.method]] if cell.method in STAND_IN else []
     if cell.method in WIRE:
-        eager += ["--comm_dtype", WIRE[cell.method][0], "--topk", str(WIRE[cell.method][1])]
-        eager += ["--feedback_decay", str(DECAY[cell.method])] if cell.method in DECAY else []
+        schedule += ["--comm_dtype", WIRE[cell.method][0], "--topk", str(WIRE[cell.method][1])]
+        schedule += ["--feedback_decay", str(DECAY[cell.method])] if cell.method in DECAY else []
     # the diloco preset blocks; its overlapped variants overlap, a whole round late unless SYNCED (never
     # "auto": a cell's trajectory must not depend on the host's timing)
     if cell.method in DILOCO_STEP and cell.method != "diloco":
         delay = min(SYNC_DELAY, cell.tau) if cell.method in SYNCED else cell.tau
-        eager += ["--overlap", "--sync_delay", str(delay)]
-    return [*flags, *method, *eager, "--outer_lr", str(cell.outer_lr), "--outer_momentum", str(cell.momentum)]
+        schedule += ["--overlap", "--sync_delay", str(delay)]
+    return [*flags, *method, *schedule, "--outer_lr", str(cell.outer_lr), "--outer_momentum", str(cell.momentum)]
 
 
 def peer_command(cell: Cell, steps: int, eval_points: int, common: Sequence[str], nodes: int,
@@ -480,8 +466,10 @@ def seed_runs(results: dict[str, dict], setting: tuple) -> list[dict]:
 
 
 def cell_order(cell: dict) -> tuple:
-    """Sort key of cells' JSON: method (as METHODS lists them), τ, outer lr, momentum, seed."""
-    return METHODS.index(cell["method"]), cell["tau"] or 0, cell["outer_lr"] or 0, cell["momentum"] or 0, cell["seed"]
+    """Sort key of cells' JSON: method (as METHODS lists them; a retired one's cells last), τ, outer lr,
+    momentum, seed."""
+    method = METHODS.index(cell["method"]) if cell["method"] in METHODS else len(METHODS)
+    return method, cell["tau"] or 0, cell["outer_lr"] or 0, cell["momentum"] or 0, cell["seed"]
 
 
 def row_setting(row: dict) -> tuple:

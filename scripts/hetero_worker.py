@@ -216,7 +216,7 @@ def run_co2(args: argparse.Namespace, model: torch.nn.Module, batches: Batches) 
             run.validate(steps_through(opt.engine.pace, r) * per_step)
     opt.finalize()
     pace = opt.engine.pace
-    meter = opt.engine.state.pace_meter  # "auto": every rank's step time at each decision, against own speeds
+    meter = opt.engine.schedule.pace_meter  # "auto": every rank's step time at each decision, against own speeds
     extra = {"config": config.to_dict(), "measured_rounds": pace.from_round, "paces": pace.segments,
              "round_tokens": [sum(pace.tau(q, k) for q in range(world)) * per_step for k in range(rounds)],
              "decision_step_ms": [[ns / 1e6 for ns in row] for row in meter.step_ns] if meter else None}  # fmt: skip

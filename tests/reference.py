@@ -56,12 +56,10 @@ def resolve_config(config: dict) -> dict[str, Any]:
         cfg["stand_in"] = "local" if cfg["overlap"] else "shared"
     if cfg["sync_delay"] == "auto":
         cfg["sync_delay"] = None
-    if cfg["stand_in"] not in ("shared", "eager", "local"):
+    if cfg["stand_in"] not in ("shared", "local"):
         raise ValueError(f"unknown stand_in {cfg['stand_in']!r}")
     if cfg["stand_in"] != "shared" and not cfg["overlap"]:
         raise ValueError("a stand-in needs overlap")
-    if cfg["stand_in"] == "eager" and cfg["clip"]["mode"] != "none":
-        raise ValueError("the eager stand-in needs no clip")
     delay = cfg["sync_delay"]
     if delay is not None and (not cfg["overlap"] or not 1 <= delay <= cfg["tau"]):
         raise ValueError("sync_delay needs overlap and 1 <= sync_delay <= tau")
@@ -70,25 +68,13 @@ def resolve_config(config: dict) -> dict[str, Any]:
 
 def stand_in_words(config: dict, strategy: str, partition: int) -> int:
     """fp32 words a rank's stand-in holds over its (padded) partition (docs/design.md §3): its own start;
-    with outer momentum, eager's momentum of its own shares, and local's copy of the outer momentum where
-    the momentum is sharded (reduce_scatter; with all_reduce it reads the momentum itself)."""
+    with outer momentum, local's copy of the outer momentum where the momentum is sharded
+    (reduce_scatter; with all_reduce it reads the momentum itself)."""
     cfg = resolve_config(config)
     if cfg["stand_in"] == "shared":
         return 0
-    copy = cfg["stand_in"] == "eager" or strategy == "reduce_scatter"
+    copy = strategy == "reduce_scatter"
     return partition * (2 if cfg["outer_momentum"] and copy else 1)
-
-
-def eager_starts(shared: Params, owns: list[Params], ends: list[Params], h: list[Params], cfg: dict[str, Any]) -> None:
-    """Eager updates (docs/design.md §3): replica r's next round start is the shared start ``shared``
-    plus an outer step on its own share a = (own start − own end) / R of the average in flight, with a
-    momentum h of its own shares (updated in place). Replaces ``owns[r]``."""
-    alpha, beta, replicas = cfg["outer_lr"], cfg["outer_momentum"], len(owns)
-    for r in range(replicas):
-        a = {n: (owns[r][n] - ends[r][n]) / replicas for n in shared}
-        h[r] = {n: beta * h[r][n] + a[n] for n in shared}
-        v = {n: beta * h[r][n] + a[n] for n in shared} if cfg["nesterov"] else h[r]
-        owns[r] = {n: shared[n] - alpha * v[n] for n in shared}
 
 
 def local_starts(shared: Params, owns: list[Params], ends: list[Params], m: Params, cfg: dict[str, Any]) -> None:
@@ -264,17 +250,13 @@ def _next_round(
     bufs: list[list[Params]],
     shared: Params,
     owns: list[Params],
-    ends: list[Params],
-    own_momenta: list[Params],
     cfg: dict[str, Any],
     record: list[Params] | None,
 ) -> list[Params]:
-    """Start the next round at a round end: every replica at its stand-in (eager's made here; local's
-    before the outer step, which moves the momentum they read) or at the shared start ``shared``; buffers
+    """Start the next round at a round end: every replica at its stand-in (local's, made before the outer
+    step, which moves the momentum they read) or at the shared start ``shared``; buffers
     averaged; ``shared`` recorded. Returns where each replica starts."""
-    if cfg["stand_in"] == "eager":
-        eager_starts(shared, owns, ends, own_momenta, cfg)
-    elif cfg["stand_in"] == "shared":
+    if cfg["stand_in"] == "shared":
         owns = [shared] * len(models)
     for model, own in zip(models, owns):
         _set_params(model, own)
@@ -333,7 +315,7 @@ def simulate(
     gap). Replicas outside the set still train (their result is simply unused).
     With a ``stand_in`` other than ``shared`` (overlap only), each replica's
     displacement is measured from its own round start, its stand-in
-    (:func:`eager_starts`, :func:`local_starts`); ``record`` keeps the shared start
+    (:func:`local_starts`); ``record`` keeps the shared start
     points and ``finalize`` gives every replica the shared one.
     ``joins``: (replica, round) pairs: the replica (re)joined at the end of round
     - 1, so its inner optimizer is built anew before that round's first step; with
@@ -360,9 +342,7 @@ def simulate(
     """
     cfg = resolve_config(config)
     tau, alpha, overlap = cfg["tau"], cfg["outer_lr"], cfg["overlap"]
-    elastic = schedule is not None or bool(heals)  # eager's stand-in has no rule for a heal either
-    if cfg["stand_in"] == "eager" and elastic:
-        raise ValueError("the eager stand-in is not simulated with elastic membership")
+    elastic = schedule is not None or bool(heals)
     if replicas < 1 or shards < 1 or steps < 0:
         raise ValueError("replicas and shards must be >= 1 and steps >= 0")
     if shards > 1 and shard_batch is None:
@@ -388,8 +368,7 @@ def simulate(
     pending = {n: v.clone() for n, v in start.items()}  # overlap: x_{t+1}
     m = {n: torch.zeros_like(v) for n, v in start.items()}
     u_prev: Params | None = None
-    owns = [start] * replicas  # where each replica's round started (eager: its own start)
-    own_momenta = [{n: torch.zeros_like(v) for n, v in start.items()} for _ in range(replicas)]
+    owns = [start] * replicas  # where each replica's round started (a stand-in: its own start)
     publisher = Publisher(exchange, cfg, start)
     if record is not None:
         record.append({n: v.clone() for n, v in start.items()})
@@ -398,9 +377,7 @@ def simulate(
         if k == fresh_inner_at:
             opts = [make_optimizer(list(model.parameters())) for model in models]
         if reshard_at is not None and k == reshard_at[0]:
-            models, opts, bufs, owns, own_momenta = _reshard(
-                models, bufs, owns, own_momenta, reshard_at[1], make_optimizer
-            )
+            models, opts, bufs, owns = _reshard(models, bufs, owns, reshard_at[1], make_optimizer)
             replicas = reshard_at[1]
         for r, first_round in (*joins, *restarts):
             if k == first_round * tau:
@@ -461,7 +438,7 @@ def simulate(
                 start, pending = pending, result
             else:
                 start = result
-            owns = _next_round(models, bufs, start, owns, xs, own_momenta, cfg, record)
+            owns = _next_round(models, bufs, start, owns, cfg, record)
         if step_record is not None:
             step_record.append([_params(model) for model in models])
 
@@ -478,22 +455,19 @@ def _reshard(
     models: list[nn.Module],
     bufs: list[list[Params]],
     owns: list[Params],
-    own_momenta: list[Params],
     replicas: int,
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-) -> tuple[list[nn.Module], list[torch.optim.Optimizer], list[list[Params]], list[Params], list[Params]]:
+) -> tuple[list[nn.Module], list[torch.optim.Optimizer], list[list[Params]], list[Params]]:
     """A resharded checkpoint load at a round start (docs/checkpoints.md): ``replicas`` replicas, replica m
     continuing saved replica m % (saved R) from where that one's round starts (its stand-in, or the shared
-    start) with its buffers and, for eager, the momentum of its own shares rescaled to the new R (it sums
-    displacements / R); every inner optimizer built anew (its state is not carried)."""
+    start) with its buffers; every inner optimizer built anew (its state is not carried)."""
     saved = len(models)
     new_models = [copy.deepcopy(models[m % saved]) for m in range(replicas)]
     for model, m in zip(new_models, range(replicas)):
         _set_params(model, owns[m % saved])
     opts = [make_optimizer(list(model.parameters())) for model in new_models]
     new_bufs = [[dict(b) for b in bufs[m % saved]] for m in range(replicas)]
-    momenta = [{n: v * saved / replicas for n, v in own_momenta[m % saved].items()} for m in range(replicas)]
-    return new_models, opts, new_bufs, [owns[m % saved] for m in range(replicas)], momenta
+    return new_models, opts, new_bufs, [owns[m % saved] for m in range(replicas)]
 
 
 def replica_round_starts(record: list[Params], step_record: list[list[Params]], tau: int) -> list[list[Params]]:
@@ -530,7 +504,7 @@ def _simulate_sync_delay(
     At the end of round t the replicas' mean displacement Δ̄_t, each measured from where its replica
     started the round, goes through the outer step on the shared start S_t the round was rebased on:
     S_{t+1} = outer_step(S_t, Δ̄_t), its staleness gap α·‖u_{t−1}‖ scaled by d/tau. The replicas start
-    round t+1 from S_t or their stand-in (:func:`eager_starts`, :func:`local_starts`). After d inner steps
+    round t+1 from S_t or their stand-in (:func:`local_starts`). After d inner steps
     of round t+1, S_{t+1} arrives: every replica moves by S_{t+1} − (where it started the round), keeping
     its d steps of progress, and the round's start becomes S_{t+1} for every replica. ``finalize`` applies
     a result that has not arrived yet and gives every replica the shared start. ``micro(r, k)``: replica
@@ -545,7 +519,6 @@ def _simulate_sync_delay(
 
     shared = _params(models[0])  # S_t
     owns = [shared] * replicas  # where each replica started the current round
-    own_momenta = [{n: torch.zeros_like(v) for n, v in shared.items()} for _ in range(replicas)]
     m = {n: torch.zeros_like(v) for n, v in shared.items()}
     u_prev: Params | None = None
     arriving: Params | None = None  # S_{t+1}, applied d steps into round t+1
@@ -558,7 +531,7 @@ def _simulate_sync_delay(
             if arriving is not None:  # the average still to be applied in this round: at once
                 shared, arriving = arriving, None
                 owns = [shared] * replicas
-            models, opts, bufs, owns, own_momenta = _reshard(models, bufs, owns, own_momenta, *reshard[1:])
+            models, opts, bufs, owns = _reshard(models, bufs, owns, *reshard[1:])
             replicas = reshard[1]
         for r, (model, opt) in enumerate(zip(models, opts)):
             _inner_step(model, opt, loss_fn, micro(r, k), bufs[r])
@@ -586,7 +559,7 @@ def _simulate_sync_delay(
                 arriving = result if (k + 1) // tau == delay_from else None
             else:
                 arriving = result
-            owns = _next_round(models, bufs, shared, owns, ends, own_momenta, cfg, record)
+            owns = _next_round(models, bufs, shared, owns, cfg, record)
         if step_record is not None:
             step_record.append([_params(model) for model in models])
 
@@ -630,8 +603,8 @@ def simulate_paced(
     receives, per replica, its fp32 parameters after each of its own inner steps (after the round end when
     the step ends a round). ``exchange`` (if given) replaces the exact exchange as in :func:`simulate`, its
     ``average(owns, xs, weights)`` weighing the displacements (tests/reference_compress.py: replica r sends
-    R·w_r·D_r with its error feedback). The sync delay is the round end; eager and joins are not
-    simulated here. ``round_taus`` (if given): the steps each replica trains round by round instead of
+    R·w_r·D_r with its error feedback). The sync delay is the round end; joins are not simulated
+    here. ``round_taus`` (if given): the steps each replica trains round by round instead of
     ``replica_tau`` (elastic ``replica_tau: "auto"`` measures them every round), the weights each round's.
     ``uniform_rounds``: the first rounds run every replica at max(replica_tau), weighed
     1/R (``replica_tau: "auto"`` while it measures the speeds). ``fresh_inner_at_round``: a resharded
@@ -643,8 +616,8 @@ def simulate_paced(
     shared start point, its stand-in too, with its inner optimizer built anew (its own steps still count).
     """
     cfg = resolve_config({**config, "tau": max(replica_tau)})
-    if cfg["sync_delay"] not in (None, cfg["tau"]) or cfg["stand_in"] == "eager":
-        raise ValueError("replicas of different speeds are simulated with the round end and no eager stand-in")
+    if cfg["sync_delay"] not in (None, cfg["tau"]):
+        raise ValueError("replicas of different speeds are simulated with the round end")
     if shards > 1 and shard_batch is None:
         raise ValueError("shards > 1 needs shard_batch")
     replicas, alpha, overlap = len(replica_tau), cfg["outer_lr"], cfg["overlap"]
@@ -668,7 +641,7 @@ def simulate_paced(
 
     for t in range(rounds):
         if t == fresh_inner_at_round:
-            models, opts, bufs, owns, _ = _reshard(models, bufs, owns, [{}] * replicas, replicas, make_optimizer)
+            models, opts, bufs, owns = _reshard(models, bufs, owns, replicas, make_optimizer)
         for r, first_round in restarts:
             if t == first_round:
                 opts[r] = make_optimizer(list(models[r].parameters()))
@@ -703,7 +676,7 @@ def simulate_paced(
             start, pending = pending, result
         else:
             start = result
-        owns = _next_round(models, bufs, start, owns, xs, [], cfg, None)
+        owns = _next_round(models, bufs, start, owns, cfg, None)
         for r in range(replicas):
             records[r][-1] = _params(models[r])  # the step that ended the round: after the round end
     for r in range(replicas):

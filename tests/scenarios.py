@@ -94,36 +94,6 @@ CO2 = {
     "defaults-clipnorm-t3": {"tau": 3, "clip": {"mode": "norm", "threshold": 0.05}},
     "defaults-t3": {"tau": 3},
     "defaults-t4": {"tau": 4},
-    "overlap-eager-heavyball-nopenalty-reducescatter-t3": {
-        **HEAVY_BALL,
-        "tau": 3,
-        "gap_penalty": {"mode": "none"},
-        "collective": "reduce_scatter",
-        "stand_in": "eager",
-    },
-    "overlap-eager-heavyball-nopenalty-reducescatter-t3-d1": {
-        **HEAVY_BALL,
-        "tau": 3,
-        "sync_delay": 1,
-        "gap_penalty": {"mode": "none"},
-        "collective": "reduce_scatter",
-        "stand_in": "eager",
-    },
-    "overlap-eager-nesterov-adaptive-allreduce-t2": {
-        **NESTEROV,
-        "tau": 2,
-        "gap_penalty": ADAPTIVE,
-        "collective": "all_reduce",
-        "stand_in": "eager",
-    },
-    "overlap-eager-nesterov-adaptive-allreduce-t4-d2": {
-        **NESTEROV,
-        "tau": 4,
-        "sync_delay": 2,
-        "gap_penalty": ADAPTIVE,
-        "collective": "all_reduce",
-        "stand_in": "eager",
-    },
     "overlap-heavyball-adaptive-allreduce-t2": {
         **HEAVY_BALL,
         "tau": 2,
@@ -295,23 +265,19 @@ CO2 = {
 }
 
 # What a schedule is: how the outer step reaches the replicas (CO2Config.overlap, stand_in, sync_delay).
-SCHEDULES = ("defaults", "blocking", "shared", "local", "eager", "fixed-delay")
+SCHEDULES = ("defaults", "blocking", "shared", "local", "fixed-delay")
 
 # (integration, schedule) -> why that integration's suite does not run it, and where it is tested instead
 _PHASES = "tests/checkpoint/test_checkpoint_phases.py runs CO2Optimizer with it against the reference at every step"
-_ENGINE_STAND_IN = "the stand-in is the engine's, not the adapter's: test_fsdp.py runs it on a sharded replica"
 _LIGHTNING = "CO2Strategy hands its co2 config to CO2Optimizer unchanged: test_optim.py runs the schedules"
 _LIGHTNING_DS = "CO2DeepSpeedStrategy hands its co2 section to co2_zero.deepspeed: test_deepspeed.py runs the schedules"
 NOT_RUN = {
-    ("optim", "eager"): _PHASES,
     ("optim", "fixed-delay"): _PHASES,
-    ("fairscale", "eager"): _ENGINE_STAND_IN,
     ("fairscale", "defaults"): "test_optim.py runs the defaults; CO2OSS adds no default of its own",
-    ("deepspeed", "eager"): _ENGINE_STAND_IN,
-    **{("lightning", schedule): _LIGHTNING for schedule in ("blocking", "eager", "fixed-delay")},
+    **{("lightning", schedule): _LIGHTNING for schedule in ("blocking", "fixed-delay")},
     **{
         ("lightning_deepspeed", schedule): _LIGHTNING_DS
-        for schedule in ("defaults", "blocking", "shared", "eager", "fixed-delay")
+        for schedule in ("defaults", "blocking", "shared", "fixed-delay")
     },
 }
 

@@ -11,9 +11,11 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from ..core import support
 from ..core.config import PUBLISHED, CO2Config
 from ..core.errors import CO2Error, load_refused
 from ..core.pace import Pace
+from ..core.support import Unsupported
 from ..core.topology import text_words, words_text
 from .agreement import (
     SEEN_WORDS,
@@ -241,14 +243,11 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
     saved_shards = saved_grid.get("shards") if isinstance(saved_grid, dict) else None
     if not isinstance(saved_world, int) or not isinstance(saved_shards, int) or not 0 < saved_shards <= saved_world:
         raise Refused(f"{directory / MARKER}: world_size={saved_world!r}, grid={saved_grid!r}")
+    try:
+        check_replicas_kept(engine.config, saved_world // saved_shards, topology.replicas)
+    except Unsupported as error:
+        raise Refused(f"{directory.name}: {error}") from error
     paced = engine.config.replica_tau is not None
-    if paced and saved_world // saved_shards != topology.replicas:
-        raise Refused(
-            f"{directory.name}: resharding from R={saved_world // saved_shards} to R={topology.replicas} replicas "
-            f"is not supported with replica_tau={_shown(engine.config.replica_tau)} (each replica's steps and data "
-            f"position belong to its place among the replicas); resume with R={saved_world // saved_shards} (any "
-            f"number of shards per replica)"
-        )
     trainable = {n for n, p in framework.module.named_parameters(remove_duplicate=False) if p.requires_grad}
     needed = set(framework.module.state_dict()) - trainable
     # Buffers, frozen parameters and the framework's state come from the saved rank `source_rank`: whole
@@ -300,8 +299,11 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
     return _Plan(apply, payload["extra"])
 
 
-def _shown(replica_tau: Any) -> str:
-    return repr(list(replica_tau) if isinstance(replica_tau, tuple) else replica_tau)
+def check_replicas_kept(config: CO2Config, saved_replicas: int, replicas: int) -> None:
+    """Raise `Unsupported` where the support table refuses a resharded load of a run of `saved_replicas` replicas
+    at `replicas` under `config` (`replica_tau`: each replica's steps belong to its place)."""
+    facts = {"replicas_changed": saved_replicas != replicas, "saved_replicas": saved_replicas, "replicas": replicas}
+    support.check({**config.leaves(), **facts})
 
 
 def _config_hint(saved_hash: Any) -> str:

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..core.pace import Pace
-from ..core.round_state import saved_pace
+from ..core.round_schedule import saved_pace
 
 
 def consolidate(state: dict[str, Any]) -> dict[str, Any]:
@@ -163,11 +163,10 @@ def _stand_in(
     """The stand-in's state of the target rank's replica m, from saved replica m % saved R: its own start
     (unless the round starts from the newest shared start, the stand-in spent), and its momentum:
     `local`'s copy of the outer momentum as of the start point (the saved copy; the momentum itself
-    once the average was applied, or when the saved run kept no copy), `eager`'s momentum of its own
-    shares rescaled from the saved R to this one (it sums displacements / R)."""
+    once the average was applied, or when the saved run kept no copy)."""
     saved = shares[0]
     stand_in, saved_replicas = saved.get("stand_in"), saved["replicas"]
-    if stand_in not in ("local", "eager"):
+    if stand_in != "local":
         return {"own_start": None, "own_momentum": None}
     grid = identity["grid"]
     source = (identity["rank"] // grid["shards"]) % saved_replicas
@@ -175,16 +174,11 @@ def _stand_in(
     held = {key for pieces in own.values() for piece in pieces for key in OWN if piece.get(key) is not None}
     geometry = identity["geometry"]
     own_start = None if applied_at_once or "own_start" not in held else _assemble(own, "own_start", geometry)
-    if stand_in == "local":
-        copied = not applied_at_once and "own_momentum" in held
-        return {
-            "own_start": own_start,
-            "own_momentum": _assemble(own, "own_momentum", geometry) if copied else whole_momentum,
-        }
-    momentum = None
-    if "own_momentum" in held:
-        momentum = _assemble(own, "own_momentum", geometry) * (saved_replicas / grid["replicas"])
-    return {"own_start": own_start, "own_momentum": momentum}
+    copied = not applied_at_once and "own_momentum" in held
+    return {
+        "own_start": own_start,
+        "own_momentum": _assemble(own, "own_momentum", geometry) if copied else whole_momentum,
+    }
 
 
 def _residuals(

@@ -8,7 +8,7 @@ ordered against the compute stream by events, never by a device-wide synchronize
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from .outer import OuterHyper, Segment, SegmentIndex, outer_step
 from .plan import ResolvedPlan
 from .topology import Topology, collective_device
 from .worker import BackgroundWorker
+
+if TYPE_CHECKING:
+    from .round_schedule import RoundDecision
 
 # torch 2.13 renamed the tensor collectives `*_single` and warns on the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -89,6 +92,7 @@ class PipelineJob(NamedTuple):
     g_buffer: Optional[torch.Tensor]  # reduce_scatter: where this rank's sub-shard of g lands
     previous_update_sq_norms: Optional[torch.Tensor]  # the staleness gap's partial norms (None: no gap)
     round_index: int
+    decision: RoundDecision  # the round's: its staleness, and every replica's displacement weight
 
 
 class RoundResult(NamedTuple):
@@ -123,11 +127,7 @@ class OuterExchange:
             else None
         )
         self.bytes_sent = 0  # by this rank's pipelines so far (`wire_bytes`); written by the worker only
-        r = topology.replica_index
-        # replica_tau: R·w_r of every replica, so that the plain mean over R below is the token-weighted
-        # average (`pace`); compressed, the scaled D is what is sent and the residual keeps what it could not
-        # send of it; sparse, the senders' mean divides by the senders' scales
-        self.displacement_scales = plan.pace.displacement_scales()
+        r = self.replica = topology.replica_index
         self.senders_per_sent: Optional[torch.Tensor] = None  # sparse: the last average's overlap (0-d)
         start, end = layout.sub_shard_range(r)
         self.sub_shard = slice(start, end)
@@ -157,22 +157,6 @@ class OuterExchange:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.worker = BackgroundWorker(f"co2-outer-rank{topology.rank}")
 
-    def set_staleness(self, staleness: float) -> None:
-        """The share of a round before the average is applied, for the next pipelines' gap (`OuterHyper`):
-        `sync_delay: "auto"` changes it once. Call with no pipeline in flight (the worker reads it)."""
-        if staleness != self.hyper.staleness:
-            self.hyper = self.hyper._replace(staleness=staleness)
-
-    def set_displacement_scales(self, scales: tuple[float, ...]) -> None:
-        """R·w_r of every replica for the next pipelines (`Pace.displacement_scale`): replica_tau "auto"
-        changes them once. Call with no pipeline in flight (the worker reads them)."""
-        self.displacement_scales = scales
-
-    @property
-    def displacement_scale(self) -> float:
-        """R·w_r of this rank's replica."""
-        return self.displacement_scales[self.topology.replica_index]
-
     def launch(self, job: PipelineJob) -> Future:
         """Start pipeline `job.round_index` in the background; the new start point lands in `job.work`.
 
@@ -199,9 +183,15 @@ class OuterExchange:
         # Read only when the round turns out non-finite. all_reduce overwrites D, so its largest |D|
         # is taken now (on the device, no sync); reduce_scatter leaves D intact until the all-gather.
         local_max = largest_abs(live) if self.strategy != "reduce_scatter" else None
-        if self.displacement_scale != 1.0:
-            job.work.mul_(self.displacement_scale)
-        g = self._average(job.work, job.g_buffer)
+        # replica_tau: R·w_r, so that the plain mean over R below is the token-weighted average (`pace`);
+        # compressed, the scaled D is what is sent and the residual keeps what it could not send of it
+        scale = job.decision.weights[self.replica]
+        if scale != 1.0:
+            job.work.mul_(scale)
+        if self.sparse_layout is not None:  # every replica's weight among the senders of a coordinate
+            g = self._average_sparse(job.work, job.decision.weights)
+        else:
+            g = self._average(job.work, job.g_buffer)
         result = outer_step(
             g,
             job.momentum,
@@ -209,7 +199,7 @@ class OuterExchange:
             segments=self.segment_index,
             counted=self.counted_index,
             previous_update_sq_norms=job.previous_update_sq_norms,
-            hyper=self.hyper,
+            hyper=self.hyper._replace(staleness=job.decision.staleness),
             sum_across_ranks=self._sum_across_ranks,
         )
         skipped = None
@@ -220,9 +210,8 @@ class OuterExchange:
         return RoundResult(result.update_sq_norms, skipped)
 
     def _average(self, work: torch.Tensor, g_buffer: Optional[torch.Tensor]) -> torch.Tensor:
-        """g = mean of D over the outer group, on this rank's slice."""
-        if self.sparse_layout is not None:
-            return self._average_sparse(work)
+        """g = mean of D over the outer group, on this rank's slice (dense; the sparse exchange's is
+        `_average_sparse`)."""
         if self.wire_format is not None:
             return self._average_quantized(work, g_buffer)
         group, replicas = self.outer_peers()
@@ -287,10 +276,11 @@ class OuterExchange:
         self._all_gather_quantized(g, out=rows)
         return work
 
-    def _average_sparse(self, work: torch.Tensor) -> torch.Tensor:
+    def _average_sparse(self, work: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
         """The sparse exchange (docs/design.md §5): D + residual, top-k per chunk, travels as one payload
         per replica in an all-gather; every rank decodes the R payloads in replica order into the senders'
-        mean (`sparse.average_over_senders_`: each coordinate averaged over the replicas that sent it), so
+        mean (`sparse.average_over_senders_`: each coordinate averaged over the replicas that sent it, with
+        `weights` their R·w_r), so
         every replica holds the same bits of g, on the whole partition (the outer step then runs on all of
         it everywhere, as with `all_reduce`, and no new start point travels)."""
         layout, replicas = self.sparse_layout, self.topology.replicas
@@ -301,7 +291,7 @@ class OuterExchange:
         everyone = torch.empty(replicas, layout.nbytes, dtype=torch.uint8, device=work.device)
         self._count("all_gather", everyone, replicas)
         _all_gather(everyone.view(-1), mine, group=self.topology.outer_group)
-        g, self.senders_per_sent = sparse.average_over_senders_(everyone, self.displacement_scales, layout, work)
+        g, self.senders_per_sent = sparse.average_over_senders_(everyone, weights, layout, work)
         return g
 
     @property

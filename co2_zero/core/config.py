@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from . import support
-from .fields import (
+from .field_checks import (
     as_floats,
-    build,
+    build_section,
     check_bool,
     check_choice,
     check_int,
@@ -35,7 +35,7 @@ COLLECTIVES = ("auto", "reduce_scatter", "all_reduce", "all_gather")
 # int8/fp8/int4/int2: block-quantized with error feedback (compress.py)
 COMM_DTYPES = ("fp32", "bf16", "int8", "fp8", "int4", "int2")
 NONFINITE_POLICIES = ("raise", "skip_round")
-STAND_INS = ("auto", "shared", "eager", "local")  # where a replica starts a round while the last average is in flight
+STAND_INS = ("auto", "shared", "local")  # where a replica starts a round while the last average is in flight
 # The accepted values of every choice field, by dotted name (for messages that name another rank's value).
 CHOICES = {
     "gap_penalty.mode": PENALTY_MODES,
@@ -181,11 +181,9 @@ class CO2Config:
             "doc": "Where each replica starts a round while the last average is in flight; the true average "
             'replaces the stand-in when it arrives (docs/design.md §3, "Stand-ins"). `auto` (the default): '
             "`local` (`shared` with `overlap: false`). `shared`: the shared start point, as published. "
-            "`eager`: plus an outer step on the replica's own share of the average (Kale et al., arXiv "
-            "2502.12996). `local`: the outer step the average will take, on the replica's own displacement "
+            "`local`: the outer step the average will take, on the replica's own displacement "
             "instead (with the outer momentum; with a clip, `collective: all_reduce`, which `auto` picks). "
-            "`eager` and `local` set explicitly need `overlap: true`, `eager` also `clip.mode: none` and "
-            "`nonfinite: raise` (an elastic membership refuses `eager`); costs up to 2Ψ/S fp32 words per rank.",
+            "`local` set explicitly needs `overlap: true`; it costs up to 2Ψ/S fp32 words per rank.",
         },
     )
     sync_delay: Optional[Union[int, str]] = field(
@@ -281,8 +279,7 @@ class CO2Config:
             "run, and saved in checkpoints; with an elastic membership "
             "`auto` measures every round instead, over each "
             'round\'s quorum (docs/elastic.md, "Replicas of different speeds"), and a list is refused. It needs '
-            "`sync_delay` null or `auto` (both: the round end), a `comm_dtype` other than `bf16` and a stand-in "
-            "other than `eager`.",
+            "`sync_delay` null or `auto` (both: the round end) and a `comm_dtype` other than `bf16`.",
             "accepted": "null, 'auto', or a list of one integer in [1, tau] per replica, the largest equal to tau",
             "neutral": None,
         },
@@ -307,8 +304,8 @@ class CO2Config:
         )
         check_bool("nesterov", self.nesterov)
         check_bool("overlap", self.overlap)
-        object.__setattr__(self, "gap_penalty", build(GapPenalty, "gap_penalty", self.gap_penalty))
-        object.__setattr__(self, "clip", build(Clip, "clip", self.clip))
+        object.__setattr__(self, "gap_penalty", build_section(GapPenalty, "gap_penalty", self.gap_penalty))
+        object.__setattr__(self, "clip", build_section(Clip, "clip", self.clip))
         if self.shards_per_replica != "node" and not is_int_at_least(self.shards_per_replica, 1):
             fail("shards_per_replica", self.shards_per_replica, "an integer >= 1, or 'node'")
         check_choice("collective", self.collective, COLLECTIVES)
@@ -394,12 +391,12 @@ class CO2Config:
     @classmethod
     def from_dict(cls, section: Mapping[str, Any]) -> CO2Config:
         """Build from a plain dict, e.g. the `"co2"` section of a DeepSpeed JSON config."""
-        return build(cls, "co2", section)
+        return build_section(cls, "co2", section)
 
     @classmethod
     def coerce(cls, value: CO2Config | Mapping[str, Any] | None) -> CO2Config:
         """A `CO2Config`, a dict of its fields, or None (all defaults)."""
-        return cls() if value is None else build(cls, "co2", value)
+        return cls() if value is None else build_section(cls, "co2", value)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -35,7 +35,7 @@ from .comm import OuterExchange, PipelineJob, largest_abs
 from .config import CO2Config
 from .errors import CO2Error, collective_error, inner_reset_warning, skipped_round_warning
 from .in_flight import Phase, finished, result_watching_steps, shutdown
-from .pace_meter import STEP_NS, fixed_message
+from .pace_meter import fixed_message
 from .parameter_order import StepAnnouncements, announcement_failure, steps_mismatch
 from .partition import ParameterWatch, Partition
 from .plan import resolve
@@ -92,7 +92,6 @@ class RoundEngine(StateReads):
         self.announcements = StepAnnouncements(topology.control_group)
         self._at_exit = weakref.finalize(self, shutdown, self.exchange, topology, self.announcements)
         self.state = RoundState.allocate(partition, self.exchange, self.plan, topology.replica_index, device)
-        self.round_steps = self.tau  # this round's steps: fewer where the exchange measures them (elastic "auto")
         self.stand_in = StandIn(self.plan, topology, self.exchange) if self.plan.stand_in != "shared" else None
         self.phase = Phase.IDLE
         self._pending: Optional[Future] = None
@@ -154,7 +153,7 @@ class RoundEngine(StateReads):
         """Count one applied inner step; end the round on every tau-th. Returns True if it did. With
         replica_tau "auto", the time until the next call is this rank's next step (`PaceMeter`)."""
         self.check_usable()
-        meter = self.state.pace_meter
+        meter = self.schedule.pace_meter
         if meter is not None:
             meter.step_ended()
         ended = self._count_inner_step()
@@ -163,15 +162,15 @@ class RoundEngine(StateReads):
         return ended
 
     def _count_inner_step(self) -> bool:
-        state = self.state
+        state, schedule = self.state, self.schedule
         state.inner_steps += 1
         step_in_round = self.pace.step_in_round(self.topology.replica_index, state.inner_steps)
         if 0 < step_in_round < self.round_steps:
-            if state.pace_meter is not None and state.pace_meter.decides_at(state.inner_steps):
+            if schedule.pace_meter is not None and schedule.pace_meter.decides_at(state.inner_steps):
                 self._fix_pace(post=True)
-            if state.delay_meter is not None and state.delay_meter.watching:  # a few steps of rounds 2 and 3 only
-                state.delay_meter.saw(step_in_round, finished(self._pending))
-            if state.average_unapplied and state.schedule.applies_mid_round(state.inner_steps):
+            if schedule.delay_meter is not None and schedule.delay_meter.watching:  # some steps of rounds 2, 3 only
+                schedule.delay_meter.saw(step_in_round, finished(self._pending))
+            if state.average_unapplied and schedule.apply.applies_mid_round(state.inner_steps):
                 self._apply_mid_round()
             return False
         if step_in_round:  # an elastic round of fewer steps counts as a whole one on the clock
@@ -194,26 +193,27 @@ class RoundEngine(StateReads):
         self.round_train_s = None if self._round_done_at is None else began - self._round_done_at
         self._check_parameters_unchanged()
         wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
-        if self.state.schedule.steps == self.state.schedule.tau:  # the average in flight is applied at this round end
+        schedule = self.schedule
+        if schedule.apply.steps == schedule.apply.tau:  # the average in flight is applied at this round end
             self._track_applied_step()
         self._check_steps()  # the last round end's (arrived with its pipeline)
-        measured = self.state.delay_meter.to_post() if self.state.delay_meter is not None else 0
-        meter = self.state.pace_meter
+        measured = schedule.delay_meter.to_post() if schedule.delay_meter is not None else 0
+        meter = schedule.pace_meter
         step_ns = meter.to_post(self.state.inner_steps) if meter is not None else 0
         self.announcements.post(self.state.inner_steps, False, exchange_steps=measured, step_ns=step_ns)
         self._announced_round = self.state.rounds
         sent = self._exchange_bytes_since_last_report()
         plan = self.state.plan_round()
         reset_inner = self._launch(plan)  # step 2
-        delay_warning = self.state.follow_delay_meter(self.config.tau) if self.state.delay_meter is not None else None
+        delay_warning = schedule.after_launch(self.state.rounds)
         if delay_warning is not None:  # sync_delay "auto" fixed the delay at tau
             warnings.warn(delay_warning, stacklevel=4)
         if step_ns:
             self._fix_pace()
         elif meter is not None and meter.aligns_at(self.state.inner_steps):
             self._check_steps()  # every replica starts the round the meter times together
-        schedule = self.state.schedule
-        self.state.average_unapplied = 0 < schedule.steps < schedule.tau  # applied d steps into the next round
+        apply = schedule.apply
+        self.state.average_unapplied = 0 < apply.steps < apply.tau  # applied d steps into the next round
         if plan.wait_at_once:
             wait_s += self._wait_pending()
             sent += self._exchange_bytes_since_last_report()
@@ -221,7 +221,7 @@ class RoundEngine(StateReads):
             self.state.swap_buffers()
         self._set_live(self.state.round_start)  # step 3: x <- Nx (or this replica's stand-in); refresh
         self.state.rounds += 1
-        self.round_steps = self.exchange.steps_next_round(self.tau)
+        schedule.start_round(self.state.rounds, self.exchange.steps_next_round)
         if self.buffers:  # a peer that finalized never averages them: learn it first
             self._check_steps()
         buffer_bytes, buffers_restored = self._average_buffers(f"round {self.state.rounds - 1}")
@@ -240,7 +240,7 @@ class RoundEngine(StateReads):
             "buffers_restored": buffers_restored,
             "bytes_sent": sent + buffer_bytes,
             **self.exchange.report(),  # payload_ratio, senders_per_sent
-            "sync_delay": self.state.schedule.steps,  # where the next average is applied (sync_delay "auto": fixed)
+            "sync_delay": schedule.apply.steps,  # where the next average is applied (sync_delay "auto": fixed)
         }
         self._round_done_at = time.perf_counter()
 
@@ -249,30 +249,28 @@ class RoundEngine(StateReads):
         every rank's step time, collected within timeout_s, fixes the τ_r from a round (`PaceMeter.decide`)."""
         if post:
             self._check_steps()  # the last round end's: one announcement is in flight at a time
-            step_ns = self.state.pace_meter.to_post(self.state.inner_steps)
+            step_ns = self.schedule.pace_meter.to_post(self.state.inner_steps)
             self.announcements.post(self.state.inner_steps, False, step_ns=step_ns)
             self._announced_round = self.state.rounds
         rows = self._check_steps()
         try:
-            pace = self.state.pace_meter.decide(rows)
+            pace = self.schedule.pace_meter.decide(rows)
         except ValueError as error:  # a rank posted no time: it was not at the deciding step
             self._fail(CO2Error(f"co2: round {self.state.rounds}: {error}"))
-        self.state.fix_pace(pace, self.config, self.topology.replica_index)
-        self.round_steps = self.tau  # inside a round: the round in progress ends at this τ_r if the pace has begun
-        logger.info(fixed_message(pace, [row[STEP_NS] for row in rows]))
+        self.schedule.fix_pace(pace, self.state.rounds)  # inside a round: it ends at this τ_r if the pace has begun
+        logger.info(fixed_message(pace, [row.step_ns for row in rows]))
 
     def _launch(self, plan: RoundPlan) -> bool:
         """D = (this replica's round start) - x into `plan.work`; a stand-in: the next own start from D,
         before the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's
         own D is non-finite under "skip_round" (its inner state must then be reset)."""
-        self.exchange.set_staleness(self.state.schedule.steps / self.state.schedule.tau)
-        self.exchange.set_displacement_scales(self.pace.displacement_scales(self.state.rounds))
         self.partition.subtract_from(self.state.round_start, out=plan.work)
         own = plan.work[: self.layout.length]
         reset_inner = self.config.nonfinite == "skip_round" and not bool(torch.isfinite(largest_abs(own)))
         if self.stand_in is not None:
             self.stand_in.next_start(self.state, plan, reset_inner)
-        job = PipelineJob(plan.work, plan.base, self.state.momentum, self.state.g_buffer, plan.gap, self.state.rounds)
+        state, decision = self.state, self.schedule.decision
+        job = PipelineJob(plan.work, plan.base, state.momentum, state.g_buffer, plan.gap, state.rounds, decision)
         try:
             self._pending, self._pending_index = self.exchange.launch(job), self.state.rounds
         except CO2Error as error:  # elastic: no quorum, or a rank of this replica is lost
@@ -315,7 +313,7 @@ class RoundEngine(StateReads):
             self._fail(error)
         if self.state.average_unapplied:  # arrived before its apply point
             self.state.swap_buffers()
-        self._set_live(self.state.schedule.last_start(self.state.start_point, self.state.next_start))
+        self._set_live(self.schedule.apply.last_start(self.state.start_point, self.state.next_start))
         buffer_bytes, _ = self._average_buffers("finalize")
         self.finalize_bytes_sent = self._exchange_bytes_since_last_report() + buffer_bytes
         self.phase = Phase.FINALIZED
@@ -331,8 +329,8 @@ class RoundEngine(StateReads):
             where = "co2 finalize" if finalizing else f"co2: round {self._announced_round}"
             failure = announcement_failure(error, where, self.topology, self.state.inner_steps, self.config.timeout_s)
             self._fail(failure, error)
-        if rows is not None and self.state.delay_meter is not None:
-            self.state.delay_meter.collected([row[2] for row in rows])
+        if rows is not None and self.schedule.delay_meter is not None:
+            self.schedule.delay_meter.collected([row.exchange_steps for row in rows])
         steps, shards = self.state.inner_steps, self.topology.shards
         problem = None if rows is None else steps_mismatch(rows, self.topology.rank, steps, self.pace, shards)
         if problem is not None:
@@ -395,12 +393,12 @@ class RoundEngine(StateReads):
         step."""
         self.check_usable()
         self._wait_pending()
-        return self.state.to_dict(self.identity(), self.plan.stand_in)
+        return self.state.to_dict(self.identity())
 
     def check_state_dict(self, state: Any, source: round_state.Source = "checkpoint") -> None:
         """Raise ValueError naming the first field of `state` that does not fit this engine (same
         config, topology, model and partition); changes nothing."""
-        round_state.check(self.state, state, self.identity(), self.config, self.topology.replica_index, source)
+        round_state.check(self.state, state, self.identity(), source)
         if source == "elastic heal":
             self.watch.check_frozen(state.get("frozen"), source)
 
@@ -417,11 +415,11 @@ class RoundEngine(StateReads):
         self.check_state_dict(state, source)
         if source == "checkpoint":
             self._wait_pending()
-            self.state.load(state, self.config, self.topology.replica_index)
+            self.state.load(state)
             self.buffers.take_current_as_agreed()  # checkpoint.load wrote the module first
             return
         with torch.no_grad():
-            self.state.take_from_peer(state, self.config)
+            self.state.take_from_peer(state)
             self.watch.write_frozen(state["frozen"])
 
     def state_for_peer(self) -> dict[str, Any]:

@@ -254,35 +254,6 @@ def clip_momentum_(m: torch.Tensor, hyper: OuterHyper, total_sq_norm: Callable[[
         m.mul_(torch.where(norm > hyper.clip_threshold, hyper.clip_threshold / norm, 1.0).to(m.dtype))
 
 
-def eager_start(
-    displacement: torch.Tensor,
-    shared_start: torch.Tensor,
-    own_momentum: Optional[torch.Tensor],
-    *,
-    hyper: OuterHyper,
-    replicas: int,
-    out: torch.Tensor,
-) -> None:
-    """This replica's next round start under eager updates (docs/design.md §3, "Eager updates").
-
-    a = displacement / R is the replica's own share of the average in flight; h ← β·h + a (the
-    momentum of its own shares, `own_momentum`, in place; None when β = 0: h = a); the start is
-    `shared_start - α·v` with v = β·h + a (Nesterov) or h, written into `out`. With Λ = 1 and no clip,
-    shared start + this correction is the paper's eager outer step exactly (the outer step is linear in
-    its gradients). No penalty: the share is fresh. Elementwise, so each rank does its own partition.
-    """
-    alpha, beta = hyper.outer_lr, hyper.outer_momentum
-    if not beta:  # h = a, and v = a with or without Nesterov
-        torch.add(shared_start, displacement, alpha=-alpha / replicas, out=out)
-        return
-    own_momentum.mul_(beta).add_(displacement, alpha=1.0 / replicas)
-    if hyper.nesterov:  # v = β·h + a
-        torch.add(shared_start, own_momentum, alpha=-alpha * beta, out=out)
-        out.add_(displacement, alpha=-alpha / replicas)
-    else:
-        torch.add(shared_start, own_momentum, alpha=-alpha, out=out)
-
-
 def local_start(
     displacement: torch.Tensor,
     shared_start: torch.Tensor,

@@ -29,10 +29,10 @@ import time
 from typing import Callable, Optional, Sequence
 
 from .pace import Pace, taus_for_speeds
+from .parameter_order import Announcement
 
 MEASURED_STEPS = 4  # timed inner steps before the first τ_r (fewer if the round in progress ends first)
 DECISIONS = 2  # the first τ_r, then their correction from a whole round timed at that pace
-STEP_NS = 3  # the column of a step announcement that carries the mean step time, in nanoseconds
 # how far a timed round's speeds may be from those a replica trains at over the run (on a shared host: within
 # ±7% in 90 of 96 replicas of four studies, at most 10.8%; scripts/pace_replay.py, docs/benchmarks.md)
 SPEED_ERROR = 0.07
@@ -112,7 +112,7 @@ class PaceMeter:
         in progress (or, at a round end, the one starting) when every replica is still short of its τ_r there,
         else from the next round. The correction, at the timed round's end: from the next round, hedged
         against SPEED_ERROR."""
-        times = [row[STEP_NS] for row in rows]
+        times = [Announcement(*row).step_ns for row in rows]
         if min(times) < 1:
             raise ValueError(f"co2: replica_tau 'auto': a rank posted no step time ({times} ns)")
         self.step_ns.append(times)

@@ -130,10 +130,17 @@ def _parameters_message(position: int, ranks: tuple[int, int], details: Sequence
 # ---- inner steps: announced at every round end and at finalize() ---------------------------------------
 
 
+class Announcement(NamedTuple):
+    """One rank's step announcement, the fields of one message (the run-time decisions' inputs travel in it)."""
+
+    steps: int  # the rank's inner steps
+    finalizing: int  # 1 in finalize()
+    exchange_steps: int  # sync_delay "auto": the steps the counted exchange took (`DelayMeter.to_post`), else 0
+    step_ns: int  # replica_tau "auto" at a deciding step: the mean inner step (`PaceMeter.to_post`), else 0
+
+
 class StepAnnouncements:
-    """Every rank's [inner steps, finalizing, exchange steps, step ns] all-gathered without blocking, on the
-    main thread's group (exchange steps: what `schedule.DelayMeter.to_post` measured, else 0; step ns: the
-    mean inner step `pace_meter.PaceMeter.to_post` measured, else 0).
+    """Every rank's `Announcement` all-gathered without blocking, on the main thread's group.
 
     Each rank posts one at every round end and one in `finalize()`, so the k-th announcements of all
     ranks meet even when one rank finalizes while another trains on: the one that trains on reads a
@@ -166,10 +173,10 @@ class StepAnnouncements:
         """True when the announcement in flight has arrived from every rank (never blocks)."""
         return self._work is not None and self._work.is_completed()
 
-    def collect(self, deadline: float) -> Optional[list[list[int]]]:
-        """The rows [steps, finalizing, exchange steps, step ns] of every rank for the announcement in flight (None
-        if there is none), waiting until the `time.monotonic()` deadline: CO2TimeoutError past it (or past
-        the group's own), CO2Error when the group failed otherwise (a peer's connection closed)."""
+    def collect(self, deadline: float) -> Optional[list[Announcement]]:
+        """Every rank's `Announcement` in flight, in rank order (None if there is none), waiting until the
+        `time.monotonic()` deadline: CO2TimeoutError past it (or past the group's own), CO2Error when the group
+        failed otherwise (a peer's connection closed)."""
         if self._work is None:
             return None
         try:
@@ -180,7 +187,7 @@ class StepAnnouncements:
                 raise CO2TimeoutError(detail) from error
             raise CO2Error(detail) from error
         self._work = None
-        return [row.tolist() for row in self._rows]
+        return [Announcement(*row.tolist()) for row in self._rows]
 
 
 def steps_mismatch(

@@ -45,7 +45,7 @@ class ResolvedPlan:
     backend: str  # of the outer group
     replicas: int  # R
     shards: int  # S
-    stand_in: str  # shared, eager or local (docs/design.md §3, "Stand-ins")
+    stand_in: str  # shared or local (docs/design.md §3, "Stand-ins")
     sync_delay: str  # one of SYNC_DELAYS
     steps_before_apply: int  # where the average is applied (while measuring: the round end)
     collective: str  # reduce_scatter, all_reduce or all_gather (docs/design.md §5)

@@ -1,10 +1,10 @@
 """A replica's stand-in start point (docs/design.md §3, "Stand-ins"): where it starts a round while the
 average in flight is not applied yet, made at every round end from its own displacement.
 
-`eager` steps its own shares of the average ahead (`outer.eager_start`), `local` takes an outer step
-on its own displacement (`outer.local_start`) with the outer momentum as of the shared start. The
-tensors are the round state's (`round_state.RoundState`: own_start, own_momentum); this module is the
-stand-in's arithmetic and its collectives over the replica's own shards.
+`local` takes an outer step on its own displacement (`outer.local_start`) with the outer momentum as
+of the shared start. The tensors are the round state's (`round_state.RoundState`: own_start,
+own_momentum); this module is the stand-in's arithmetic and its collectives over the replica's own
+shards.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .comm import OuterExchange
 from .errors import collective_error
-from .outer import eager_start, local_start, track_momentum
+from .outer import local_start, track_momentum
 from .plan import ResolvedPlan
 from .round_state import RoundState
 from .schedule import RoundPlan
@@ -25,20 +25,16 @@ from .topology import Topology
 
 
 class StandIn:
-    """The `eager` or `local` stand-in of one rank (`plan.stand_in`, never "shared")."""
+    """The `local` stand-in of one rank (`plan.stand_in`, never "shared")."""
 
     def __init__(self, plan: ResolvedPlan, topology: Topology, exchange: OuterExchange) -> None:
-        self.kind = plan.stand_in
         self.config, self.topology, self.exchange = plan.config, topology, exchange
 
     def next_start(self, state: RoundState, plan: RoundPlan, reset_inner: bool) -> None:
         """At a round end, from D in `plan.work` (before the pipeline consumes it): this replica's next own
         start. `reset_inner`: this rank's D is non-finite under "skip_round"."""
         hyper = self.exchange.hyper
-        if self.kind == "eager":
-            replicas = self.topology.replicas
-            eager_start(plan.work, plan.base, state.own_momentum, hyper=hyper, replicas=replicas, out=state.own_start)
-        elif self._replica_is_nonfinite(reset_inner, state):
+        if self._replica_is_nonfinite(reset_inner, state):
             state.own_start.copy_(plan.base)  # the round will be skipped everywhere: its true next start
         else:
             sum_over_replica = lambda partial: self._sum_over_replica(partial, state.rounds)  # noqa: E731
@@ -53,7 +49,7 @@ class StandIn:
         a skipped round (nonfinite: "skip_round") left the momentum as it was."""
         if state.applied_was_skipped:
             return
-        if self.kind == "local" and state.own_momentum is not None and state.rounds:
+        if state.own_momentum is not None and state.rounds:
             track_momentum(state.own_momentum, before, after, hyper=self.exchange.hyper)
 
     def _replica_is_nonfinite(self, mine: bool, state: RoundState) -> bool:

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from .pace import Pace
+from .round_schedule import RoundSchedule
 from .round_state import RoundState
 from .topology import Topology
 
@@ -20,15 +21,26 @@ class StateReads:
     topology: Topology
 
     @property
+    def schedule(self) -> RoundSchedule:
+        """The run-time decisions (`RoundState.schedule`): pace, apply point, round length."""
+        return self.state.schedule
+
+    @property
     def pace(self) -> Pace:
-        """Every replica's inner steps per round (`RoundState.pace`; replica_tau "auto": fixed after its first
+        """Every replica's inner steps per round (`RoundSchedule.pace`; replica_tau "auto": fixed after its first
         inner steps)."""
-        return self.state.pace
+        return self.state.schedule.pace
 
     @property
     def tau(self) -> int:
-        """This replica's inner steps in the current round."""
-        return self.state.pace.tau(self.topology.replica_index, self.state.rounds)
+        """This replica's τ_r in the current round: its length on the clock (`RoundDecision.tau`)."""
+        return self.state.schedule.decision.tau
+
+    @property
+    def round_steps(self) -> int:
+        """The inner steps this replica trains in the current round (`RoundDecision.steps`): tau, fewer where the
+        elastic exchange measures them."""
+        return self.state.schedule.decision.steps
 
     @property
     def inner_steps(self) -> int:
@@ -52,7 +64,7 @@ class StateReads:
 
     @property
     def keeps_own_momentum(self) -> bool:
-        """Whether this rank keeps a stand-in's own momentum (eager's, or local's copy where it is sharded)."""
+        """Whether this rank keeps the local stand-in's copy of the outer momentum (where that is sharded)."""
         return self.state.own_momentum is not None
 
     @property
@@ -68,4 +80,5 @@ class StateReads:
     @property
     def exchange_steps(self) -> int:
         """sync_delay "auto": the most inner steps an exchange took (`DelayMeter.most_steps`), else 0."""
-        return 0 if self.state.delay_meter is None else self.state.delay_meter.most_steps
+        meter = self.state.schedule.delay_meter
+        return 0 if meter is None else meter.most_steps

@@ -5,8 +5,9 @@ instead and why. `check(facts)` raises `Unsupported` for the first row whose con
 naming a fact that `facts` lacks is left for a later check that knows it. The facts are the `CO2Config`
 fields by dotted name (as given), the plan's resolved choices as `plan.<field>` (`co2_zero.core.plan`),
 and where the config runs: `integration`, `driver` (what counts the steps), `elastic`, `replicas`,
-`float_buffers`. `CO2Config` checks the rows that need only its fields when it is built; the plan checks
-every row when the optimizer is built. A single field's type and range are the schema's
+`float_buffers`, and for a resharded checkpoint load `replicas_changed` (with `saved_replicas`). `CO2Config`
+checks the rows that need only its fields when it is built; the plan checks every row when the optimizer
+is built, and `checkpoint.load` the rows of a resharded load. A single field's type and range are the schema's
 (`co2_zero.core.config`); docs/configuration.md's support matrix is generated from this table.
 """
 
@@ -110,6 +111,8 @@ def describe(name: str, facts: Mapping[str, Any]) -> str:
         return "an elastic membership (membership=)" if value else "no membership"
     if name == "replicas":
         return f"R={value} replicas in this launch"
+    if name == "replicas_changed":
+        return f"a resharded load from R={facts['saved_replicas']} to R={facts['replicas']} replicas"
     if name == "float_buffers":
         return f"a model with {value} float buffer(s) (e.g. BatchNorm statistics)"
     if name.startswith("plan."):
@@ -126,7 +129,7 @@ def _row(subject: str, refused: Values, accepted: str, why: str, **context: Valu
 
 
 _SPARSE, _DENSE, _SET = besides(1.0), one_of(1.0), besides(None)
-_EAGER, _STEP = one_of("eager"), besides(None, "auto")
+_STEP = besides(None, "auto")
 _UNTESTED = "the token-weighted average is built and tested without it"
 _ELASTIC = one_of(True)
 _FIXED_OWNERS = (
@@ -146,11 +149,7 @@ TABLE: tuple[Refusal, ...] = (
     _row("sync_delay", _STEP, "null or 'auto' (both: at once), or overlap: true",
          "a blocking round applies its average at once", overlap=one_of(False)),
     _row("overlap", one_of(False), "true, or stand_in: 'auto' or 'shared'",
-         "a blocking round has no average in flight to stand in for", stand_in=one_of("eager", "local")),
-    _row("clip.mode", one_of("value", "norm"), "'none', or stand_in: 'local' or 'shared'",
-         "eager's momentum of its own shares is not clipped", stand_in=_EAGER),
-    _row("nonfinite", one_of("skip_round"), "'raise', or stand_in: 'local' or 'shared'",
-         "a skipped round would leave eager's share in its momentum", stand_in=_EAGER),
+         "a blocking round has no average in flight to stand in for", stand_in=one_of("local")),
     _row("plan.collective", one_of("reduce_scatter"), "collective: 'all_reduce' (or topk < 1, which all-gathers), "
          "or stand_in: 'shared' with an outer step for it (co2_zero.core.config.PUBLISHED's)",
          "the local stand-in would follow a copy of the outer momentum that a clipped step leaves unknown",
@@ -158,8 +157,6 @@ TABLE: tuple[Refusal, ...] = (
     # replicas of different speeds (docs/design.md §3)
     _row("sync_delay", _STEP, "null or 'auto' (the round end: rounds differ in length)", _UNTESTED, replica_tau=_SET),
     _row("comm_dtype", one_of("bf16"), "'fp32', 'int8', 'fp8', 'int4' or 'int2'", _UNTESTED, replica_tau=_SET),
-    _row("stand_in", _EAGER, "'auto', 'shared' or 'local'", "eager's share would be 1/R, not the replica's weight",
-         replica_tau=_SET),
     _row("replica_tau", _SET, "null", "each replica has to run rounds x its own steps_per_round steps; a loop "
          "of your own runs it, or co2-train", driver=one_of("lightning", "hf-trainer")),
     _row("replica_tau", _SET, "null; or CO2Optimizer with the membership in a loop of your own",
@@ -168,6 +165,9 @@ TABLE: tuple[Refusal, ...] = (
     _row("replica_tau", besides(None, "auto"), "null or 'auto' (each replica measures its own steps per round)",
          "a list is keyed by the replica's place in a fixed grid, and each round's quorum changes who is averaged",
          elastic=_ELASTIC),
+    _row("replica_tau", _SET, "null, or resume with the saved run's number of replicas (any number of shards per "
+         "replica)", "each replica's steps and data position belong to its place among the replicas",
+         replicas_changed=one_of(True)),
     # where the config runs
     _row("shards_per_replica", besides("node", 1), "1 or 'node' (read as 1); shard a replica with FSDP2 "
          "(co2_zero.fsdp.replica_mesh), co2_zero.fairscale.CO2OSS or co2_zero.deepspeed",
@@ -183,9 +183,6 @@ TABLE: tuple[Refusal, ...] = (
     _row("overlap", one_of(False), "true", "elastic mode runs CO2's overlapped rounds", elastic=_ELASTIC),
     _row("plan.sync_delay", one_of("fixed"), "'auto' (the round end there), null, or the value of tau ({tau})",
          "a quorum is formed and healed at round ends, where the average in flight is applied", elastic=_ELASTIC),
-    _row("plan.stand_in", _EAGER, "'auto' or 'local' (the defaults), or 'shared'",
-         "an eager replica's share is 1/R of an average whose contributors are known only inside each round's "
-         "quorum, and a healing replica would need its own momentum of its shares", elastic=_ELASTIC),
     _row("float_buffers", besides(0), "a model without float buffers, or no membership",
          "elastic mode does not average buffers across replicas", elastic=_ELASTIC),
     _row("replicas", besides(1), "one replica per launch (one torchrun per replica, its ranks the replica's shards)",

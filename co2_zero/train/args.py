@@ -153,7 +153,6 @@ def _co2_flags(p: argparse.ArgumentParser) -> None:
     a("--overlap", default=None, action=argparse.BooleanOptionalAction, help=f"{PRESET} on")
     a("--stand_in", default=None, choices=STAND_INS,
       help=f"where a replica starts a round while the average is in flight (design §3); {PRESET} auto")  # fmt: skip
-    a("--eager", dest="stand_in", action="store_const", const="eager", help="--stand_in eager (default: off)")
     a(
         "--sync_delay",
         type=_sync_delay,

@@ -32,14 +32,15 @@ CONFIGS = {
         "clip": {"mode": "norm", "threshold": 0.1},
         "stand_in": "shared",  # clipping: no stand-in is defined with it
     },
-    # eager: each rank's own start and own-share momentum travel with its file (docs/design.md §3)
-    "eager": {
+    # the local stand-in over a sharded momentum: each rank's own start and its copy of the outer momentum
+    # travel with its file (docs/design.md §3)
+    "local-copy": {
         "tau": 3,
         "outer_lr": 0.7,
         "outer_momentum": 0.9,
         "nesterov": True,
         "collective": "reduce_scatter",
-        "stand_in": "eager",
+        "stand_in": "local",
     },
     # a sync delay: saved at step 7, before round 1's average is applied at step 8 (docs/design.md §3); with
     # the local stand-in, each rank's copy of the outer momentum travels too
@@ -183,15 +184,15 @@ def _saved_files(directory: str) -> list:
     return [checkpoint.load_file(f"{directory}/{tag}/{entry['name']}") for entry in marker["files"]]
 
 
-STAND_IN_KEPT = ("all_reduce", "eager")  # no sync delay and a stand-in (all_reduce: the defaults' local)
+STAND_IN_KEPT = ("all_reduce", "local-copy")  # no sync delay and a stand-in (all_reduce: the defaults' local)
 
 
 def test_reshard_two_replicas_to_four(runs):
     """The CO2 state re-cut per tensor is the saved one; with a sync delay the average that arrived is applied
-    at once (the start point is the saved next start, none is pending); replica m resumes from saved
-    replica m % 2's stand-in (its own start; eager's own-share momentum rescaled from R = 2 to 4, local's
-    copy of the momentum as of the start point), else from the start point. Every step after it is checked
-    against the reference in tests/checkpoint/test_checkpoint_phases.py."""
+    at once (the start point is the saved next start, none is pending); replica m resumes from saved replica m
+    % 2's stand-in (its own start; local's copy of the momentum as of the start point), else from the start
+    point. Every step after it is checked against the reference in
+    tests/checkpoint/test_checkpoint_phases.py."""
     root, first, _ = runs
     results = run_ranks(resharded, 4, root)
     for name, config in CONFIGS.items():
@@ -213,8 +214,8 @@ def test_reshard_two_replicas_to_four(runs):
             copy = results[rank][name]["own_momentum"]
             if name == "sync_delay-local":
                 assert torch.equal(copy[: momentum.numel()], momentum), (name, rank)
-            elif name == "eager":
-                assert torch.equal(copy, source["own_momentum"] * 0.5), (name, rank)
+            elif name == "local-copy":
+                assert torch.equal(copy, source["own_momentum"]), (name, rank)
             else:
                 assert copy is None, name  # no stand-in, or local with all_reduce: it reads the momentum itself
             live = torch.cat([p.reshape(-1) for p in results[rank][name]["live"].values()])

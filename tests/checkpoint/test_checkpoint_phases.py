@@ -1,5 +1,5 @@
 """Checkpoints at every inner step of a round, with every schedule (no sync delay, a fixed one, "auto")
-and every stand-in (local, its momentum read or copied; shared; eager), on plain CO2Optimizer over real
+and every stand-in (local, its momentum read or copied; shared), on plain CO2Optimizer over real
 gloo processes (docs/checkpoints.md, docs/design.md §3 "checkpoints").
 
 Each run saves at the three steps of one round: its start (the round end just passed), before the sync
@@ -35,7 +35,6 @@ STAND_INS = {
     "local": {},  # the defaults': gloo's collective is all_reduce, local reads the momentum itself
     "local-copy": {"stand_in": "local", "collective": "reduce_scatter"},  # its own copy of the momentum
     "shared": {"stand_in": "shared", "gap_penalty": {"mode": "adaptive", "strength": 1.5}},
-    "eager": {"stand_in": "eager", "collective": "reduce_scatter"},
 }
 OUTER = {"tau": TAU, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
 CASES = [(schedule, stand_in) for schedule in SCHEDULES for stand_in in STAND_INS]
@@ -87,7 +86,7 @@ def _save_every_step_of_a_round(rank: int, root: str) -> dict:
             checkpoint.save(f"{root}/{_name(schedule, stand_in)}", model, opt, extra={"step": step}, tag=f"s{step}")
             if schedule == "delay":
                 _save_an_older_state(f"{root}/{_name(schedule, stand_in)}", model, opt, step)
-        out[_name(schedule, stand_in)] = {"delay": opt.engine.state.schedule.steps}
+        out[_name(schedule, stand_in)] = {"delay": opt.engine.schedule.apply.steps}
     return out
 
 

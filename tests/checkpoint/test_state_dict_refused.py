@@ -111,11 +111,11 @@ def reload_before_the_delay_was_fixed(rank: int, world_size: int) -> dict:
     fixed = clone_state(state)
     fixed["co2"]["fixed_sync_delay"] = 1
     opt.load_state_dict(fixed)
-    after_fixed = (opt.engine.state.schedule.steps, opt.engine.state.delay_meter.fixed)
+    after_fixed = (opt.engine.schedule.apply.steps, opt.engine.schedule.delay_meter.fixed)
     opt.load_state_dict(clone_state(state))
     out = {
         "after_fixed": after_fixed,
-        "after_unfixed": (opt.engine.state.schedule.steps, opt.engine.state.delay_meter.fixed),
+        "after_unfixed": (opt.engine.schedule.apply.steps, opt.engine.schedule.delay_meter.fixed),
         "same": same(before, _snapshot(model, opt, opt.optimizer)),
     }
     opt.finalize()

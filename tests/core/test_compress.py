@@ -2,9 +2,9 @@
 
 The quantizer against the plain per-block code of tests/reference_compress.py; CO2Optimizer and CO2OSS
 on real gloo processes against `reference.simulate` with that reference's exchange, at every round
-start of every replica (the shared start, or with the defaults' local stand-in and the eager one each
-replica's own); replicas at the shared start bit-identical; the bytes each round sends and the state
-each rank holds against their formulas; exact resume of the residuals; a NaN round skipped; and int8
+start of every replica (the shared start, or with the defaults' local stand-in each replica's own);
+replicas at the shared start bit-identical; the bytes each round sends and the state each rank holds
+against their formulas; exact resume of the residuals; a NaN round skipped; and int8
 training the training script's default model with the defaults to within 2% of fp32's validation loss.
 """
 
@@ -85,10 +85,6 @@ SCENARIOS_R2 = {
         config={"tau": 3, "collective": "all_reduce", "comm_dtype": "int2"}, steps=13, model="uneven",
         optimizer="adam",
     ),
-    "int8-eager-allreduce": dict(
-        config={**HEAVY_BALL, "stand_in": "eager", "tau": 3, "collective": "all_reduce", "comm_dtype": "int8"},
-        steps=9, model="uneven",
-    ),
 }  # fmt: skip
 SCENARIOS_R4 = {
     "r4-int8-overlap-reducescatter": dict(
@@ -112,10 +108,6 @@ SCENARIOS_R4 = {
     "r4-int8-defaults-reducescatter": dict(
         config={"tau": 2, "gap_penalty": ADAPTIVE, "collective": "reduce_scatter", "comm_dtype": "int8"},
         steps=8, model="uneven",
-    ),
-    "r4-fp8-eager-reducescatter": dict(
-        config={**NESTEROV, "stand_in": "eager", "tau": 2, "collective": "reduce_scatter", "comm_dtype": "fp8"},
-        steps=6, model="uneven", optimizer="adam",
     ),
 }  # fmt: skip
 # the bytes a round sends, on a model large enough that the per-tensor norms do not matter

@@ -88,7 +88,7 @@ def _finish(replica: int, model, opt, record: list, clock: list, rounds: int = R
     extra = EXTRA[replica] % opt.steps_per_round
     for _ in range(extra):
         _step(replica, model, opt, record)
-    fixed = opt.engine.state.fixed_replica_tau
+    fixed = opt.engine.schedule.fixed_replica_tau
     _finalize(opt, extra)
     return {"steps": record, "final": _params(model), "clock": clock, "fixed": fixed}
 
@@ -123,7 +123,7 @@ def _saved_and_resumed(replica: int, directory: str, rounds: int, extra: list[in
     for _ in range(extra[replica]):
         _step(replica, model, opt, [])
     checkpoint.save(directory, model, opt)
-    saved = {"at": opt.engine.inner_steps, "fixed": opt.engine.state.fixed_replica_tau}
+    saved = {"at": opt.engine.inner_steps, "fixed": opt.engine.schedule.fixed_replica_tau}
     opt.engine.close()
     model, opt = _build()
     with torch.no_grad():
@@ -169,7 +169,7 @@ def _refused(replica: int) -> dict:
         except ValueError as error:
             out[name] = str(error)
     opt.load_state_dict(state)
-    out["unaltered"] = opt.engine.state.fixed_replica_tau
+    out["unaltered"] = opt.engine.schedule.fixed_replica_tau
     opt.finalize()
     return out
 
@@ -433,7 +433,7 @@ def _sharded_child(rank: int, world: int, integration: str) -> dict:
     extra = EXTRA[replica] % opt.steps_per_round
     for _ in range(extra):
         step()
-    fixed = opt.engine.state.fixed_replica_tau
+    fixed = opt.engine.schedule.fixed_replica_tau
     _finalize(opt, extra)
     out = {"steps": record, "final": whole(), "fixed": fixed}
     dist.barrier()

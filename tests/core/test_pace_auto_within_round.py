@@ -74,7 +74,7 @@ def _finish(replica: int, model, opt, record: list, slowing: bool = False) -> di
     extra = EXTRA[replica] % opt.steps_per_round
     for _ in range(extra):
         _step(replica, model, opt, record, slowing)
-    fixed = opt.engine.state.fixed_replica_tau
+    fixed = opt.engine.schedule.fixed_replica_tau
     _finalize(opt, extra)
     return {"steps": record, "final": _params(model), "fixed": fixed}
 
@@ -100,7 +100,7 @@ def _saved_and_resumed(replica: int, directory: str, steps: int) -> dict:
     for _ in range(steps):
         _step(replica, model, opt, [], slowing=True)
     checkpoint.save(directory, model, opt)
-    saved = opt.engine.state.fixed_replica_tau
+    saved = opt.engine.schedule.fixed_replica_tau
     opt.engine.close()
     model, opt = _build()
     checkpoint.load(directory, model, opt)
@@ -244,7 +244,7 @@ def _sharded_child(rank: int, world: int, integration: str) -> dict:
         models.loss_fn(net(x), y).backward()
         opt.step()
         record.append(whole())
-    fixed = opt.engine.state.fixed_replica_tau
+    fixed = opt.engine.schedule.fixed_replica_tau
     _finalize(opt, 0)
     return {"steps": record, "final": whole(), "fixed": fixed}
 

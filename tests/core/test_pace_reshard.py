@@ -101,7 +101,7 @@ def _resume_one_by_two(rank: int, world: int, directory: str, name: str) -> dict
     extra = EXTRA[rank] % opt.steps_per_round
     for _ in range(extra):
         _step(rank, model, opt, record)
-    fixed = opt.engine.state.fixed_replica_tau
+    fixed = opt.engine.schedule.fixed_replica_tau
     _finalize(opt, extra)
     out = {"loaded": loaded, "steps": record, "final": _params(model), "fixed": fixed}
     return {**out, "other_r": _load_as_one_replica(directory, name)}
@@ -168,4 +168,6 @@ def test_a_change_of_r_is_refused_naming_replica_tau_and_r(results):
         pytest.skip("tried with the auto checkpoints (a given replica_tau of R = 2 is not built at R = 1)")
     for got in results[2]:
         message = got["other_r"]
-        assert "resharding from R=2 to R=1 replicas is not supported with replica_tau='auto'" in message, message
+        assert "replica_tau='auto' is not supported with a resharded load from R=2 to R=1 replicas" in message, message
+        accepted = "null, or resume with the saved run's number of replicas (any number of shards per replica)"
+        assert f"accepted: {accepted}" in message, message

@@ -331,51 +331,6 @@ def test_invalid_config(bad: dict) -> None:
         simulate(linear, sgd, batch, mse, cfg(**bad), 2, TAU)
 
 
-def paper_eager_round_starts(c: dict, replicas: int, rounds: int) -> list[list[Params]]:
-    """Eager updates as Kale et al. (arXiv 2502.12996) write them, literally, for a penalty-free outer
-    SGD with momentum: replica m keeps its own model and outer momentum, and at the end of round t
-    steps with G = Δ_m(t)/M + Σ_{m'≠m} Δ_m'(t−1)/M (its own fresh displacement, the others' from the
-    previous average). Returns every replica's start of rounds 0..rounds."""
-    alpha, beta = c["outer_lr"], c["outer_momentum"]
-    x0 = params(linear())
-    starts = [dict(x0) for _ in range(replicas)]
-    momenta = [{n: torch.zeros_like(v) for n, v in x0.items()} for _ in range(replicas)]
-    previous = [{n: torch.zeros_like(v) for n, v in x0.items()} for _ in range(replicas)]
-    out = [[dict(s) for s in starts]]
-    for t in range(rounds):
-        ends = [params(train(linear, starts[m], m, t * TAU, TAU)) for m in range(replicas)]
-        fresh = [{n: starts[m][n] - ends[m][n] for n in x0} for m in range(replicas)]
-        for m in range(replicas):
-            others = [previous[k] for k in range(replicas) if k != m]
-            g = {n: (fresh[m][n] + sum(o[n] for o in others)) / replicas for n in x0}
-            momenta[m] = {n: beta * momenta[m][n] + g[n] for n in x0}
-            u = {n: beta * momenta[m][n] + g[n] for n in x0} if c["nesterov"] else momenta[m]
-            starts[m] = {n: starts[m][n] - alpha * u[n] for n in x0}
-        previous = fresh
-        out.append([dict(s) for s in starts])
-    return out
-
-
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_eager_is_the_papers_eager_update(nesterov: bool) -> None:
-    """The shared start plus each replica's correction (docs/design.md §3) is the paper's algorithm."""
-    c = cfg(overlap=True, stand_in="eager", outer_lr=0.7, outer_momentum=0.6, nesterov=nesterov)
-    rounds = 4
-    per_step: list = []
-    trace: list[dict] = []
-    out = simulate(linear, sgd, batch, mse, c, 2, rounds * TAU, step_record=per_step, trace=trace)
-    expected = paper_eager_round_starts(c, 2, rounds)
-    for t in range(1, rounds + 1):
-        for m in range(2):
-            assert close(per_step[t * TAU - 1][m], expected[t][m], atol=1e-5), (t, m)
-        assert not close(expected[t][0], expected[t][1])  # replicas differ at round starts by design
-    plain = round_starts(linear, sgd, batch, mse, cfg(overlap=True, outer_lr=0.7, outer_momentum=0.6), 2, rounds * TAU)
-    assert not close(plain[2], per_step[2 * TAU - 1][0])  # eager changes the trajectory
-    final = trace[-1]["result"]  # the shared start the last average produced
-    for replica in out:  # finalize: the stand-ins are dropped, one model everywhere
-        assert close({n: replica[n] for n in final}, final)
-
-
 @pytest.mark.parametrize("stand_in", ["shared", "local"])
 def test_a_delay_fixed_mid_run_starts_after_the_published_rounds(stand_in: str) -> None:
     """sync_delay "auto" (docs/design.md §3, "The sync delay"): the rounds before ``delay_from`` are the

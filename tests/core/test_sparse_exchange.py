@@ -62,10 +62,6 @@ SCENARIOS = {
         config={"tau": 2, "clip": {"mode": "norm", "threshold": 0.1}, "topk": 0.2, "comm_dtype": "bf16"},
         steps=8, model="bn",
     ),
-    "topk-int8-eager": dict(
-        config={**HEAVY_BALL, "stand_in": "eager", "tau": 3, "topk": 0.1, "comm_dtype": "int8"}, steps=9,
-        model="uneven",
-    ),
     # SparseLoCo's decaying residual, with the defaults otherwise, and with its plain outer step
     "topk-int2-defaults-decay": dict(
         config={"tau": 3, "topk": 0.03, "comm_dtype": "int2", "feedback_decay": 0.9}, steps=13, model="uneven",

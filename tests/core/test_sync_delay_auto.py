@@ -202,7 +202,8 @@ def _run(rank: int, sc: dict) -> dict:
             _train(rank, model, opt, 0, sc["steps"], steps)
     finally:
         unpatch()
-    delay, meter, reported = opt.engine.state.schedule.steps, opt.engine.state.delay_meter, opt.last_round["sync_delay"]
+    schedule = opt.engine.schedule
+    delay, meter, reported = schedule.apply.steps, schedule.delay_meter, opt.last_round["sync_delay"]
     opt.finalize()
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     notes = [str(w.message) for w in caught if "sync_delay 'auto'" in str(w.message)]
@@ -231,7 +232,7 @@ def _resume(rank: int, directory: str) -> dict:
             _train(rank, model, opt, at, RESUME["steps"], resumed)
         finally:
             unpatch()
-        out[how] = {"resumed": resumed, "delay": opt.engine.state.schedule.steps}
+        out[how] = {"resumed": resumed, "delay": opt.engine.schedule.apply.steps}
         opt.finalize()
     return out
 

@@ -795,12 +795,12 @@ def test_engines_that_are_not_elastic_refuse_a_membership_naming_what_is(build, 
     assert entry_point in message and "plain parameters" in message and "FSDP2" in message, message
 
 
-@pytest.mark.parametrize("field,value", [("sync_delay", 2), ("stand_in", "eager")])
+@pytest.mark.parametrize("field,value", [("sync_delay", 2)])
 def test_elastic_mode_refuses_what_its_quorums_cannot_heal(monkeypatch, field, value):
-    """Quorums form and heal at round ends (design §12): an average applied mid-round, or eager's momentum
-    of a replica's own shares, is refused at construction, naming the field, its value and what is
-    accepted; `sync_delay: "auto"` is the round end there (the plan's elastic rewrite, `co2_zero.core.plan`),
-    and the defaults (the local stand-in) and the published shared start are accepted."""
+    """Quorums form and heal at round ends (design §12): an average applied mid-round is refused at
+    construction, naming the field, its value and what is accepted; `sync_delay: "auto"` is the round end
+    there (the plan's elastic rewrite, `co2_zero.core.plan`), and the defaults (the local stand-in) and the
+    published shared start are accepted."""
     from types import SimpleNamespace
 
     from co2_zero import CO2Config, CO2Error

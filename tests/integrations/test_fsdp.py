@@ -51,31 +51,6 @@ SCENARIOS = {
         steps=7,
         offload=True,
     ),
-    # eager updates (docs/design.md §3): replicas start rounds from the shared start plus their own
-    # correction; with the gap penalty (Nesterov) and without it (heavy ball)
-    "eager-nesterov-adaptive-allreduce": dict(
-        config=co2("overlap-eager-nesterov-adaptive-allreduce-t2"),
-        steps=8,
-        model="uneven",
-    ),
-    "eager-heavyball-none-reducescatter": dict(
-        config=co2("overlap-eager-heavyball-nopenalty-reducescatter-t3"),
-        steps=9,
-        optimizer="adam",
-    ),
-    # a sync delay (docs/design.md §3): the average is applied d steps into the next round, each replica's
-    # progress rebased on it; with eager and the gap penalty, and without either. 13 steps end before the
-    # last average is applied (finalize applies it), 11 after
-    "syncdelay-eager-nesterov-adaptive-allreduce": dict(
-        config=co2("overlap-eager-nesterov-adaptive-allreduce-t4-d2"),
-        steps=13,
-        model="uneven",
-    ),
-    "syncdelay-eager-heavyball-none-reducescatter": dict(
-        config=co2("overlap-eager-heavyball-nopenalty-reducescatter-t3-d1"),
-        steps=11,
-        optimizer="adam",
-    ),
     # the local stand-in: the outer step on the replica's own displacement, with the outer momentum that
     # each rank follows from the applied steps (sharded with reduce_scatter); at the round end and mid-round
     "local-nesterov-adaptive-reducescatter": dict(
@@ -502,7 +477,7 @@ def test_replicas_identical_at_every_round_start(results):
     for world, per_rank in results.items():
         shards = world // 2
         for name, sc in SCENARIOS.items():
-            tau, eager = sc["config"]["tau"], resolve_config(sc["config"])["stand_in"] != "shared"
+            tau, own_starts = sc["config"]["tau"], resolve_config(sc["config"])["stand_in"] != "shared"
             for rank in range(shards, world):
                 peer = per_rank[rank % shards][name]["shared"]
                 assert all(torch.equal(a, b) for a, b in zip(per_rank[rank][name]["shared"], peer)), (world, name)
@@ -510,7 +485,7 @@ def test_replicas_identical_at_every_round_start(results):
                 first = per_rank[0][name]["steps"][k]
                 for other in per_rank[1:]:
                     same = all(torch.equal(first[n], other[name]["steps"][k][n]) for n in first)
-                    assert same or (eager and k > 0), (world, name, k)
+                    assert same or (own_starts and k > 0), (world, name, k)
             for other in per_rank[1:]:
                 assert all(torch.equal(per_rank[0][name]["final"][n], v) for n, v in other[name]["final"].items())
 

@@ -83,9 +83,9 @@ def test_cells_of_another_study_are_refused_and_half_written_ones_ignored(tmp_pa
 
 def test_plan_counts_the_cells_left_and_their_hours():
     todo, pending = bq.cells_to_run(["ddp", "co2"], [8], SEEDS, GRID, {})
-    text = bq.plan_text(todo, pending, {"w": 6.0}, {"co2_eager": "unavailable: needs the eager field"})
+    text = bq.plan_text(todo, pending, {"w": 6.0}, {"co2_local": "unavailable: needs the stand_in field"})
     assert "7 cells to run now" in text and "2 confirmation cells of co2 τ=8" in text
-    assert "total 9 cells × 6.0 min ≈ 0.9 h (w)" in text and "co2_eager: unavailable" in text
+    assert "total 9 cells × 6.0 min ≈ 0.9 h (w)" in text and "co2_local: unavailable" in text
     done = {"a": {"wall_s": 600.0, "cpu_s": 480.0}, "b": {"wall_s": 1200.0, "cpu_s": 720.0}, "c": {"wall_s": 900.0}}
     assert list(bq.minutes_per_cell(done, 5.0, 2).values()) == [15.0, 5.0]  # medians; CPU over 2 cores
     assert bq.minutes_per_cell({}, 5.0, 2) == {"assumed, no cell run yet": 5.0}
@@ -100,7 +100,7 @@ def test_every_cell_runs_a_fixed_schedule_and_its_stand_in(method):
     config = co2_config(get_args(bq.train_flags(bq.Cell(method, 32, 0.7, 0.9, 5), 640, 2, [])))
     assert not config.measures_sync_delay, config
     assert config.effective_stand_in == bq.STAND_IN.get(method, "shared"), config
-    published = method in ("co2", "co2_eager", "co2_local")
+    published = method in ("co2", "co2_local")
     assert config.gap_penalty.mode == ("adaptive" if published else "none") and config.nesterov != published
 
 
@@ -109,11 +109,9 @@ def test_flags_of_each_method():
     diloco = bq.train_flags(bq.Cell("diloco", 32, 0.7, 0.9, 5), 640, 2, common)
     assert diloco[:6] == ["--tau", "32", "--log_every", "32", "--eval_every", "10"]
     assert diloco[-6:] == ["--method", "diloco", "--outer_lr", "0.7", "--outer_momentum", "0.9"]
-    eager = bq.train_flags(bq.Cell("co2_eager", 8, 1.0, 0.0, 5), 640, 2, common)
-    assert eager[eager.index("--stand_in") + 1] == "eager" and "--sync_delay" not in eager
-    assert eager[eager.index("--method") + 1] == "co2_published"  # CO2 as published, not today's defaults
-    paper = bq.train_flags(bq.Cell("diloco_eager", 8, 0.7, 0.9, 5), 640, 2, common)
-    assert {"--stand_in", "--overlap"} <= set(paper) and paper[paper.index("--method") + 1] == "diloco", paper
+    local = bq.train_flags(bq.Cell("co2_local", 8, 1.0, 0.0, 5), 640, 2, common)
+    assert local[local.index("--stand_in") + 1] == "local" and "--sync_delay" not in local
+    assert local[local.index("--method") + 1] == "co2_published"  # CO2 as published, not today's defaults
     synced = bq.train_flags(bq.Cell("diloco_local_sync", 32, 0.7, 0.9, 5), 640, 2, common)
     assert synced[synced.index("--sync_delay") + 1] == str(bq.SYNC_DELAY) and "local" in synced
     late = bq.train_flags(bq.Cell("diloco_local", 32, 0.7, 0.9, 5), 640, 2, common)
@@ -142,7 +140,7 @@ def test_unavailable_methods_say_why(monkeypatch):
     from co2_zero import CO2Config
 
     if "stand_in" not in {f.name for f in bq.dataclasses.fields(CO2Config)}:  # reported, never run as plain co2
-        assert bq.unavailable("co2_eager") == "unavailable: needs the stand_in field (CO2Config.stand_in)"
+        assert bq.unavailable("co2_local") == "unavailable: needs the stand_in field (CO2Config.stand_in)"
     assert bq.unavailable("co2") is None and bq.unavailable("ddp") is None
     monkeypatch.setattr(bq, "PEER", bq.ROOT / "no_such_peer.py")
     assert bq.unavailable("torchft_diloco") == "unavailable: needs scripts/torchft_peer.py"
@@ -350,3 +348,10 @@ def test_readme_overview_is_one_row_per_method_with_every_tau():
         "| diloco | – | 1.0200 (+2.0%, 3) |",
         "| co2 | 1.1000 (+10.0%, 1) | – |",
     ]
+
+
+def test_cells_of_a_retired_method_sort_last():
+    """The committed JSON keeps the retired eager stand-in's cells (co2_eager): the summary still orders them."""
+    retired = {"method": "co2_eager", "tau": 32, "outer_lr": 0.5, "momentum": 0.8, "seed": 1}
+    ddp = {"method": "ddp", "tau": None, "outer_lr": None, "momentum": None, "seed": 1}
+    assert [cell["method"] for cell in sorted([retired, ddp], key=bq.cell_order)] == ["ddp", "co2_eager"]

@@ -414,7 +414,6 @@ def test_co2_settings_precedence(tmp_path):
     assert c == CO2Config()  # CO2Config's defaults
     published = train_args.co2_config(train_args.get_args(["--method", "co2_published", "--comm_dtype", "bf16"]))
     assert published == CO2Config(**PUBLISHED, comm_dtype="bf16")  # the preset, then the flags
-    assert train_args.co2_config(train_args.get_args(["--eager"])).stand_in == "eager"
     local = train_args.co2_config(train_args.get_args(["--stand_in", "local", "--sync_delay", "3", "--tau", "8"]))
     assert (local.stand_in, local.sync_delay) == ("local", 3)
     assert train_args.co2_config(train_args.get_args(["--sync_delay", "auto"])).sync_delay == "auto"

@@ -1,11 +1,20 @@
-"""The checks of a config's fields (`co2_zero.core.config`): each raises `ValueError` naming the field, the
-value and what would be accepted."""
+"""The schema's checks of a single field (`co2_zero.core.config`): its type and range, a choice among values
+(a retired value named with what to set instead), a nested section given as a mapping. Each refusal is a
+ValueError naming the field, the value and what would be accepted; combinations are the support table's."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from typing import Any, Mapping
+
+# Values a field no longer takes: (field, value) -> (why, what to set instead); the CHANGELOG says when.
+RETIRED = {
+    ("stand_in", "eager"): (
+        "the eager stand-in trained worse than local in its own study",
+        "'local' (what the default 'auto' picks with overlap: true), or 'shared'",
+    ),
+}
 
 
 def fail(name: str, value: Any, accepted: str) -> None:
@@ -35,6 +44,7 @@ def check_number(name: str, value: Any, accepted: str, ok) -> None:
 
 
 def check_number_or_auto(name: str, value: Any, accepted: str, ok) -> None:
+    """`check_number`, or the string "auto" (resolved by the config: `CO2Config.effective`)."""
     if value != "auto":
         check_number(name, value, accepted, ok)
 
@@ -46,11 +56,14 @@ def as_floats(instance: Any, *names: str) -> None:
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if isinstance(value, str) and (name, value) in RETIRED:
+        why, accepted = RETIRED[name, value]
+        raise ValueError(f"co2 config: {name}={value!r} is retired ({why}); accepted: {accepted}")
     if value not in choices:
         fail(name, value, " | ".join(repr(c) for c in choices))
 
 
-def build(cls, name: str, value: Any):
+def build_section(cls, name: str, value: Any):
     """Accept a nested section as the dataclass itself or as a mapping of its fields."""
     if isinstance(value, cls):
         return value
