@@ -18,6 +18,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -51,7 +52,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--tau", type=int, default=4)
     p.add_argument("--topk", type=float, default=0.05)
     p.add_argument("--comm_dtype", default="int2")
-    p.add_argument("--work", default="/tmp/bench_reshard", help="scratch directory for checkpoints and logs")
+    p.add_argument("--work", default=None, help="scratch directory for checkpoints and logs (default: a new one)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "reshard"))
     p.add_argument("--name", default="topk_int2")
     return p.parse_args(argv)
@@ -77,13 +78,14 @@ def run(flags: list[str], ranks: int, cwd: Path, out: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"{shlex.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}")
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    return {"command": shlex.join(cmd), "load": load, "val_loss": records[-1]["val_loss"]}
+    shown = shlex.join(["torchrun", "--standalone", "--nproc_per_node", str(ranks), "scripts/train_lm.py", *flags])
+    return {"command": shown, "load": load, "val_loss": records[-1]["val_loss"]}
 
 
 def measure(a: argparse.Namespace, seed: int) -> dict:
     """The straight run (saving at --save_at) and the resharded resume from that save, for one seed."""
-    work = Path(a.work) / f"seed{seed}"
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(a.work or tempfile.mkdtemp(prefix="c2z-reshard-")) / f"seed{seed}"
+    work.mkdir(parents=True)  # a save directory belongs to one run: never one of an earlier invocation
     common = [
         *MODEL,
         "--seed",

@@ -11,7 +11,7 @@ import struct
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence
 
-from ..core.errors import CO2Error, CO2TimeoutError, load_refused
+from ..core.errors import CO2Error, CO2TimeoutError, refusal
 from ..core.topology import gather_fingerprints, text_words, words_text
 
 TEXT_WORDS = 64  # an error message or a path in an agreement: 512 bytes of UTF-8
@@ -80,7 +80,7 @@ def raise_failed(
     failed = [(rank, words_text(words)) for rank, flag, words in reports if flag]
     if failed:
         lines = "\n".join(f"  rank {rank}: {text}" for rank, text in failed)
-        error_type = load_refused if agreement.action.startswith("load") else CO2Error
+        error_type = refusal if agreement.action.startswith("load") else CO2Error
         raise error_type(
             f"co2 checkpoint {agreement.action} {agreement.where} failed on rank(s) {[r for r, _ in failed]}:\n"
             f"{lines}\n{agreement.consequence}"

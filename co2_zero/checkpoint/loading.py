@@ -13,7 +13,7 @@ import torch
 
 from ..core import support
 from ..core.config import PUBLISHED, CO2Config
-from ..core.errors import CO2Error, load_refused
+from ..core.errors import CO2Error, refusal
 from ..core.pace import Pace
 from ..core.support import Unsupported
 from ..core.topology import text_words, words_text
@@ -73,7 +73,7 @@ def load(
     """
     loaded = load_checkpoint(directory, framework_state(model, optimizer), tag=tag, reshard=reshard)
     if loaded is None:
-        raise load_refused(f"co2 checkpoint: no complete checkpoint in {directory}; nothing was loaded")
+        raise refusal(f"co2 checkpoint: no complete checkpoint in {directory}; nothing was loaded")
     return loaded[1]
 
 
@@ -161,7 +161,7 @@ def _agree_on_choice(agreement: Agreement, root: Path, tag: Optional[str]) -> Op
     table = agreement.exchange([kind, *text_words(chosen, TAG_WORDS), *problem_words(problem)], "load: choose")
     kind, chosen = table[0][0], words_text(table[0][1 : 1 + TAG_WORDS])
     if kind == 2:
-        raise load_refused(
+        raise refusal(
             f"co2 checkpoint load from {root} refused: {words_text(table[0][1 + TAG_WORDS :])}. {agreement.consequence}"
         )
     return None if kind == 1 else chosen

@@ -20,8 +20,9 @@ class CO2Error(RuntimeError):
     refused = False
 
 
-def load_refused(message: str) -> CO2Error:
-    """The CO2Error of a checkpoint load that refused before changing anything (`CO2Error.refused`)."""
+def refusal(message: str) -> CO2Error:
+    """The CO2Error of a request refused before anything changed (`CO2Error.refused`): a checkpoint load, a
+    save directory that holds another run's checkpoints. The tools report it in one line (`train.cli`)."""
     error = CO2Error(message)
     error.refused = True
     return error

@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from co2_zero import CO2Error, checkpoint
+from co2_zero import checkpoint
+from co2_zero.core.errors import refusal
 
 from .engines import Trainer
 
@@ -22,8 +23,9 @@ OWNER = "co2_run"  # in a --save_dir: the id of the run whose checkpoints it hol
 
 def claim_save_dir(args, trainer: Trainer) -> None:
     """Rank 0 claims --save_dir for this launch's run (fresh: a new id) and every rank learns the outcome;
-    CO2Error on every rank if the directory holds another run's checkpoints. Elastic replicas save into
-    directories of their own (`checkpoints.save_root`) and claim none."""
+    a refused CO2Error (`errors.refusal`: one line from the tools) on every rank if the directory holds
+    another run's checkpoints. Elastic replicas save into directories of their own (`checkpoints.save_root`)
+    and claim none."""
     if not args.save_dir or args.lighthouse:
         return
     verdict: list = [None, None]
@@ -33,7 +35,7 @@ def claim_save_dir(args, trainer: Trainer) -> None:
     dist.broadcast_object_list(verdict, src=0)
     run_id, problem = verdict
     if problem is not None:
-        raise CO2Error(problem)
+        raise refusal(problem)
     trainer.run_id = run_id
     if trainer.co2 and trainer.opt.engine.run_id is None:  # its checkpoints' markers name the same run
         trainer.opt.engine.name_run(run_id)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from co2_zero.core.errors import CO2Error, load_refused
+from co2_zero.core.errors import CO2Error, refusal
 from co2_zero.train import args as train_args
 from co2_zero.train import cli, ds_config
 from tests.tools.test_train_lm_smoke import SCRIPT, TINY, _env
@@ -170,7 +170,7 @@ def test_a_refused_load_is_the_users_a_failed_exchange_is_not(monkeypatch, capsy
     monkeypatch.setenv("RANK", "0")
 
     def refused(argv):
-        raise load_refused("co2 checkpoint load from ckpt refused: nothing there")
+        raise refusal("co2 checkpoint load from ckpt refused: nothing there")
 
     def failed(argv):
         raise CO2Error("co2: round 2: the background exchange failed")

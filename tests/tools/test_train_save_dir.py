@@ -39,6 +39,7 @@ def test_another_run_in_a_used_save_dir_refuses_and_changes_nothing(tmp_path):
     _, stderr = run_job(tmp_path, [*RUN, "--seed", "2"], ranks=1, ok=False)
     assert f"--save_dir {Path('ckpt')} holds the checkpoints of run {owner}" in stderr, stderr[-3000:]
     assert "this launch is run " in stderr and "--resume" in stderr and "a new --save_dir" in stderr, stderr[-3000:]
+    assert "error: --save_dir" in stderr and "Traceback" not in stderr, stderr[-3000:]  # one line, an operator's
     assert _saved(ckpt) == before and (ckpt / "latest").read_text() == latest == "step00000008"
     # A itself continues there: a resumed run keeps its run id
     records, stderr = run_job(tmp_path, [*RUN, "--seed", "1", "--resume", "--max_steps", "12"], ranks=1)
