@@ -247,6 +247,11 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
         check_replicas_kept(engine.config, saved_world // saved_shards, topology.replicas)
     except Unsupported as error:
         raise Refused(f"{directory.name}: {error}") from error
+    if marker.get("config_hash") != engine.config.math_hash():  # resharding keeps the config: say what differs
+        fields = _config_difference(marker.get("config"), engine.config)
+        raise Refused(
+            f"{directory.name}: {fields}resharding needs the same co2 config; {_config_hint(marker.get('config_hash'))}"
+        )
     paced = engine.config.replica_tau is not None
     trainable = {n for n, p in framework.module.named_parameters(remove_duplicate=False) if p.requires_grad}
     needed = set(framework.module.state_dict()) - trainable

@@ -94,6 +94,13 @@ def test_a_resume_with_another_config_names_the_fields_and_both_values(saved):
     assert "co2 config fields differ (checkpoint -> here): outer_lr 0.5 -> 0.3;" in line, line  # only that one
 
 
+def test_a_resharded_resume_with_another_config_names_the_fields_too(saved):
+    flags = ["--tau", "4", "--outer_lr", "0.3", "--max_steps", "12", "--resume", "ckpt/step00000004", "--reshard"]
+    line = assert_one_line(job(saved, flags, ranks=2), ranks=2)
+    assert "co2 config fields differ (checkpoint -> here): outer_lr 0.5 -> 0.3;" in line, line
+    assert "resharding needs the same co2 config" in line, line
+
+
 def test_a_damaged_checkpoint_is_one_line_under_torchrun(saved, tmp_path):
     damaged = tmp_path / "ckpt"
     subprocess.run(["cp", "-r", str(saved / "ckpt"), str(damaged)], check=True)
