@@ -52,6 +52,16 @@ def freeze_in_exchange(round_index: int, seconds: float, resumed: str, until: st
     elastic.ElasticExchange._who_contributes = frozen
 
 
+def _told_behind_while_replica_0_goes_on(job) -> dict:
+    """Replica 1, frozen past its peers' rounds, left saying it is behind; replica 0 went on: its result."""
+    frozen_result = job.result(1)
+    error = frozen_result.get("error", "")
+    assert "replica 1 is behind its peers" in error and "restart it to rejoin" in error, frozen_result.get("history")
+    result = job.result(0)
+    assert "error" not in result, result["error"]
+    return result
+
+
 def test_two_launches_of_one_replica_id_are_refused_on_both(job_factory):  # noqa: F811
     """Replica 0, then two launches with replica_id 1. The first quorum that holds both (at the start, or
     when the second joins) is refused on both, naming the id: never a quorum [0, 1, 1] whose average
@@ -86,11 +96,7 @@ def test_a_replica_frozen_in_its_exchange_longer_than_timeout_s_leaves_and_the_o
     hook = (HERE, "freeze_in_exchange", (frozen_round, timeout_s + 4, str(resumed)))
     frozen = job.start(1, hooks=[hook], **plan)
     job.wait([*survivor, *frozen], timeout=300)
-    frozen_result = job.result(1)
-    error = frozen_result.get("error", "")
-    assert "replica 1 is behind its peers" in error and "restart it to rejoin" in error, frozen_result.get("history")
-    result = job.result(0)
-    assert "error" not in result, result["error"]
+    result = _told_behind_while_replica_0_goes_on(job)
     history = result["history"]
     assert [committed for t, _, _, committed in history if t == frozen_round] == [False], history
     after = [(contributors, committed) for t, _, contributors, committed in history if t > frozen_round]
@@ -138,11 +144,7 @@ def test_a_replica_frozen_while_its_peer_trains_on_leaves_behind_not_as_if_the_j
         survivor = job.start(0, reached=(3, str(reached)), gate=(5, str(resumed)), **plan)
         frozen = job.start(1, hooks=[(HERE, "freeze_in_exchange", (1, 1.0, str(resumed), str(reached)))], **plan)
         job.wait([*survivor, *frozen], timeout=300)
-    frozen_result = job.result(1)
-    error = frozen_result.get("error", "")
-    assert "replica 1 is behind its peers" in error and "restart it to rejoin" in error, frozen_result.get("history")
-    result = job.result(0)
-    assert "error" not in result, result["error"]
+    _told_behind_while_replica_0_goes_on(job)
 
 
 def late_final_quorum(seconds: float) -> None:

@@ -137,7 +137,11 @@ def test_a_flag_given_replaces_the_config_value_and_says_so(recwarn):
 
 def test_given_flags_are_those_on_the_command_line():
     parser = train_args.build_parser()
-    assert train_args.given_flags(parser, ["--lr", "0.003", "--no-overlap", "--eager"]) == ["lr", "overlap", "stand_in"]
+    assert train_args.given_flags(parser, ["--lr", "0.003", "--no-overlap", "--stand_in", "local"]) == [
+        "lr",
+        "overlap",
+        "stand_in",
+    ]
     assert train_args.given_flags(parser, []) == []
 
 
