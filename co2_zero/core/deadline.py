@@ -7,8 +7,9 @@ what it was, the group's ranks and the ranks this one waited for, never a bare b
 
 from __future__ import annotations
 
+import pickle
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,25 @@ def on_default_group(what: str) -> str:
     return f"{what} on the default group (global ranks {ranks}), where rank {me} waited for {peers},"
 
 
-def all_reduce(tensor: torch.Tensor, what: str, timeout_s: float) -> None:
-    """Sum `tensor` over the default group in place, within `timeout_s`."""
-    wait_within(lambda: dist.all_reduce(tensor, async_op=True), on_default_group(what), timeout_s)
+def all_reduce(
+    tensor: torch.Tensor, what: str, timeout_s: float, op: Union[dist.ReduceOp, Any] = dist.ReduceOp.SUM
+) -> None:
+    """Reduce `tensor` over the default group in place (a sum unless `op` says otherwise), within `timeout_s`."""
+    wait_within(lambda: dist.all_reduce(tensor, op=op, async_op=True), on_default_group(what), timeout_s)
+
+
+def broadcast_object(obj: Any, src: int, what: str, timeout_s: float, device: torch.device) -> Any:
+    """Rank `src`'s picklable `obj` on every rank of the default group, within `timeout_s` (its size, then
+    its bytes: `broadcast_object_list` has no asynchronous form to wait on)."""
+    what = on_default_group(what)
+    payload = pickle.dumps(obj) if dist.get_rank() == src else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    wait_within(lambda: dist.broadcast(size, src, async_op=True), what, timeout_s)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    if payload:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    wait_within(lambda: dist.broadcast(data, src, async_op=True), what, timeout_s)
+    return obj if dist.get_rank() == src else pickle.loads(data.cpu().numpy().tobytes())
 
 
 def barrier(what: str, timeout_s: float, device: torch.device) -> None:

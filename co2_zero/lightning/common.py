@@ -6,7 +6,8 @@
   loggers, at the round's optimizer step;
 - when fit ends: `finalize()`, so every rank holds the same model;
 - Lightning's own collectives (`reduce_boolean_decision`: ModelCheckpoint's and EarlyStopping's decisions;
-  `barrier`) within the CO2 config's timeout_s: a lost rank is a CO2Error naming it (`co2_zero.core.deadline`);
+  `barrier`; `broadcast`; `reduce`: `self.log(..., sync_dist=True)`) within the CO2 config's timeout_s: a lost
+  rank is a CO2Error naming it (`co2_zero.core.deadline`);
 - checkpoints: during fit, a Lightning checkpoint path is a directory of per-rank files written by
   `co2_zero.checkpoint` (tag `checkpoint`: module, inner optimizer and CO2 state of every rank, plus
   Lightning's own entries as the plain-data `extra`); after `finalize()` one model is left, so
@@ -21,12 +22,13 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed import ReduceOp
 
 from ..core import deadline
 from ..core.config import CO2Config
@@ -58,6 +60,16 @@ def steps_warning(total_steps: float, tau: int) -> Optional[str]:
         f"accumulate_grad_batches), not a multiple of tau={tau}: finalize() at the end of fit drops the last "
         f"{left} step(s); set max_steps to a multiple of tau"
     )
+
+
+def _reduce_op(reduce_op: Optional[Union[ReduceOp, str]]) -> tuple[Any, bool]:
+    """Lightning's `reduce_op` as a ReduceOp, and whether the sum is then divided into a mean (as Lightning
+    does on gloo, which has no AVG): None is a sum, "mean"/"avg" a mean, another name its ReduceOp."""
+    if not isinstance(reduce_op, str):
+        return (ReduceOp.SUM if reduce_op is None else reduce_op), False
+    if reduce_op.lower() in ("mean", "avg"):
+        return ReduceOp.SUM, True
+    return getattr(ReduceOp, reduce_op.upper()), False
 
 
 class CO2Hooks:
@@ -116,6 +128,28 @@ class CO2Hooks:
         votes = torch.tensor(int(decision), dtype=torch.int64, device=collective_device())
         deadline.all_reduce(votes, "Lightning's reduce_boolean_decision", self.co2.timeout_s)
         return votes.item() == dist.get_world_size() if all else votes.item() > 0
+
+    def reduce(
+        self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Any:
+        """`tensor` reduced over every rank in place, as Lightning's (`self.log(..., sync_dist=True)`: "mean",
+        "sum", "max", "min" or a ReduceOp); a lost or stuck rank is a CO2Error naming it. Another `group`
+        than the default is Lightning's own."""
+        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized() or group is not None:
+            return super().reduce(tensor, group, reduce_op)  # type: ignore[misc]
+        op, mean = _reduce_op(reduce_op)
+        deadline.all_reduce(tensor, "Lightning's reduce (sync_dist)", self.co2.timeout_s, op)
+        if not mean:
+            return tensor
+        world = dist.get_world_size()
+        return tensor.div_(world) if torch.is_floating_point(tensor) else tensor.copy_(tensor / world)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s `obj` on every rank, as Lightning's (checkpoint paths, the tuner's choices); a lost or
+        stuck rank is a CO2Error naming it."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return obj
+        return deadline.broadcast_object(obj, src, "Lightning's broadcast", self.co2.timeout_s, collective_device())
 
     def barrier(self, name: Optional[str] = None) -> None:
         """Every rank got here (Lightning's barrier `name`), within timeout_s."""

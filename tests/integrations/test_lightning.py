@@ -296,33 +296,79 @@ def test_missing_lightning_names_the_extra(monkeypatch):
         importlib.import_module("co2_zero.lightning")
 
 
-def _fit_losing_rank_1(rank: int, world: int) -> None:
-    """A fit in which every rank asks Lightning's `reduce_boolean_decision` after each optimizer step (as
-    ModelCheckpoint and EarlyStopping do); rank 1 SIGKILLs itself as it reaches the one of step 3."""
+LIGHTNING_COLLECTIVES = {  # what a callback asks at every step, and the name the survivor's error gives it
+    "decision": "reduce_boolean_decision",  # ModelCheckpoint's and EarlyStopping's
+    "broadcast": "broadcast",  # a checkpoint path, a tuner's choice
+    "sync_dist": "reduce (sync_dist)",  # self.log(..., sync_dist=True)
+}
+
+
+def _fit_losing_rank_1(rank: int, world: int, collective: str) -> None:
+    """A fit in which every rank issues one of Lightning's own collectives after each optimizer step
+    (`collective`, a key of LIGHTNING_COLLECTIVES); rank 1 SIGKILLs itself as it reaches the one of step 3."""
     import os
 
     from lightning.pytorch.callbacks import Callback
 
-    class Decide(Callback):
-        def on_train_batch_end(self, trainer, *args) -> None:
+    class Ask(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
             if rank == 1 and trainer.global_step == 3:
                 os.kill(os.getpid(), signal.SIGKILL)
-            trainer.strategy.reduce_boolean_decision(False, all=False)
+            if collective == "decision":
+                trainer.strategy.reduce_boolean_decision(False, all=False)
+            elif collective == "broadcast":
+                assert trainer.strategy.broadcast({"step": trainer.global_step, "from": rank}) == {
+                    "step": trainer.global_step,
+                    "from": 0,
+                }
+            else:
+                pl_module.log("probe", float(rank), on_step=True, on_epoch=False, sync_dist=True)
 
     as_torchrun(rank, world)
-    run = trainer(world, CO2Strategy(co2={"tau": 2, "timeout_s": 30.0}), max_steps=8, callbacks=[Decide()])
+    run = trainer(world, CO2Strategy(co2={"tau": 2, "timeout_s": 30.0}), max_steps=8, callbacks=[Ask()])
     run.fit(Lit(), loader(lambda i: models.batch(rank, i), 8))
 
 
-def test_a_rank_killed_at_a_lightning_decision_fails_the_survivor_with_a_co2_error_naming_it():
-    """Issue 66: rank 1 is killed as it reaches Lightning's reduce_boolean_decision; rank 0, inside that
-    all-reduce, raises `CO2Error` naming the decision and rank 1 at once (a closed connection is no
-    timeout), not gloo's bare RuntimeError. On a loaded host."""
+def _synced_fit(rank: int, world: int) -> dict:
+    """Lightning's collectives through the CO2 strategy give Lightning's answers: a mean logged with
+    sync_dist, a sum, a max, an integer mean, and rank 0's object broadcast."""
+    from lightning.pytorch.callbacks import Callback
+
+    seen: dict = {}
+
+    class Ask(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            pl_module.log("probe", float(rank + 1), on_step=True, on_epoch=False, sync_dist=True)
+            strategy = trainer.strategy
+            seen["sum"] = strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item()
+            seen["max"] = strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="max").item()
+            seen["int_mean"] = strategy.reduce(torch.tensor(rank + 2)).item()
+            seen["broadcast"] = strategy.broadcast(("path", rank), src=1)
+
+    as_torchrun(rank, world)
+    recorder = Ask()
+    run = trainer(world, CO2Strategy(co2={"tau": 2, "timeout_s": 30.0}), max_steps=2, callbacks=[recorder])
+    run.fit(Lit(), loader(lambda i: models.batch(rank, i), 2))
+    return {**seen, "probe": float(run.callback_metrics["probe"])}
+
+
+def test_lightnings_reduce_and_broadcast_give_lightnings_answers():
+    """The CO2 strategy's own `reduce` and `broadcast` (with a deadline) answer as Lightning's DDP ones."""
+    for result in run_ranks(_synced_fit, WORLD):
+        assert result == {"sum": 3.0, "max": 2.0, "int_mean": 2, "broadcast": ("path", 1), "probe": 1.5}, result
+
+
+@pytest.mark.parametrize("collective", LIGHTNING_COLLECTIVES)
+def test_a_rank_killed_at_a_lightning_collective_fails_the_survivor_with_a_co2_error_naming_it(collective):
+    """Issue 66: rank 1 is killed as it reaches one of Lightning's own collectives (a decision, a
+    broadcast, a `sync_dist` reduce); rank 0, inside it, raises `CO2Error` naming the collective and
+    rank 1 at once (a closed connection is no timeout), not gloo's bare RuntimeError. On a loaded host."""
     with busy_host():
-        survivor, killed = launch_ranks(_fit_losing_rank_1, WORLD, timeout=400)
+        survivor, killed = launch_ranks(_fit_losing_rank_1, WORLD, collective, timeout=400)
     assert killed.exitcode == -signal.SIGKILL, killed
     assert survivor.exitcode not in (0, None) and survivor.error, f"rank 0 did not fail: {survivor}"
     last = survivor.error.strip().splitlines()[-1]
-    assert last.startswith("co2_zero.core.errors.CO2Error: co2: Lightning's reduce_boolean_decision"), last
+    name = LIGHTNING_COLLECTIVES[collective]
+    assert last.startswith(f"co2_zero.core.errors.CO2Error: co2: Lightning's {name}"), last
     assert "global ranks [0, 1]" in last and "waited for rank 1" in last, last
     assert survivor.ended_at - killed.ended_at < 30.0, (survivor.ended_at, killed.ended_at)
