@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,9 @@ def freeze_in_exchange(round_index: int, seconds: float, resumed: str, until: st
     """Hook: SIGSTOP this whole process (its heartbeats too) inside its exchange of round `round_index`,
     after the small all-reduce of who contributes (its peers are then inside the average, waiting for
     its data); a helper process sends SIGCONT `seconds` later (given `until`: once that path exists, then
-    `seconds`); `resumed` is created once it runs again."""
+    `seconds`); `resumed` is created once it runs again. The stop is sent to the calling thread (the
+    exchange's): a process-directed SIGSTOP is taken by the main thread, and on a loaded host the exchange
+    thread ran on for milliseconds, long enough to finish the round's average before the stop landed."""
     from co2_zero import elastic
 
     original = elastic.ElasticExchange._who_contributes
@@ -45,7 +48,7 @@ def freeze_in_exchange(round_index: int, seconds: float, resumed: str, until: st
         contributors = original(self, peers)
         if self.round_index == round_index:
             subprocess.Popen(["sh", "-c", f"{wait}sleep {seconds}; kill -CONT {os.getpid()}"])
-            os.kill(os.getpid(), signal.SIGSTOP)
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
             Path(resumed).touch()
         return contributors
 
@@ -121,7 +124,7 @@ def test_a_replica_frozen_until_its_peer_ended_the_job_leaves_saying_so(job_fact
             1, hooks=[(HERE, "freeze_in_exchange", (frozen_round, 1.0, str(resumed), str(ended)))], **plan
         )
         job.wait([*survivor, *frozen], timeout=300)
-    assert resumed.exists(), "replica 1 was never frozen"
+    assert resumed.stat().st_mtime >= ended.stat().st_mtime, "replica 1 ran again before replica 0 ended"
     frozen_result = job.result(1)
     error = frozen_result.get("error", "")
     assert "the job ended without replica 1: replica(s) [0]" in error, frozen_result.get("history")
@@ -147,6 +150,7 @@ def test_a_replica_frozen_while_its_peer_trains_on_leaves_behind_not_as_if_the_j
         survivor = job.start(0, reached=(3, str(reached)), gate=(5, str(resumed)), **plan)
         frozen = job.start(1, hooks=[(HERE, "freeze_in_exchange", (1, 1.0, str(resumed), str(reached)))], **plan)
         job.wait([*survivor, *frozen], timeout=300)
+    assert resumed.stat().st_mtime >= reached.stat().st_mtime, "replica 1 ran before replica 0 reached round 3"
     _told_behind_while_replica_0_goes_on(job)
 
 
