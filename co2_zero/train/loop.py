@@ -147,7 +147,7 @@ def build(args) -> Job:
     start_step = joined_at
     if start_step is None:
         start_step = resume(args, trainer, batches, console) if args.resume else 0
-    claim_save_dir(args, trainer)  # before it trains: a --save_dir with another run's checkpoints is refused
+    claim_save_dir(args, trainer, config)  # before it trains: a --save_dir with another run's checkpoints is refused
     if args.lighthouse:  # this replica's own stream (by --replica_id), at the step it starts from
         batches.seek(start_step)
     n_params = sum(p.numel() for p in model.parameters())

@@ -14,26 +14,30 @@ from typing import Optional
 import torch.distributed as dist
 
 from co2_zero import checkpoint
+from co2_zero.core.config import CO2Config
+from co2_zero.core.deadline import broadcast_object
 from co2_zero.core.errors import refusal
+from co2_zero.core.topology import collective_device
 
+from .collectives import deadline_s
 from .engines import Trainer
 
 OWNER = "co2_run"  # in a --save_dir: the id of the run whose checkpoints it holds
 
 
-def claim_save_dir(args, trainer: Trainer) -> None:
+def claim_save_dir(args, trainer: Trainer, config: Optional[CO2Config]) -> None:
     """Rank 0 claims --save_dir for this launch's run (fresh: a new id) and every rank learns the outcome;
     a refused CO2Error (`errors.refusal`: one line from the tools) on every rank if the directory holds
-    another run's checkpoints. Elastic replicas save into directories of their own (`checkpoints.save_root`)
-    and claim none."""
+    another run's checkpoints. The verdict travels within the job's deadline (`config`'s timeout_s).
+    Elastic replicas save into directories of their own (`checkpoints.save_root`) and claim none."""
     if not args.save_dir or args.lighthouse:
         return
-    verdict: list = [None, None]
+    verdict = None
     if dist.get_rank() == 0:
         run_id = run_id_of(trainer) or secrets.token_hex(8)
-        verdict = [run_id, claim(Path(args.save_dir), run_id, args.resume)]
-    dist.broadcast_object_list(verdict, src=0)
-    run_id, problem = verdict
+        verdict = (run_id, claim(Path(args.save_dir), run_id, args.resume))
+    what = "the --save_dir claim"
+    run_id, problem = broadcast_object(verdict, 0, what, deadline_s(config, args), collective_device())
     if problem is not None:
         raise refusal(problem)
     trainer.run_id = run_id

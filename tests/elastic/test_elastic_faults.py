@@ -135,9 +135,6 @@ def test_a_replica_frozen_until_its_peer_ended_the_job_leaves_saying_so(job_fact
     assert len(lost) == 1 and re.search(r"round [12]:", lost[0]), result["warnings"]
 
 
-# slow: on a host also loaded by other jobs, 2 of 6 runs had replica 1 commit every round as if never frozen
-# (cause not found; docs/tests.md); the default run keeps the freeze that outlasts the job
-@pytest.mark.slow
 def test_a_replica_frozen_while_its_peer_trains_on_leaves_behind_not_as_if_the_job_ended(job_factory, tmp_path):  # noqa: F811
     """Issue 66, the freeze that does not outlast the job, on a loaded host: replica 1 is frozen in its
     exchange of round 1 until replica 0 has trained to round 3; replica 0 then waits at round 5 until it
