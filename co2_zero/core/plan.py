@@ -37,7 +37,10 @@ REPLICA_TAUS = ("uniform", "given", "measured", "every round")
 
 @dataclass(frozen=True)
 class ResolvedPlan:
-    """Every choice the rounds run with; built by `resolve`, read by every part, never changed."""
+    """Every choice fixed for the whole run; built by `resolve`, read by every part, never changed. What a
+    run decides while it runs is the round schedule's (`round_schedule.RoundSchedule`, one `RoundDecision`
+    per round): this replica's steps per round (`replica_tau`, here only how they are decided) and where
+    the average applies (`sync_delay`, likewise); the plan holds the modes, never a starting value."""
 
     config: CO2Config  # the settings the rounds run: as given, with an elastic membership's rewrite
     integration: str  # `co2_zero.integration.Integration`: plain, fsdp2, fairscale, deepspeed
@@ -47,12 +50,10 @@ class ResolvedPlan:
     shards: int  # S
     stand_in: str  # shared or local (docs/design.md §3, "Stand-ins")
     sync_delay: str  # one of SYNC_DELAYS
-    steps_before_apply: int  # where the average is applied (while measuring: the round end)
     collective: str  # reduce_scatter, all_reduce or all_gather (docs/design.md §5)
     comm_dtype: str  # the wire type of the exchange's values
     topk: float  # the fraction sent (1.0: dense)
     replica_tau: str  # one of REPLICA_TAUS
-    taus: tuple[int, ...]  # every replica's inner steps per round (`Pace`); "measured": tau until fixed
     float_buffers: int  # module buffers averaged at round ends
 
     @property
@@ -63,10 +64,6 @@ class ResolvedPlan:
     def compressed(self) -> bool:
         """The exchange keeps error-feedback residuals (a quantized wire type, or a sparse exchange)."""
         return self.sparse or self.comm_dtype not in ("fp32", "bf16")
-
-    @property
-    def pace(self) -> Pace:
-        return Pace(self.taus)
 
     def facts(self) -> dict[str, Any]:
         """What the support table reads: the config's fields, the resolved choices as `plan.<field>`."""
@@ -154,6 +151,7 @@ def resolve(
     `support.Unsupported` naming what the support table refuses; `Pace.of`'s ValueError for a
     `replica_tau` of another length than R."""
     check_given(config, integration=integration, elastic=elastic)
+    Pace.of(config, topology.replicas)  # a replica_tau of another length than R: its ValueError, before any collective
     for cost in sparse_costs(config):
         warnings.warn(f"co2 config: topk={config.topk}: {cost}", stacklevel=3)
     if elastic:
@@ -168,12 +166,10 @@ def resolve(
         shards=topology.shards,
         stand_in=config.effective_stand_in,
         sync_delay=_sync_delay(config),
-        steps_before_apply=config.steps_before_apply,
         collective=choose_collective(config, backend),
         comm_dtype=config.comm_dtype,
         topk=config.topk,
         replica_tau=_replica_tau(config, elastic),
-        taus=Pace.of(config, topology.replicas).taus,
         float_buffers=float_buffers,
     )
     support.check(plan.facts())

@@ -38,7 +38,7 @@ class RoundSchedule:
 
     def __init__(self, plan: ResolvedPlan, replica: int) -> None:
         self.plan, self.replica = plan, replica
-        self.pace = plan.pace  # replica_tau "auto": tau until fixed
+        self.pace = Pace.of(plan.config, plan.replicas)  # replica_tau "auto": tau until fixed
         self.delay_meter = DelayMeter(plan.config.tau) if plan.sync_delay == "measured" else None
         self.pace_meter = PaceMeter(plan.config.tau, plan.shards, replica) if plan.replica_tau == "measured" else None
         self._set_apply(0)
@@ -48,7 +48,7 @@ class RoundSchedule:
         """The one place an `ApplySchedule` is built: `delay` steps into the next round, else the plan's apply
         point within this replica's τ_r of round `round_index`."""
         tau = self.pace.tau(self.replica, round_index)
-        self.apply = ApplySchedule(min(self.plan.steps_before_apply, tau) if delay is None else delay, tau)
+        self.apply = ApplySchedule(min(self.plan.config.steps_before_apply, tau) if delay is None else delay, tau)
 
     def start_round(self, round_index: int, steps_for: Callable[[int], int] = lambda tau: tau) -> RoundDecision:
         """Decide round `round_index`; `steps_for(tau)`: the steps the exchange chose for this replica (the elastic

@@ -22,6 +22,7 @@ import torch
 from co2_zero import CO2Config
 from co2_zero.core import support
 from co2_zero.core.plan import ResolvedPlan, resolve
+from co2_zero.core.round_schedule import RoundSchedule
 from tests import models
 from tests.dist_utils import run_ranks
 
@@ -209,28 +210,33 @@ ONE_REPLICA = SimpleNamespace(replicas=1, shards=1, outer_group=None)
 
 
 @pytest.mark.parametrize(
-    ("section", "backend", "elastic", "resolved"),
+    ("section", "backend", "elastic", "resolved", "first"),
     [
-        ({}, "gloo", False, {"collective": "all_reduce", "stand_in": "local", "sync_delay": "measured"}),
-        ({}, "nccl", False, {"collective": "reduce_scatter", "steps_before_apply": TAU}),
-        ({"clip": {"mode": "norm"}}, "nccl", False, {"collective": "all_reduce", "stand_in": "local"}),
-        ({"clip": {"mode": "value"}, "stand_in": "shared"}, "nccl", False, {"collective": "reduce_scatter"}),
-        ({"topk": 0.5}, "nccl", False, {"collective": "all_gather"}),
-        ({"overlap": False}, "gloo", False, {"stand_in": "shared", "sync_delay": "at once", "steps_before_apply": 0}),
-        ({"sync_delay": None}, "gloo", False, {"sync_delay": "round end"}),
-        ({"sync_delay": TAU}, "gloo", False, {"sync_delay": "round end"}),
-        ({"sync_delay": 1}, "gloo", False, {"sync_delay": "fixed", "steps_before_apply": 1}),
-        ({"replica_tau": [TAU]}, "gloo", False, {"sync_delay": "round end", "taus": (TAU,)}),
-        ({"replica_tau": "auto"}, "gloo", False, {"replica_tau": "measured", "taus": (TAU,)}),
-        ({"replica_tau": "auto"}, "gloo", True, {"replica_tau": "every round", "taus": (TAU,)}),
-        ({}, "gloo", True, {"sync_delay": "round end", "stand_in": "local"}),
+        ({}, "gloo", False, {"collective": "all_reduce", "stand_in": "local", "sync_delay": "measured"}, {}),
+        ({}, "nccl", False, {"collective": "reduce_scatter"}, {"applies_at": TAU}),
+        ({"clip": {"mode": "norm"}}, "nccl", False, {"collective": "all_reduce", "stand_in": "local"}, {}),
+        ({"clip": {"mode": "value"}, "stand_in": "shared"}, "nccl", False, {"collective": "reduce_scatter"}, {}),
+        ({"topk": 0.5}, "nccl", False, {"collective": "all_gather"}, {}),
+        ({"overlap": False}, "gloo", False, {"stand_in": "shared", "sync_delay": "at once"}, {"applies_at": 0}),
+        ({"sync_delay": None}, "gloo", False, {"sync_delay": "round end"}, {"applies_at": TAU}),
+        ({"sync_delay": TAU}, "gloo", False, {"sync_delay": "round end"}, {}),
+        ({"sync_delay": 1}, "gloo", False, {"sync_delay": "fixed"}, {"applies_at": 1}),
+        ({"replica_tau": [TAU]}, "gloo", False, {"sync_delay": "round end"}, {"tau": TAU, "weights": (1.0,)}),
+        ({"replica_tau": "auto"}, "gloo", False, {"replica_tau": "measured"}, {"tau": TAU}),
+        ({"replica_tau": "auto"}, "gloo", True, {"replica_tau": "every round"}, {"tau": TAU}),
+        ({}, "gloo", True, {"sync_delay": "round end", "stand_in": "local"}, {"applies_at": TAU}),
     ],
 )
-def test_the_plan_resolves_every_auto_once(section, backend, elastic, resolved):
+def test_the_plan_resolves_every_auto_once(section, backend, elastic, resolved, first):
     """docs/design.md §3, "How a round flows": the collective for the backend, the stand-in, the sync delay
-    mode and apply point, the replicas' tau, an elastic membership's rewrite; immutable; repr names them all."""
+    mode, the replicas' tau mode, an elastic membership's rewrite; immutable; repr names them all. The
+    values decided while the run runs (the apply point, each round's steps) are the round schedule's: its
+    first decision here."""
     plan = resolve(CO2Config(tau=TAU, **section), ONE_REPLICA, elastic=elastic, backend=backend)
     assert {key: getattr(plan, key) for key in resolved} == resolved
+    decision = RoundSchedule(plan, 0).decision
+    assert {key: getattr(decision, key) for key in first} == first, decision
+    assert not {"taus", "steps_before_apply"} & {f.name for f in dataclasses.fields(ResolvedPlan)}
     assert all(f"{f.name}=" in repr(plan) for f in dataclasses.fields(ResolvedPlan)), repr(plan)
     assert repr(plan.config) in repr(plan)
     with pytest.raises(dataclasses.FrozenInstanceError):
