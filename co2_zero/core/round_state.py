@@ -27,6 +27,7 @@ STATE_VERSION = 2
 COUNTERS = ("inner_steps", "rounds", "skipped_rounds")
 SOURCES = ("checkpoint", "elastic heal")  # where a state to adopt comes from (`RoundEngine.adopt`)
 Source = Literal["checkpoint", "elastic heal"]
+IDENTITY_FIELDS = ("version", "config_hash", "grid", "rank", "signature", "geometry")  # `identity`'s
 PEER_FIELDS = ("next_start", "momentum", "previous_update_sq_norms", *COUNTERS, "own_momentum")
 
 
@@ -240,14 +241,8 @@ def geometry(layout: Layout, exchange: OuterExchange, topology: Topology, config
 
 def identity(config: CO2Config, topology: Topology, signature: Any, where: dict[str, Any]) -> dict[str, Any]:
     """What a state must agree on to be adopted here (`where`: the `geometry`)."""
-    return {
-        "version": STATE_VERSION,
-        "config_hash": config.math_hash(),
-        "grid": {"replicas": topology.replicas, "shards": topology.shards},
-        "rank": topology.rank,
-        "signature": signature,
-        "geometry": where,
-    }
+    grid = {"replicas": topology.replicas, "shards": topology.shards}
+    return dict(zip(IDENTITY_FIELDS, (STATE_VERSION, config.math_hash(), grid, topology.rank, signature, where)))
 
 
 def check(state: RoundState, saved: Any, expected: dict[str, Any], source: Source) -> None:
