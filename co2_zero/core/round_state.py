@@ -142,6 +142,9 @@ class RoundState:
             # round end (the buffer is scratch then); `applies_at` says when a pending one is applied
             "next_start": self.schedule.apply.carried_next_start(self.next_start, self.average_unapplied),
             "applies_at": self.schedule.apply.steps,  # the inner step of a round: 0 at once, tau the round end, else d
+            # the inner steps this replica trains in the round in progress (fewer than its tau where the elastic
+            # exchange chose them from its speed, `replica_tau: "auto"`)
+            "round_steps": self.schedule.decision.steps,
             "momentum": self.momentum,
             "previous_update_sq_norms": self.previous_update_sq_norms,
             # comm_dtype int8/fp8, topk < 1: the error-feedback residuals (comm.Residuals), else None
@@ -172,7 +175,7 @@ class RoundState:
             self.next_start.copy_(saved["next_start"])
         self.momentum.copy_(saved["momentum"])
         fixed_replica_tau, fixed_sync_delay = saved.get("fixed_replica_tau"), saved.get("fixed_sync_delay")
-        self.schedule.load(fixed_replica_tau, fixed_sync_delay, self.inner_steps, self.rounds)
+        self.schedule.load(fixed_replica_tau, fixed_sync_delay, self.inner_steps, self.rounds, saved.get("round_steps"))
         self.average_unapplied = self._pending_apply(saved, self.schedule.apply.tau)
         self._take_norms(saved["previous_update_sq_norms"])
         if self.own_start is not None:  # a resharded state may carry none: the replica starts from the shared start
@@ -274,6 +277,7 @@ def check(state: RoundState, saved: Any, expected: dict[str, Any], source: Sourc
             f"at {taus} (replica {replica})"
         )
     state.schedule.check_fixed_delay(saved.get("fixed_sync_delay"), source)
+    state.schedule.check_round_steps(saved.get("round_steps"), source)
 
 
 def _check_tensors(state: RoundState, saved: dict[str, Any], source: str, num_tensors: int) -> None:

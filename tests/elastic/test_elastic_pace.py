@@ -79,6 +79,8 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
         trained, in_round, step, joined_at, every_step = {}, 0, 0, opt.engine.rounds, []
         starts = {opt.engine.rounds: _full(model)}
         slow_rank = replica == plan.get("slow") and rank in plan.get("slow_ranks", range(shards))
+        if plan.get("every_step") is not None:  # (test_elastic_schedule.py): also before the first step
+            plan["every_step"](opt, 0, record=every_step)
         stepped = time.perf_counter()
         while opt.engine.rounds < rounds:
             slow = slow_rank and opt.engine.rounds >= plan.get("slow_from", 0)
