@@ -112,9 +112,7 @@ class RoundEngine(RoundStateOwner):
     def _join(self, membership: Membership) -> None:
         """Join the elastic job (`Membership.attach`): adopt the live peer's state it hands back and start from
         its next start point; joined at a running job's round end, take part in that round's exchange now."""
-        state = self.state
-        at = AtRoundEnd(state.rounds, state.inner_steps, self.round_steps, None, self.state_for_peer())
-        quorum = membership.attach(at)
+        quorum = self._ask_membership(membership.attach)
         if quorum.adopt is not None:
             self.adopt(quorum.adopt, source="elastic heal")
             self.restart_from_next_start()
@@ -259,8 +257,8 @@ class RoundEngine(RoundStateOwner):
         return reset_inner
 
     def _ask_membership(self, ask: Callable[[AtRoundEnd], Quorum]) -> Quorum:
-        """The membership's answer (`core.membership`), asked with this replica's values: no quorum, or a
-        lost rank of this replica, fails the engine."""
+        """The membership's answer (`core.membership`: attach, before_launch, before_final), asked with this
+        replica's values: no quorum, or a lost rank of this replica, fails the engine."""
         state = self.state
         at = AtRoundEnd(state.rounds, state.inner_steps, self.round_steps, self.round_train_s, self.state_for_peer())
         try:
