@@ -12,8 +12,9 @@ With a sync delay d < tau the average is applied d steps into the next round ins
 round start kept on top of it, `_apply_mid_round`); step 3 and that apply are the only writes of the live parameters.
 `sync_delay: "auto"` measures d on the job first (`schedule.DelayMeter`) and switches the schedule once, at a round end.
 What `overlap` and the sync delay change is decided in one place, `ApplySchedule`. The engine holds every tensor and
-counter of the round in one `round_state.RoundState` and is its only owner: others read values through its read methods
-and hand it whole states to `adopt` (a checkpoint's, or an elastic peer's). Start-up lives in `startup`, the module
+counter of the round in one `round_state.RoundState` and is its only owner (`state_owner`): others read values through
+its properties and hand it whole states to `adopt` (a checkpoint's, or an elastic peer's that the membership hands back
+before the launch: `core.membership`, asked, never calling back). Start-up lives in `startup`, the module
 buffers in `buffers`, a stand-in's arithmetic in `stand_in`, the pipeline in flight (the lifecycle `Phase`, waits with a
 deadline) in `in_flight`.
 """
@@ -29,34 +30,36 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 
-from . import round_state, startup
+from . import startup
 from .buffers import ModuleBuffers
 from .comm import OuterExchange, PipelineJob, largest_abs
 from .config import CO2Config
 from .errors import CO2Error, collective_error, inner_reset_warning, skipped_round_warning
 from .in_flight import Phase, finished, result_watching_steps, shutdown
+from .membership import AtRoundEnd, Membership, Quorum
 from .pace_meter import fixed_message
 from .parameter_order import StepAnnouncements, announcement_failure, steps_mismatch
 from .partition import ParameterWatch, Partition
 from .plan import resolve
+from .round_schedule import RoundDecision
 from .round_state import RoundState
 from .schedule import RoundPlan
 from .stand_in import StandIn
-from .state_reads import StateReads
+from .state_owner import RoundStateOwner
 from .step_budget import dropped_steps_warning
 from .topology import Topology
 
 logger = logging.getLogger(__name__)
 
 
-class RoundEngine(StateReads):
+class RoundEngine(RoundStateOwner):
     """CO2's per-rank state and round ends. See the module docstring.
 
     `module` (optional): its float buffers are averaged over all ranks at every round end, and its parameters are
     watched (see `ParameterWatch`) together with `params` (the inner optimizer's). `membership` (optional,
-    `co2_zero.elastic.Membership`): replicas that come and go; it makes the exchange (which averages over each
-    round's quorum) and, via `attach`, joins the job: True means this replica joined a running job at a round end and
-    takes part in that round's exchange with a zero displacement (docs/design.md §12). `integration`: the adapter's
+    `co2_zero.elastic.Membership`, the seam `core.membership.Membership`): replicas that come and go; it makes the
+    exchange (which averages over each round's quorum), joins the job (`attach`) and is asked at every round end
+    before the launch; it answers with data (`Quorum`) (docs/design.md §12). `integration`: the adapter's
     name (`co2_zero.integration.Integration`), which the support table reads. The engine resolves its plan first
     (`co2_zero.core.plan`, `self.plan`): a combination the table refuses raises before any collective."""
 
@@ -69,7 +72,7 @@ class RoundEngine(StateReads):
         buffers: Sequence[torch.Tensor] = (),
         module: Optional[torch.nn.Module] = None,
         params: Sequence[torch.Tensor] = (),
-        membership: Any = None,
+        membership: Optional[Membership] = None,
         integration: str = "plain",
     ) -> None:
         partition.check_views()
@@ -102,8 +105,19 @@ class RoundEngine(StateReads):
         self.last_round: dict[str, Any] = {}
         self._bytes_reported = 0  # of exchange.bytes_sent, already in some last_round
         self.finalize_bytes_sent = 0  # what finalize() sent: the last exchange (it waits for it), the buffers
-        if membership is not None and membership.attach(self):
-            self._round_end()  # joined a running job at a round end: take part in its exchange
+        self.membership = membership
+        if membership is not None:
+            self._join(membership)
+
+    def _join(self, membership: Membership) -> None:
+        """Join the elastic job (`Membership.attach`): adopt the live peer's state it hands back and start from
+        its next start point; joined at a running job's round end, take part in that round's exchange now."""
+        quorum = self._ask_membership(membership.attach)
+        if quorum.adopt is not None:
+            self.adopt(quorum.adopt, source="elastic heal")
+            self.restart_from_next_start()
+        if quorum.joined:
+            self._round_end()
 
     # ---- the lifecycle, as read by integrations and checkpoints -------------------------------------------
 
@@ -188,46 +202,115 @@ class RoundEngine(StateReads):
         self._mid_round_s = (wait_s, time.perf_counter() - began)
 
     def _round_end(self) -> None:
-        """Steps 1-3 of the module docstring, then the module buffers; fills `last_round`."""
+        """One round end, straight down: wait for the average in flight (step 1 of the module docstring),
+        collect the step announcements, decide the round (its buffers and D; with a membership, its quorum),
+        adopt a live peer's state if the membership hands one back, launch the exchange (step 2), apply the
+        next start point and begin the next round (step 3), report (`last_round`)."""
+        began = self._round_began()
+        wait_s = self._wait_pending()  # wait: next_start now holds x_{t+1}
+        if self.schedule.apply.steps == self.schedule.apply.tau:  # the average in flight is applied now
+            self._track_applied_step()
+        step_ns = self._collect_announcements()  # collect
+        plan, decision = self.state.plan_round(), self.schedule.decision  # decide
+        reset_inner = self._displacement(plan)
+        quorum = self._ask_membership(self.membership.before_launch) if self.membership else Quorum()
+        if quorum.adopt is not None:  # adopt: this replica was behind its peers
+            self.adopt(quorum.adopt, source="elastic heal")
+        sent = self._exchange_bytes_since_last_report()
+        self._launch(plan, decision)  # launch
+        self._schedule_after_launch(step_ns)
+        if plan.wait_at_once:  # blocking: applied at once
+            wait_s += self._wait_pending()
+            sent += self._exchange_bytes_since_last_report()
+        buffer_bytes, buffers_restored = self._apply(plan)  # apply
+        self._report(began, wait_s, sent + buffer_bytes, reset_inner, buffers_restored)  # report
+
+    def _round_began(self) -> float:
+        """The round end's start time; the seconds the round trained (its waits left out); the parameters
+        watched are unchanged."""
         began = time.perf_counter()
         self.round_train_s = None if self._round_done_at is None else began - self._round_done_at
         self._check_parameters_unchanged()
-        wait_s = self._wait_pending()  # step 1: next_start now holds x_{t+1}
+        return began
+
+    def _collect_announcements(self) -> int:
+        """Collect the last round end's step announcement (it arrived with its pipeline) and post this one's,
+        with what the meters measured (the exchange's steps; the step time). Returns the step time posted."""
+        self._check_steps()
         schedule = self.schedule
-        if schedule.apply.steps == schedule.apply.tau:  # the average in flight is applied at this round end
-            self._track_applied_step()
-        self._check_steps()  # the last round end's (arrived with its pipeline)
         measured = schedule.delay_meter.to_post() if schedule.delay_meter is not None else 0
         meter = schedule.pace_meter
         step_ns = meter.to_post(self.state.inner_steps) if meter is not None else 0
         self.announcements.post(self.state.inner_steps, False, exchange_steps=measured, step_ns=step_ns)
         self._announced_round = self.state.rounds
-        sent = self._exchange_bytes_since_last_report()
-        plan = self.state.plan_round()
-        reset_inner = self._launch(plan)  # step 2
-        delay_warning = schedule.after_launch(self.state.rounds)
+        return step_ns
+
+    def _displacement(self, plan: RoundPlan) -> bool:
+        """D = (this replica's round start) - x into `plan.work`; a stand-in: the next own start from D,
+        before the pipeline consumes it. Returns whether this rank's own D is non-finite under "skip_round"
+        (its inner state must then be reset)."""
+        self.partition.subtract_from(self.state.round_start, out=plan.work)
+        own = plan.work[: self.layout.length]
+        reset_inner = self.config.nonfinite == "skip_round" and not bool(torch.isfinite(largest_abs(own)))
+        if self.stand_in is not None:
+            self.stand_in.next_start(self.state, plan, reset_inner)
+        return reset_inner
+
+    def _ask_membership(self, ask: Callable[[AtRoundEnd], Quorum]) -> Quorum:
+        """The membership's answer (`core.membership`: attach, before_launch, before_final), asked with this
+        replica's values: no quorum, or a lost rank of this replica, fails the engine."""
+        state = self.state
+        at = AtRoundEnd(state.rounds, state.inner_steps, self.round_steps, self.round_train_s, self.state_for_peer())
+        try:
+            return ask(at)
+        except CO2Error as error:
+            self._fail(error)
+
+    def _launch(self, plan: RoundPlan, decision: RoundDecision) -> None:
+        """Start the pipeline on D (IDLE -> IN_FLIGHT) under the round's `decision`, with the gap norms as of
+        now (a heal brings its peer's)."""
+        state = self.state
+        gap = state.previous_update_sq_norms if plan.gap is not None else None
+        job = PipelineJob(plan.work, plan.base, state.momentum, state.g_buffer, gap, state.rounds, decision)
+        try:
+            self._pending, self._pending_index = self.exchange.launch(job), state.rounds
+        except CO2Error as error:
+            self._fail(error)
+        self.phase = Phase.IN_FLIGHT
+
+    def _schedule_after_launch(self, step_ns: int) -> None:
+        """What the schedule decides once the pipeline runs: sync_delay "auto" fixes its delay at the deciding
+        round end; replica_tau "auto" its pace (with the step times just posted), or the ranks align for the
+        round its meter times."""
+        delay_warning = self.schedule.after_launch(self.state.rounds)
         if delay_warning is not None:  # sync_delay "auto" fixed the delay at tau
-            warnings.warn(delay_warning, stacklevel=4)
+            warnings.warn(delay_warning, stacklevel=5)
+        meter = self.schedule.pace_meter
         if step_ns:
             self._fix_pace()
         elif meter is not None and meter.aligns_at(self.state.inner_steps):
             self._check_steps()  # every replica starts the round the meter times together
-        apply = schedule.apply
+
+    def _apply(self, plan: RoundPlan) -> tuple[int, bool]:
+        """x <- the next start point (or this replica's stand-in; with a sync delay d < tau the average is
+        applied d steps into the next round, `_apply_mid_round`), refresh; count the round and decide the
+        next one; average the module buffers. Returns their bytes sent and whether they were restored."""
+        apply = self.schedule.apply
         self.state.average_unapplied = 0 < apply.steps < apply.tau  # applied d steps into the next round
-        if plan.wait_at_once:
-            wait_s += self._wait_pending()
-            sent += self._exchange_bytes_since_last_report()
-        if plan.swap:  # else the buffers trade roles at the apply point (`_apply_mid_round`)
+        if plan.swap:  # else the buffers trade roles at the apply point
             self.state.swap_buffers()
-        self._set_live(self.state.round_start)  # step 3: x <- Nx (or this replica's stand-in); refresh
+        self._set_live(self.state.round_start)
         self.state.rounds += 1
-        schedule.start_round(self.state.rounds, self.exchange.steps_next_round)
+        self.schedule.start_round(self.state.rounds, self.exchange.steps_next_round)
         if self.buffers:  # a peer that finalized never averages them: learn it first
             self._check_steps()
-        buffer_bytes, buffers_restored = self._average_buffers(f"round {self.state.rounds - 1}")
+        return self._average_buffers(f"round {self.state.rounds - 1}")
+
+    def _report(self, began: float, wait_s: float, sent: int, reset_inner: bool, buffers_restored: bool) -> None:
+        """`last_round`: what the round end that began at `began` waited, sent and did."""
         if reset_inner:
             where = f"global rank {self.topology.rank}, replica {self.exchange.replica_name}"
-            warnings.warn(inner_reset_warning(self.state.rounds - 1, where), stacklevel=4)
+            warnings.warn(inner_reset_warning(self.state.rounds - 1, where), stacklevel=5)
         apply_wait_s, apply_s = self._mid_round_s  # with a sync delay, counted with this round end's
         self._mid_round_s = (0.0, 0.0)
         self.last_round = {
@@ -238,9 +321,9 @@ class RoundEngine(StateReads):
             "skipped_rounds": self.state.skipped_rounds,
             "inner_state_reset": reset_inner,
             "buffers_restored": buffers_restored,
-            "bytes_sent": sent + buffer_bytes,
+            "bytes_sent": sent,
             **self.exchange.report(),  # payload_ratio, senders_per_sent
-            "sync_delay": schedule.apply.steps,  # where the next average is applied (sync_delay "auto": fixed)
+            "sync_delay": self.schedule.apply.steps,  # where the next average is applied (sync_delay "auto": fixed)
         }
         self._round_done_at = time.perf_counter()
 
@@ -260,33 +343,10 @@ class RoundEngine(StateReads):
         self.schedule.fix_pace(pace, self.state.rounds)  # inside a round: it ends at this τ_r if the pace has begun
         logger.info(fixed_message(pace, [row.step_ns for row in rows]))
 
-    def _launch(self, plan: RoundPlan) -> bool:
-        """D = (this replica's round start) - x into `plan.work`; a stand-in: the next own start from D,
-        before the pipeline consumes it; start the pipeline (IDLE -> IN_FLIGHT). Returns whether this rank's
-        own D is non-finite under "skip_round" (its inner state must then be reset)."""
-        self.partition.subtract_from(self.state.round_start, out=plan.work)
-        own = plan.work[: self.layout.length]
-        reset_inner = self.config.nonfinite == "skip_round" and not bool(torch.isfinite(largest_abs(own)))
-        if self.stand_in is not None:
-            self.stand_in.next_start(self.state, plan, reset_inner)
-        state, decision = self.state, self.schedule.decision
-        job = PipelineJob(plan.work, plan.base, state.momentum, state.g_buffer, plan.gap, state.rounds, decision)
-        try:
-            self._pending, self._pending_index = self.exchange.launch(job), self.state.rounds
-        except CO2Error as error:  # elastic: no quorum, or a rank of this replica is lost
-            self._fail(error)
-        self.phase = Phase.IN_FLIGHT
-        return reset_inner
-
     def _track_applied_step(self) -> None:
         """The average in flight is applied now: the stand-in follows it (`StandIn.track_applied_step`)."""
         if self.stand_in is not None:
             self.stand_in.track_applied_step(self.state, self.state.start_point, self.state.next_start)
-
-    @property
-    def agreed_step(self) -> int:
-        """The step the ranks agree on to save (`Pace.agreed_step`): the inner steps, unless replica_tau."""
-        return self.pace.agreed_step(self.topology.replica_index, self.state.inner_steps)
 
     def _exchange_bytes_since_last_report(self) -> int:
         """Bytes this rank's finished pipelines sent since the last call (read with none in flight)."""
@@ -307,6 +367,9 @@ class RoundEngine(StateReads):
         if dropped:
             warnings.warn(dropped_steps_warning(dropped, self.state.inner_steps, self.tau), stacklevel=3)
         self._wait_pending()
+        quorum = self._ask_membership(self.membership.before_final) if self.membership else Quorum()
+        if quorum.adopt is not None:  # this replica cut its last round while its peers committed it
+            self.adopt(quorum.adopt, source="elastic heal")
         try:
             self.exchange.agree_final(self.state.rounds)
         except CO2Error as error:
@@ -379,70 +442,3 @@ class RoundEngine(StateReads):
             skipped = skipped_round_warning(round_index, result.skipped_replicas, self.state.skipped_rounds)
             warnings.warn(skipped, stacklevel=5)
         return time.perf_counter() - began
-
-    # ---- the round state (round_state.RoundState): adopting a whole state (read methods: `StateReads`) ---
-
-    def identity(self) -> dict[str, Any]:
-        """What a state must agree on to be adopted here (`round_state.identity`, with its `geometry`)."""
-        where = round_state.geometry(self.layout, self.exchange, self.topology, self.config)
-        return round_state.identity(self.config, self.topology, self.partition.signature, where)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's CO2 state. Waits for the round in flight so its result is included. Tensors are
-        live references (as in `torch.optim.Optimizer.state_dict()`): save or copy them before the next
-        step."""
-        self.check_usable()
-        self._wait_pending()
-        return self.state.to_dict(self.identity())
-
-    def check_state_dict(self, state: Any, source: round_state.Source = "checkpoint") -> None:
-        """Raise ValueError naming the first field of `state` that does not fit this engine (same
-        config, topology, model and partition); changes nothing."""
-        round_state.check(self.state, state, self.identity(), source)
-        if source == "elastic heal":
-            self.watch.check_frozen(state.get("frozen"), source)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` saved on this same rank of the same topology and config (`adopt`)."""
-        self.adopt(state, source="checkpoint")
-
-    def adopt(self, state: dict[str, Any], source: round_state.Source) -> None:
-        """Check `state` (`check_state_dict`: a refused state changes nothing), then adopt it. source
-        "checkpoint": what `state_dict` saved (no round in flight: this waits). "elastic heal": what a
-        live peer's `state_for_peer` served, at a round end (the peer's next start point and outer state,
-        and its frozen parameters), taken on the main thread inside this replica's quorum."""
-        self.check_usable()
-        self.check_state_dict(state, source)
-        if source == "checkpoint":
-            self._wait_pending()
-            self.state.load(state)
-            self.buffers.take_current_as_agreed()  # checkpoint.load wrote the module first
-            return
-        with torch.no_grad():
-            self.state.take_from_peer(state)
-            self.watch.write_frozen(state["frozen"])
-
-    def state_for_peer(self) -> dict[str, Any]:
-        """What a peer that heals from this replica adopts (`adopt(..., "elastic heal")`), as of now, between
-        two rounds: references (the caller copies them when it serves them), and its frozen parameters."""
-        return {**self.identity(), **self.state.for_peer(), "frozen": self.watch.frozen_values()}
-
-    def restart_round(self) -> None:
-        """Set the live parameters to where this replica's round starts (`round_start`: its stand-in when
-        the loaded state carried one, else the shared start) and refresh the replica: a resharded state
-        resumes at the saved run's last round start."""
-        self.check_usable()
-        self._set_live(self.state.round_start)
-
-    def restart_from_next_start(self) -> None:
-        """Take the next start point as the shared start, and set the live parameters and a stand-in to it
-        (an elastic replica that joined from a peer's state) and refresh the replica."""
-        self.check_usable()
-        self._set_live(self.state.take_next_as_start())
-
-    def state_bytes(self) -> int:
-        """Bytes of CO2 state this rank holds (docs/design.md §4: 2Ψ/S + 2Ψ/N fp32 words with reduce_scatter, 3Ψ/S
-        with all_reduce, plus one float64 norm per tensor), and the outer step's segment index (`outer.SegmentIndex`,
-        about 2·√(elements · segments) ids); int8/fp8 add the error-feedback residuals, Ψ/S + Ψ/N; a stand-in its
-        own start and momentum, up to 2Ψ/S."""
-        return sum(t.numel() * t.element_size() for t in self.state.tensors()) + self.exchange.index_bytes

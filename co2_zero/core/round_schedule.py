@@ -92,12 +92,18 @@ class RoundSchedule:
         return None if self.delay_meter is None else self.delay_meter.fixed
 
     def load(
-        self, fixed_replica_tau: Optional[list[Any]], fixed_delay: Optional[int], inner_steps: int, rounds: int
+        self,
+        fixed_replica_tau: Optional[list[Any]],
+        fixed_delay: Optional[int],
+        inner_steps: int,
+        rounds: int,
+        round_steps: Optional[int] = None,
     ) -> None:
-        """A checked checkpoint's decisions, at `inner_steps` in round `rounds`."""
+        """A checked checkpoint's decisions, at `inner_steps` in round `rounds`: the round in progress trains the
+        `round_steps` it was deciding (None, a state that has none: tau), at most its τ_r."""
         self._load_pace(fixed_replica_tau, inner_steps, rounds)
         self.take_fixed_delay(fixed_delay, rounds)
-        self.start_round(rounds)
+        self.start_round(rounds, lambda tau: tau if round_steps is None else min(round_steps, tau))
 
     def _load_pace(self, fixed: Optional[list[dict[str, Any]]], inner_steps: int, rounds: int) -> None:
         """replica_tau "auto": the saved pace (its correction still to come: timed from the loaded step), or (not
@@ -147,6 +153,12 @@ class RoundSchedule:
                 f"{saved['rounds']}, plus 1)"
             )
         return saved_pace(fixed)
+
+    def check_round_steps(self, steps: Any, source: str) -> None:
+        """A state's `round_steps` (the inner steps its round in progress trains): null or an integer in [1, tau]."""
+        tau = self.plan.config.tau
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= tau):
+            raise ValueError(f"co2 {source}: round_steps={steps!r}; expected null or an integer in [1, tau={tau}]")
 
     def check_fixed_delay(self, fixed: Any, source: str) -> None:
         """A fixed delay only with sync_delay "auto" (the config hash says so too), an integer in [1, tau]."""

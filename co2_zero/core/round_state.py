@@ -27,6 +27,7 @@ STATE_VERSION = 2
 COUNTERS = ("inner_steps", "rounds", "skipped_rounds")
 SOURCES = ("checkpoint", "elastic heal")  # where a state to adopt comes from (`RoundEngine.adopt`)
 Source = Literal["checkpoint", "elastic heal"]
+IDENTITY_FIELDS = ("version", "config_hash", "grid", "rank", "signature", "geometry")  # `identity`'s
 PEER_FIELDS = ("next_start", "momentum", "previous_update_sq_norms", *COUNTERS, "own_momentum")
 
 
@@ -141,6 +142,9 @@ class RoundState:
             # round end (the buffer is scratch then); `applies_at` says when a pending one is applied
             "next_start": self.schedule.apply.carried_next_start(self.next_start, self.average_unapplied),
             "applies_at": self.schedule.apply.steps,  # the inner step of a round: 0 at once, tau the round end, else d
+            # the inner steps this replica trains in the round in progress (fewer than its tau where the elastic
+            # exchange chose them from its speed, `replica_tau: "auto"`)
+            "round_steps": self.schedule.decision.steps,
             "momentum": self.momentum,
             "previous_update_sq_norms": self.previous_update_sq_norms,
             # comm_dtype int8/fp8, topk < 1: the error-feedback residuals (comm.Residuals), else None
@@ -171,7 +175,7 @@ class RoundState:
             self.next_start.copy_(saved["next_start"])
         self.momentum.copy_(saved["momentum"])
         fixed_replica_tau, fixed_sync_delay = saved.get("fixed_replica_tau"), saved.get("fixed_sync_delay")
-        self.schedule.load(fixed_replica_tau, fixed_sync_delay, self.inner_steps, self.rounds)
+        self.schedule.load(fixed_replica_tau, fixed_sync_delay, self.inner_steps, self.rounds, saved.get("round_steps"))
         self.average_unapplied = self._pending_apply(saved, self.schedule.apply.tau)
         self._take_norms(saved["previous_update_sq_norms"])
         if self.own_start is not None:  # a resharded state may carry none: the replica starts from the shared start
@@ -240,14 +244,8 @@ def geometry(layout: Layout, exchange: OuterExchange, topology: Topology, config
 
 def identity(config: CO2Config, topology: Topology, signature: Any, where: dict[str, Any]) -> dict[str, Any]:
     """What a state must agree on to be adopted here (`where`: the `geometry`)."""
-    return {
-        "version": STATE_VERSION,
-        "config_hash": config.math_hash(),
-        "grid": {"replicas": topology.replicas, "shards": topology.shards},
-        "rank": topology.rank,
-        "signature": signature,
-        "geometry": where,
-    }
+    grid = {"replicas": topology.replicas, "shards": topology.shards}
+    return dict(zip(IDENTITY_FIELDS, (STATE_VERSION, config.math_hash(), grid, topology.rank, signature, where)))
 
 
 def check(state: RoundState, saved: Any, expected: dict[str, Any], source: Source) -> None:
@@ -279,6 +277,7 @@ def check(state: RoundState, saved: Any, expected: dict[str, Any], source: Sourc
             f"at {taus} (replica {replica})"
         )
     state.schedule.check_fixed_delay(saved.get("fixed_sync_delay"), source)
+    state.schedule.check_round_steps(saved.get("round_steps"), source)
 
 
 def _check_tensors(state: RoundState, saved: dict[str, Any], source: str, num_tensors: int) -> None:

@@ -12,15 +12,14 @@ a difference names the field and both values on every replica, not only a hash.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
+from ..core.comm import Layout
+from ..core.config import CO2Config
 from ..core.errors import CO2Error
 from ..core.topology import _describe, fingerprint, text_words, words_text
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..core.engine import RoundEngine
 
 WORDS = 2  # per field: a number's float64 bits, up to 16 bytes of text, or a hash marked HASHED
 HASHED = -1  # second word of a value too long to travel as text
@@ -28,17 +27,20 @@ FIELDS = 64  # fields per row (padded): the row has a fixed size whatever the co
 HEAD = 3  # the row's first words: weight (0: not contributing), has trained, step time in microseconds
 
 
-def identity_fields(engine: RoundEngine, agree: Mapping[str, Any]) -> dict[str, Any]:
-    """This replica's identity, field by field (timeouts may differ harmlessly)."""
-    fields = {k: v for k, v in engine.config.leaves().items() if k != "timeout_s"}
-    layout = engine.layout
+def identity_fields(
+    config: CO2Config, layout: Layout, ranks: int, identity: Mapping[str, Any], agree: Mapping[str, Any]
+) -> dict[str, Any]:
+    """This replica's identity, field by field (timeouts may differ harmlessly): its config, its `ranks`, its
+    partition's `layout`, and its state's `identity` (`RoundEngine.identity`: the model's signature, the
+    state version)."""
+    fields = {k: v for k, v in config.leaves().items() if k != "timeout_s"}
     fields.update(
         {
-            "ranks per replica": engine.topology.world_size,
+            "ranks per replica": ranks,
             "model parameter tensors": layout.num_tensors,
             "model trainable parameters (this rank's partition)": layout.length,
-            "model parameter names and shapes": engine.partition.signature,
-            "state version": engine.identity()["version"],
+            "model parameter names and shapes": identity["signature"],
+            "state version": identity["version"],
         }
     )
     fields.update({f"job {name}": value for name, value in agree.items()})

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..core.comm import Layout, OuterExchange, PipelineJob, RoundResult
 from ..core.errors import CO2Error
+from ..core.membership import AtRoundEnd
 from ..core.plan import ResolvedPlan
 from ..core.topology import Topology
 from .agreement import FIELDS, HEAD, WORDS, ReplicaRefused, identity_fields, row, start_digest, verdict
@@ -33,18 +34,14 @@ class Peers(NamedTuple):
 
 
 class Quorums(Protocol):
-    """What the exchange asks of this replica's membership (`membership.Membership`): each round's quorum
-    and commit vote, the engine's read methods, and the settings the quorum agrees on."""
+    """What the exchange asks of this replica's membership (`membership.Membership`): each round's commit
+    vote, the agreement of the replica's ranks, and the settings the quorum agrees on."""
 
-    engine: Any  # the RoundEngine (its identity, rounds, next start point and gap norms)
     agree: dict[str, Any]
     lighthouse: str
     replica_id: int
 
-    def open_round(self, round_index: int) -> Peers: ...
-    def prepare_background_round(self, round_index: int) -> None: ...
     def background_quorum(self, round_index: int) -> Peers: ...
-    def final_quorum(self, round_index: int) -> Peers: ...
     def settle(self, peers: Peers, round_index: int, contributors: Optional[tuple[int, ...]], error: Any) -> bool: ...
     def replica_max(self, values: Sequence[int], round_index: int) -> list[int]: ...
     def end(self, peers: Peers, error: Optional[Exception]) -> None: ...
@@ -61,9 +58,9 @@ class ElasticExchange(OuterExchange):
     Per round, in the background: the quorum, one small all-reduce of who contributes (with the inner
     steps each trained, its weight, and its step time: `speeds.py`), the average of the contributors'
     displacements weighted by their steps, the commit vote, then the outer step. The quorum is asked for
-    on the main thread instead (in `launch`, where healing may rewrite the start point) after an
-    exchange this replica cut: it may be behind its peers. A cut exchange leaves the base as the next
-    start point and the outer state untouched.
+    on the main thread instead (`Membership.before_launch`, which hands the engine a live peer's state
+    to adopt) after an exchange this replica cut: it may be behind its peers. A cut exchange leaves the
+    base as the next start point and the outer state untouched.
     """
 
     def __init__(
@@ -85,29 +82,23 @@ class ElasticExchange(OuterExchange):
         self._abandoned: list[tuple[Any, Any]] = []  # (group, collective) given up on, until it ends
         self._fields: Optional[dict[str, Any]] = None  # what the quorum agrees on (agreement.py), made once
         self._start = 0  # start_digest of the shared start point this replica's exchange applies to
+        self.ranks = topology.world_size
+        self.at: Optional[AtRoundEnd] = None  # what the exchange reads of this replica, as of the last round end
+        self.final: Optional[tuple[Peers, torch.Tensor]] = None  # finalize()'s quorum and the final model
 
-    def launch(self, job: PipelineJob):
-        membership = self.membership
-        self.round_index = job.round_index
-        self._take_round_steps(membership.engine)  # before the quorum: no peer counts on this replica yet
-        if self.joined is not None:  # attach met this round end's quorum
-            self.peers, self.joined = self.joined, None
-        elif self.cut:  # this replica may be behind: heal before the next round starts from the start point
-            self.peers = membership.open_round(job.round_index)
-        else:
-            membership.prepare_background_round(job.round_index)
-            self.peers = None
-        # A replica that healed in the quorum holds its peer's gap norms now.
-        job = job._replace(previous_update_sq_norms=membership.engine.previous_update_sq_norms)
-        return super().launch(job)
+    def take_round_end(self, at: AtRoundEnd) -> None:
+        """At a round end (main thread, no pipeline in flight), before the membership asks for the quorum: what
+        the exchange reads of this replica (as values, `AtRoundEnd`), and its steps (`_take_round_steps`)."""
+        self.at, self.round_index = at, at.rounds
+        self._take_round_steps(at)  # before the quorum: no peer counts on this replica yet
 
-    def _take_round_steps(self, engine: Any) -> None:
-        """At the launch (main thread, no pipeline in flight): the steps this replica trained in the round
-        that ended (its weight), its step time over them, and the steps the last exchange chose for it.
-        Its ranks (S > 1) agree on both in one all-reduce: the replica's step time is its slowest rank's,
-        its steps the fewest any rank's exchange chose. So every shard's outer group gets the same row for
-        this replica, and its ranks, whose collectives run together, train the same steps."""
-        self._weight, trained_s = engine.round_steps, engine.round_train_s
+    def _take_round_steps(self, at: AtRoundEnd) -> None:
+        """The steps this replica trained in the round that ended (its weight), its step time over them, and
+        the steps the last exchange chose for it. Its ranks (S > 1) agree on both in one all-reduce: the
+        replica's step time is its slowest rank's, its steps the fewest any rank's exchange chose. So every
+        shard's outer group gets the same row for this replica, and its ranks, whose collectives run
+        together, train the same steps."""
+        self._weight, trained_s = at.round_steps, at.round_train_s
         if not self.measures_speed:
             return
         measured = trained_s is not None and self._weight > 0
@@ -161,13 +152,13 @@ class ElasticExchange(OuterExchange):
         """One small all-reduce over the quorum: which replicas' displacements are in the average and with
         how many inner steps each (`weights`), and whether every replica runs the same config, model and
         job settings (`agreement.py`). With `replica_tau: "auto"`, the steps the speeds give (`_chosen`)."""
-        engine = self.membership.engine
         if self._fields is None:
-            self._fields = identity_fields(engine, self.membership.agree)
+            identity = self.at.served
+            self._fields = identity_fields(self.config, self.layout, self.ranks, identity, self.membership.agree)
         rows = torch.zeros((len(peers.replicas), HEAD + WORDS * FIELDS), dtype=torch.int64)
         fields = {**self._fields, "shared start point (digest)": self._start}
         weight = self._weight if peers.contributes else 0
-        rows[peers.rank] = torch.tensor(row(weight, engine.rounds > 0, self._step_us, fields))
+        rows[peers.rank] = torch.tensor(row(weight, self.at.rounds > 0, self._step_us, fields))
         self._all_reduce(rows, peers.group)
         table = rows.tolist()
         refused = verdict(table, peers.replicas, peers.rank, fields, self.round_index)
@@ -179,11 +170,12 @@ class ElasticExchange(OuterExchange):
         self._chosen = chosen if self.measures_speed and chosen is not None else self._chosen
         return tuple(r for r, _ in contributing)
 
-    def meet(self, peers: Peers) -> Optional[Exception]:
-        """A start-up meeting of the quorum (`Membership.attach`): the agreement, nobody contributing.
-        Returns the error of a failed meeting; raises ReplicaRefused if this replica must leave."""
+    def meet(self, peers: Peers, start: torch.Tensor) -> Optional[Exception]:
+        """A start-up meeting of the quorum (`Membership.attach`) on the shared start point `start`: the
+        agreement, nobody contributing. Returns the error of a failed meeting; raises ReplicaRefused if this
+        replica must leave."""
         self.peers, self.round_index = peers, 0
-        self._start = start_digest(self.membership.engine.next_start)
+        self._start = start_digest(start)
         try:
             self._who_contributes(peers._replace(contributes=False))
         except ReplicaRefused:
@@ -226,11 +218,12 @@ class ElasticExchange(OuterExchange):
         return [r for r, flag in zip(peers.replicas, flags.tolist()) if flag > 0]
 
     def agree_final(self, round_index: int) -> None:
-        """finalize(): the last quorum, met as a round end at which this replica contributes nothing. A
-        peer that trains on (it stops later) runs its round's exchange in this quorum: this replica takes
-        part in the average with a zero displacement, then keeps its own model."""
-        peers = self.membership.final_quorum(round_index)._replace(contributes=False)
-        self._start, error = start_digest(self.membership.engine.next_start), None  # the final model
+        """finalize(): the last quorum (`final`, which `Membership.before_final` met), as a round end at which
+        this replica contributes nothing. A peer that trains on (it stops later) runs its round's exchange in
+        this quorum: this replica takes part in the average with a zero displacement, then keeps its own
+        model."""
+        (peers, final_model), self.final = self.final, None
+        self._start, error = start_digest(final_model), None
         try:
             self.peers, self.contributors = peers, self._who_contributes(peers)
             if self.contributors:

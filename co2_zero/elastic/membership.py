@@ -11,23 +11,22 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..core.comm import Layout
 from ..core.errors import CO2Error, missing_extra
+from ..core.membership import AtRoundEnd, Quorum
 from ..core.plan import ResolvedPlan
+from ..core.round_state import IDENTITY_FIELDS
 from ..core.topology import Topology, collective_device
 from .agreement import ReplicaRefused
 from .exchange import ElasticExchange, Peers, drop_group
 from .job_end import check_lost, record_end
 from .lighthouse import QuorumIds, check_unique, replica_number
 from .quiet import quiet_torchft
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..core.engine import RoundEngine
 
 
 def _torchft() -> Any:
@@ -52,7 +51,9 @@ class RoundRecord:
 
 
 class Membership:
-    """This replica's membership in an elastic job (docs/design.md §12): pass it to `CO2Optimizer`.
+    """This replica's membership in an elastic job (docs/design.md §12): pass it to `CO2Optimizer`. The engine
+    asks it for each round's quorum (`co2_zero.core.membership.Membership`, the seam): it answers with data
+    and never calls the engine.
 
     lighthouse: the Lighthouse's address (`http://host:port`, torchft's `torchft_lighthouse`).
     replica_id: this replica group's number (an integer, unique in the job; a restarted replica keeps
@@ -93,9 +94,11 @@ class Membership:
         self._members: tuple[str, ...] = ()  # the latest quorum's launches ("<replica_id>:<uuid>", torchft's)
         self.manager: Any = None
         self.exchange: Optional[ElasticExchange] = None
-        self.engine: Optional[RoundEngine] = None
+        self.topology: Optional[Topology] = None  # this launch's ranks (the replica's shards)
         self.timeout_s = 0.0
-        self._received: Optional[int] = None  # inner_steps of the state a peer sent this replica
+        self._at: Optional[AtRoundEnd] = None  # this replica as of the round end the engine asks at
+        self._end_rounds = 0  # the rounds this replica ended the job at (its final model's, `before_final`)
+        self._received: Optional[dict[str, Any]] = None  # the state a live peer sent, until handed to the engine
         self._served: Optional[dict[str, Any]] = None  # what a healing peer gets now (`RoundEngine.state_for_peer`)
         self._background_round: Optional[int] = None  # the round whose quorum runs on the exchange's worker
         self._round_in_place: Optional[int] = None  # the round whose quorum runs on the main thread, mid-job
@@ -108,44 +111,78 @@ class Membership:
     ) -> ElasticExchange:
         """The exchange of an elastic engine (the plan was checked against the support table); starts this
         replica's torchft Manager."""
-        self.timeout_s = float(plan.config.timeout_s)
+        self.timeout_s, self.topology = float(plan.config.timeout_s), topology
         self.exchange = ElasticExchange(self, plan, topology, layout, device)
         self.manager = self._start_manager(topology)
         return self.exchange
 
-    def attach(self, engine: RoundEngine) -> bool:
-        """Join the job (the first quorum). True: this replica joined a running job at a round end
-        and must take part in that round's exchange now, with a zero displacement.
+    def attach(self, at: AtRoundEnd) -> Quorum:
+        """Join the job (the first quorum). The answer's `adopt`: a live peer's state, which the engine adopts
+        and starts from; its `joined`: this replica joined a running job at a round end and must take part in
+        that round's exchange now, with a zero displacement.
 
         At a job's start (no replica has trained) every replica takes the start point of one peer
         (torchft's init_sync), and the quorum is formed again until `start_replicas` are in it."""
-        self.engine = engine
+        self._at, self._served = at, dict(at.served)
+        self.exchange.at = at
         try:
-            return self._join(engine)
+            return self._join()
         except CO2Error:
             self.close()  # the others go on without this replica after the heartbeat timeout
             raise
 
-    def _join(self, engine: RoundEngine) -> bool:
+    def _join(self) -> Quorum:
         """attach's quorums, until this replica joined a running job or `start_replicas` started one."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline, adopt = time.monotonic() + self.timeout_s, None
         while True:
-            peers = self._quorum(round_index=0, joining=True)
+            peers = self._quorum(round_index=0, joining=True, serve_now=False)
             received, self._received = self._received, None
             if received is not None:  # live = the peer's start point (for a joiner: a zero displacement)
-                engine.restart_from_next_start()
-            if received:  # the job is running: take part in the exchange of the round that just ended
+                adopt = self._served = received  # a later quorum's healing peer gets what this replica holds then
+            if received is not None and received["inner_steps"]:  # the job is running: take part in its exchange
                 self.exchange.joined = peers._replace(contributes=False)
-                return True
+                return Quorum(adopt=adopt, joined=True)
             # The vote ends the serving of this quorum's heals: meet the others first (after their heal).
-            if self._vote(error=self.exchange.meet(peers)) and len(peers.replicas) >= self.start_replicas:
-                return False
+            start = self._served["next_start"]
+            if self._vote(error=self.exchange.meet(peers, start)) and len(peers.replicas) >= self.start_replicas:
+                return Quorum(adopt=adopt)
             if time.monotonic() > deadline:
                 raise CO2Error(
                     f"co2 elastic: replica {self.replica_id}: only replicas {list(peers.replicas)} joined within "
                     f"timeout_s={self.timeout_s:g}; start_replicas={self.start_replicas} are needed to start"
                 )
             time.sleep(0.05)
+
+    def before_launch(self, at: AtRoundEnd) -> Quorum:
+        """At round end `at.rounds`, before the launch (main thread, no pipeline in flight): this round's quorum.
+        After a joined round end, the quorum `attach` met; after a cut exchange (this replica may be behind),
+        the quorum now, where a live peer's state may arrive (the answer's `adopt`); else the checks and the
+        state to serve for the quorum the exchange's worker asks for (`background_quorum`)."""
+        self._at, self._served = at, dict(at.served)
+        exchange = self.exchange
+        exchange.take_round_end(at)
+        if exchange.joined is not None:  # attach met this round end's quorum
+            exchange.peers, exchange.joined = exchange.joined, None
+            return Quorum()
+        if exchange.cut:  # this replica may be behind: heal before the next round starts from the start point
+            exchange.peers = self.open_round(at.rounds)
+            received, self._received = self._received, None
+            return Quorum(adopt=received)
+        self.prepare_background_round(at.rounds)
+        exchange.peers = None
+        return Quorum()
+
+    def before_final(self, at: AtRoundEnd) -> Quorum:
+        """finalize()'s last quorum (`final_quorum`), before the exchange's last meeting in it: a live peer's
+        state to adopt if this replica is behind (its final model is then the peer's)."""
+        self._at, self._served = at, dict(at.served)
+        self.exchange.at = at
+        peers = self.final_quorum(at.rounds)
+        received, self._received = self._received, None
+        final = received if received is not None else at.served
+        self.exchange.final = (peers._replace(contributes=False), final["next_start"])
+        self._end_rounds = final["rounds"]
+        return Quorum(adopt=received)
 
     # ---- membership, through torchft ------------------------------------------------------------------
 
@@ -198,7 +235,7 @@ class Membership:
         """At the round end, on the main thread: the checks and the state to serve for a quorum that
         `background_quorum` then asks for on the exchange's worker."""
         self._check_replica_whole(round_index)
-        self._served = self.engine.state_for_peer()
+        self._served = dict(self._at.served)
 
     def background_quorum(self, round_index: int) -> Peers:
         """The quorum for round `round_index`'s exchange, asked for by its pipeline while the next round
@@ -218,7 +255,7 @@ class Membership:
         step behind them: it heals from a live peer here, as it would at the next round end if there
         were one, so that every replica ends with one model."""
         peers = self._quorum(round_index, joining=False, ending=True)  # finalize() checked every rank is here
-        healed, self._received = self._received is not None, None
+        healed = self._received is not None  # handed to the engine by `before_final`
         if self.manager.errored():
             raise CO2Error(
                 f"co2 elastic: finalize: replica {self.replica_id} could not take the final model from its peers "
@@ -260,8 +297,8 @@ class Membership:
     def _record_end(self, peers: Peers) -> None:
         """Rank 0 of this replica records on the Lighthouse that its launch ended the job at this round end."""
         member = next((m for m in peers.members if replica_number(m) == str(self.replica_id)), None)
-        if self.engine.topology.rank == 0 and member is not None:
-            record_end(self.lighthouse, member, self.engine.rounds, self.timeout_s)
+        if self.topology.rank == 0 and member is not None:
+            record_end(self.lighthouse, member, self._end_rounds, self.timeout_s)
 
     def _check_replica_whole(self, round_index: int) -> None:
         """Every rank of this replica (S > 1) reached the round end, within timeout_s. The replica is the
@@ -276,7 +313,7 @@ class Membership:
         """Each of `values` at its largest over every rank of this replica, on the main thread at round
         end `round_index`: one tiny all-reduce on the replica's control group, within timeout_s (a lost
         or stuck rank of the replica is a CO2Error naming the replica, `_check_replica_whole`)."""
-        topology = self.engine.topology
+        topology = self.topology
         if topology.world_size == 1:
             return list(values)
         probe = torch.tensor(values, dtype=torch.int64, device=collective_device(topology.control_group))
@@ -298,7 +335,7 @@ class Membership:
         rounds); False: as `prepare_background_round` fixed it. ending: finalize()'s, where peers that
         ended are no loss."""
         if serve_now:
-            self._served = self.engine.state_for_peer()
+            self._served = dict(self._at.served)
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.timeout_s))
         except CO2Error:
@@ -318,7 +355,7 @@ class Membership:
         except CO2Error:
             drop_group(group)
             raise
-        shards = self.engine.topology.world_size
+        shards = self.topology.world_size
         replicas = tuple(rank // shards for rank in (group._global_ranks or [self.replica_id * shards]))
         if not joining and not ending:
             try:
@@ -360,14 +397,13 @@ class Membership:
     # ---- healing: what a live peer sends a replica that is behind ------------------------------------
 
     def _state_dict(self) -> dict[str, Any]:
-        """What a healing peer receives (called on torchft's quorum thread, inside this replica's quorum):
-        the state fixed when the quorum was asked for (`RoundEngine.state_for_peer`). Copies: the transport
-        serves them later."""
+        """What a healing peer receives (torchft's quorum thread, inside this replica's quorum): the state
+        fixed when the quorum was asked for (`AtRoundEnd.served`, or a peer's since). Copies: served later."""
         return {key: _copied(value) for key, value in self._served.items()}
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a live peer's state (main thread, inside start_quorum) through `RoundEngine.adopt`."""
-        engine = self.engine
+        """Keep a live peer's state (main thread, inside start_quorum): the quorum's answer hands it to the
+        engine, which adopts it (`RoundEngine.adopt`)."""
         if self._background_round is not None:
             raise CO2Error(
                 f"co2 elastic: round {self._background_round}: replica {self.replica_id} is behind its peers (they "
@@ -376,11 +412,10 @@ class Membership:
                 f"already computing from its own start point; it leaves the job: restart it to rejoin from a "
                 f"live peer"
             )
-        if any(state.get(key) != value for key, value in engine.identity().items()):
+        if any(state.get(key) != self._served[key] for key in IDENTITY_FIELDS):
             return  # another config or model: the quorum's meeting names the fields on every replica
         self._check_in_step(state)
-        engine.adopt(state, source="elastic heal")
-        self._received = state["inner_steps"]
+        self._received = state
 
     def _check_in_step(self, state: dict[str, Any]) -> None:
         """A heal at a round end on the main thread (its last exchange was cut) takes the peer's start
@@ -388,13 +423,13 @@ class Membership:
         ahead committed rounds this replica never trained (it was frozen or stalled longer than
         timeout_s), and taking them would move the job's step, LR schedule and data position under its
         training loop."""
-        engine, round_index = self.engine, self._round_in_place
-        if round_index is None or (state["rounds"], state["inner_steps"]) == (engine.rounds, engine.inner_steps):
+        at, round_index = self._at, self._round_in_place
+        if round_index is None or (state["rounds"], state["inner_steps"]) == (at.rounds, at.inner_steps):
             return
         raise CO2Error(
             f"co2 elastic: round {round_index}: replica {self.replica_id} is behind its peers: they are at inner "
-            f"step {state['inner_steps']} (round {state['rounds']}), it is at inner step {engine.inner_steps} "
-            f"(round {engine.rounds}); they committed rounds it did not take part in (its exchange was cut, e.g. "
+            f"step {state['inner_steps']} (round {state['rounds']}), it is at inner step {at.inner_steps} "
+            f"(round {at.rounds}); they committed rounds it did not take part in (its exchange was cut, e.g. "
             f"it was frozen or stalled longer than timeout_s={self.timeout_s:g}). Taking their state would move "
             f"its step, learning-rate schedule and data position under its training loop, so it leaves the job: "
             f"restart it to rejoin from a live peer at the job's step"

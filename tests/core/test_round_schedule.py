@@ -82,3 +82,20 @@ def test_a_checkpoint_s_fixed_decisions_are_taken_and_a_decision_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         paced.decision.steps = 1  # type: ignore[misc]
     assert isinstance(paced.decision, RoundDecision)
+
+
+def test_a_loaded_state_keeps_the_steps_its_round_was_deciding():
+    """An elastic `replica_tau: "auto"` round of fewer steps than tau, saved mid-round: loaded, the round in
+    progress still trains those steps (a state without them: tau); a value that does not fit is refused naming it."""
+    schedule = _schedule(elastic=True, replica_tau="auto", sync_delay="auto")
+    schedule.start_round(3, lambda tau: 5)
+    schedule.load(None, None, 3 * TAU + 2, 3, round_steps=schedule.decision.steps)
+    assert (schedule.decision.round_index, schedule.decision.steps) == (3, 5)
+    schedule.load(None, None, 3 * TAU + 2, 3)
+    assert schedule.decision.steps == TAU
+    for bad in (0, TAU + 1, 2.0, True, "5"):
+        with pytest.raises(
+            ValueError, match=rf"co2 checkpoint: round_steps={bad!r}; expected null or an integer in \[1, tau={TAU}\]"
+        ):
+            schedule.check_round_steps(bad, "checkpoint")
+    schedule.check_round_steps(None, "checkpoint")

@@ -284,7 +284,7 @@ def drift_before_finalize() -> None:
     original = elastic.ElasticExchange.agree_final
 
     def drifted(self, round_index):
-        self.membership.engine.state.next_start[0] += 1.0
+        self.final[1][0] += 1.0  # the final model (the engine's next start point, handed over by reference)
         return original(self, round_index)
 
     elastic.ElasticExchange.agree_final = drifted

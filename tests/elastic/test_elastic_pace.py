@@ -10,6 +10,7 @@ the average it received, and computes the weighted average from them itself.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -70,14 +71,16 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
         _fail_exchange_at(plan["fail_exchange"][1])
     if plan.get("announce"):
         Path(plan["announce"]).touch()
-    config = CO2Config(**CONFIG, **({"shards_per_replica": shards} if shards > 1 else {}))
+    config = CO2Config(**CONFIG, **plan.get("config", {}), **({"shards_per_replica": shards} if shards > 1 else {}))
     model = _model(config, shards)
     membership = Membership(lighthouse, replica, start_replicas=plan.get("start_replicas", 2))
     try:
         opt = CO2Optimizer(models.make_optimizer("adam", model.parameters()), config, model, membership=membership)
-        trained, in_round, step, joined_at = {}, 0, 0, opt.engine.rounds
+        trained, in_round, step, joined_at, every_step = {}, 0, 0, opt.engine.rounds, []
         starts = {opt.engine.rounds: _full(model)}
         slow_rank = replica == plan.get("slow") and rank in plan.get("slow_ranks", range(shards))
+        if plan.get("every_step") is not None:  # (test_elastic_schedule.py): also before the first step
+            plan["every_step"](opt, 0, record=every_step)
         stepped = time.perf_counter()
         while opt.engine.rounds < rounds:
             slow = slow_rank and opt.engine.rounds >= plan.get("slow_from", 0)
@@ -91,6 +94,8 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
             opt.step()
             stepped = time.perf_counter()
             step, in_round = step + 1, in_round + 1
+            if plan.get("every_step") is not None:  # (test_elastic_schedule.py): its checks at every step
+                plan["every_step"](opt, in_round if not opt.round_ended else 0, record=every_step)
             if opt.round_ended:
                 trained[opt.engine.rounds - 1], in_round = in_round, 0
                 starts[opt.engine.rounds] = _full(model)
@@ -105,6 +110,7 @@ def paced_main(replica: int, rank: int, port: int, lighthouse: str, out: str, ro
             "joined_at": joined_at,
             "starts": starts,
             "final": _full(model),
+            "every_step": every_step,
         }
     except CO2Error as error:  # this replica left the job (a lost sibling rank): what it said
         result = {"error": str(error)}
@@ -120,10 +126,10 @@ def _skew_round_time(factor: float) -> None:
 
     original = elastic.ElasticExchange._take_round_steps
 
-    def skewed(self, engine):
-        if engine.round_train_s is not None:
-            engine.round_train_s *= factor
-        return original(self, engine)
+    def skewed(self, at):
+        if at.round_train_s is not None:
+            at = dataclasses.replace(at, round_train_s=at.round_train_s * factor)
+        return original(self, at)
 
     elastic.ElasticExchange._take_round_steps = skewed
 
@@ -411,7 +417,8 @@ def test_the_round_end_agreement_of_a_replica_is_also_its_check_that_every_rank_
     monkeypatch.setattr(membership_module.dist, "all_reduce", lambda t, **kwargs: sent.append(t.tolist()) or Done())
     monkeypatch.setattr(membership_module, "collective_device", lambda group: torch.device("cpu"))
     member = membership_module.Membership("http://localhost:1", replica_id=0)
-    member.engine = SimpleNamespace(topology=SimpleNamespace(world_size=2, control_group=None), state_for_peer=dict)
+    member.topology = SimpleNamespace(world_size=2, control_group=None)
+    member._at = SimpleNamespace(served={})  # what the engine handed over at the round end
     assert member.replica_max([1500, -3], 4) == [1500, -3]
     member.prepare_background_round(4)
     assert sent == [[1500, -3]]

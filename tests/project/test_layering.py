@@ -161,3 +161,31 @@ def test_no_module_is_longer_than_the_limit():
     lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "co2_zero").rglob("*.py")}
     assert len(lengths) > 40, lengths
     assert {p: n for p, n in lengths.items() if n > MAX_MODULE_LINES} == {}
+
+
+def engine_calls(source: str) -> list[str]:
+    """Every call in `source` of a method on something named `engine` (`engine.adopt(...)`,
+    `self.engine.state_for_peer()`, `membership.engine.identity()`), as the text of the callee."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else None
+            if name == "engine":
+                found.append(ast.unparse(node.func))
+    return found
+
+
+def test_the_engine_call_reader_sees_plain_and_attribute_owners():
+    source = "def f(engine, self):\n    engine.adopt(1)\n    self.engine.state_for_peer()\n    engine.rounds\n"
+    source += "    g(engine)\n    self.engine_calls()\n"
+    assert engine_calls(source) == ["engine.adopt", "self.engine.state_for_peer"]
+
+
+def test_elastic_calls_no_round_engine_method():
+    """The elastic membership and exchange get what they need from the engine as plain values passed in, and
+    answer with data (the quorum, a peer's state to adopt): they never call back into the engine mid-round."""
+    files = sorted((ROOT / "co2_zero" / "elastic").glob("*.py"))
+    assert len(files) > 3, files
+    offenders = {path.name: engine_calls(path.read_text()) for path in files}
+    assert {name: calls for name, calls in offenders.items() if calls} == {}
