@@ -127,12 +127,14 @@ class CompressedExchange:
         topk: float = 1.0,
         decay: float = 1.0,
         guard: bool = True,
+        chunks: str = "tensor",
     ):
         assert strategy in ("reduce_scatter", "all_reduce", "all_gather") and (strategy == "all_gather") == (topk < 1)
         assert fmt in QMAX or (topk < 1 and fmt in RAW)
         assert decay == 1.0 or topk < 1
         self.fmt, self.strategy, self.replicas, self.topk, self.decay = fmt, strategy, replicas, topk, decay
-        self.partitions, self.guard = partitions, guard  # guard: the top-k exchange's median clip
+        # the top-k exchange's median clip, and its chunks: "tensor" (span by span) or "flat" (the whole vector)
+        self.partitions, self.guard, self.chunks = partitions, guard, chunks
         self.sent: dict[tuple[int, int], Tensor] = {}  # (replica, shard) -> displacement residual
         self.owned: dict[int, Tensor] = {}  # shard -> residual of what the owners gather (all R of them)
 
@@ -158,9 +160,11 @@ class CompressedExchange:
                 offset += hi - lo
         return {name: out[name].reshape(like[name].shape) for name in like}
 
-    def _spans(self, params: Params, pieces: list[Piece]) -> list[Span]:
+    def _spans(self, params: Params, pieces: list[Piece]) -> list[Span] | None:
         """The top-k exchange's spans of a flattened partition: each piece (whole where its parameter has at
-        most one dimension), then the padding."""
+        most one dimension), then the padding; flat chunks: None, the whole vector."""
+        if self.chunks == "flat":
+            return None
         spans, at = [], 0
         for name, lo, hi in pieces:
             spans.append((at, at + hi - lo, params[name].dim() <= 1))

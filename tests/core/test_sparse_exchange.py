@@ -19,6 +19,7 @@ import torch
 
 from co2_zero import CO2Error, CO2Optimizer, checkpoint
 from co2_zero.core.config import CO2Config
+from co2_zero.core.outer import Segment
 from co2_zero.core.sparse import SparseLayout
 from tests import models
 from tests.compare import assert_close
@@ -114,12 +115,13 @@ def results():
     return run_ranks(train_all, 2, timeout=400.0)
 
 
-def _reference(sc: dict, replicas: int, partitions=None, shards: int = 1):
-    """[round][replica] starts and [replica] finals of the reference with `sc`'s sparse exchange."""
+def _reference(sc: dict, replicas: int, partitions=None, shards: int = 1, **variant):
+    """[round][replica] starts and [replica] finals of the reference with `sc`'s sparse exchange (`variant`:
+    the reference's guard and chunks, when not the library's)."""
     config = sc["config"]
     exchange = CompressedExchange(
         config["comm_dtype"], "all_gather", replicas, partitions, topk=config["topk"],
-        decay=feedback_decay(config),
+        decay=feedback_decay(config), **variant,
     )  # fmt: skip
     starts: list = []
     step_record: list = []
@@ -168,6 +170,16 @@ def test_a_dense_reference_would_not_match(results):
     assert max(float((last[k] - v).abs().max()) for k, v in starts[-1].items()) > 1e-3
 
 
+@pytest.mark.parametrize("variant", [{"guard": False}, {"chunks": "flat"}])
+def test_an_unguarded_or_flat_reference_would_not_match(results, variant):
+    """The comparison can tell the outlier guard and the tensor chunks apart (R = 2: the larger payload is
+    clipped to the mean norm; the model's biases go whole)."""
+    sc = SCENARIOS["topk-int2-defaults"]
+    starts, _ = _reference(sc, len(results), **variant)
+    last = results[0]["topk-int2-defaults"]["starts"][-1]
+    assert max(float((last[k] - v).abs().max()) for k, v in starts[-1][0].items()) > 1e-4
+
+
 def test_shared_part_is_bit_identical_and_finalize_ends_with_one_model(results):
     for name, sc in {**SCENARIOS, "nan": NAN_ROUND}.items():
         first, other = results[0][name], results[1][name]
@@ -201,7 +213,9 @@ def test_bytes_and_state_match_the_formulas(results):
     is the all_reduce layout's 3Ψ/S fp32 words plus the displacement residual, Ψ/S."""
     model, replicas = _wide_model(), len(results)
     padded = math.ceil(sum(p.numel() for p in model.parameters()) / replicas) * replicas
-    payload = SparseLayout.for_length(padded, 0.015, "int2").nbytes
+    weight, bias = model.weight.numel(), model.bias.numel()  # chunks restart at the bias, sent whole
+    segments = [Segment(0, 0, weight), Segment(1, weight, weight + bias)]
+    payload = SparseLayout.for_partition(segments, frozenset({1}), padded, 0.015, "int2").nbytes
     tensors = len(list(model.parameters()))
     for per_rank in results:
         got = per_rank["bytes"]
