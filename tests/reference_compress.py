@@ -15,12 +15,13 @@ not from the library (nothing here imports co2_zero):
   and the new start is base + dequantized update, for every replica;
 - `all_reduce`: the owner's average + e_g travels quantized (e_g keeps the rest); the outer step then
   runs on the dequantized average.
-- `all_gather` (topk < 1): replica r sends D_r + e_r sparsified over its whole partition, piece by piece:
-  a piece of a parameter with at most one dimension goes whole, quantized in blocks of 256 (or kept fp32 /
-  rounded to bf16); any other piece, and the padding after the last piece, is cut into chunks of 4096
-  elements from its own first element (the last may be shorter), each sending the k = max(1, round half
-  up(topk * n)) elements largest in magnitude (NaN largest, ties to the lower index), their values
-  quantized as one block of k (or kept fp32 / rounded to bf16); e_r keeps the rest. Every replica then
+- `all_gather` (topk < 1): replica r sends D_r + e_r sparsified over its whole partition: every chunk of
+  4096 elements (the last may be shorter) sends the k = max(1, round half up(topk * n)) elements largest
+  in magnitude (NaN largest, ties to the lower index), their values quantized as one block of k (or kept
+  fp32 / rounded to bf16); e_r keeps the rest. With the study's tensor chunks (`chunks="tensor"`) it goes
+  piece by piece instead: a piece of a parameter with at most one dimension goes whole, quantized in
+  blocks of 256 (or kept fp32 / rounded to bf16); any other piece, and the padding after the last piece,
+  is chunked as above from its own first element. Every replica then
   scales each arrival whose norm over its weight (1, or R·w_r below) exceeds the median of those R
   figures (the mean of the middle two when R is even; a non-finite one is neither scaled nor counted)
   down to that median, and averages the R arrivals in replica order over the senders: coordinate i of
@@ -127,13 +128,13 @@ class CompressedExchange:
         topk: float = 1.0,
         decay: float = 1.0,
         guard: bool = True,
-        chunks: str = "tensor",
+        chunks: str = "flat",
     ):
         assert strategy in ("reduce_scatter", "all_reduce", "all_gather") and (strategy == "all_gather") == (topk < 1)
         assert fmt in QMAX or (topk < 1 and fmt in RAW)
         assert decay == 1.0 or topk < 1
         self.fmt, self.strategy, self.replicas, self.topk, self.decay = fmt, strategy, replicas, topk, decay
-        # the top-k exchange's median clip, and its chunks: "tensor" (span by span) or "flat" (the whole vector)
+        # the top-k exchange's median clip, and its chunks: "flat" (the whole vector) or "tensor" (span by span)
         self.partitions, self.guard, self.chunks = partitions, guard, chunks
         self.sent: dict[tuple[int, int], Tensor] = {}  # (replica, shard) -> displacement residual
         self.owned: dict[int, Tensor] = {}  # shard -> residual of what the owners gather (all R of them)
@@ -198,7 +199,8 @@ class CompressedExchange:
                 displacement = self._flatten(own, pieces) - self._flatten(x, pieces)
                 scale = 1.0 if weights is None else self.replicas * weights[r]
                 residual = self.sent.get((r, s), torch.zeros_like(displacement))
-                piece, self.sent[(r, s)], sent = self._send(displacement * scale, residual, spans)
+                top_k = (spans,) if self.strategy == "all_gather" else ()  # the dense formats' _send takes no spans
+                piece, self.sent[(r, s)], sent = self._send(displacement * scale, residual, *top_k)
                 arrivals.append(piece)
                 scales.append(scale)
                 senders = sent * scale if senders is None else senders + sent * scale

@@ -2,10 +2,11 @@
 feedback, and the senders' mean with its outlier guard (docs/design.md §5). Pure tensor functions, no
 torch.distributed.
 
-Which elements form a chunk is the layout's (`sparse_layout`: chunks restart at each tensor, tensors of
-one dimension go dense). Chunk c of n elements sends its k(n) = max(1, round(topk · n)) elements largest
-in magnitude; a tie at the k-th magnitude goes to the lower index, and NaN counts as larger than any
-number (so a non-finite chunk always sends a non-finite element). The payload is one byte string of
+Which elements form a chunk is the layout's (`sparse_layout`: chunks of 4096 consecutive elements of the
+partition; the study's tensor chunks restart at each tensor and send tensors of one dimension whole).
+Chunk c of n elements sends its k(n) = max(1, round(topk · n)) elements largest in magnitude; a tie at
+the k-th magnitude goes to the lower index, and NaN counts as larger than any number (so a non-finite
+chunk always sends a non-finite element). The payload is one byte string of
 fixed size, whatever the values:
 
 - the values: per chunk, a record of `compress` (one block of k elements, its scale first; a dense

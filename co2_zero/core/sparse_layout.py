@@ -1,15 +1,15 @@
 """Where everything sits in a sparse payload (docs/design.md §5): which elements form a chunk, how many each
-chunk sends, the bytes of its values, where the indices start. Known from the partition's segments alone, so
-every replica of a shard (same segments) builds the same layout and every payload has its fixed size.
+chunk sends, the bytes of its values, where the indices start. Known from the partition alone, so every replica
+of a shard (same length, same segments) builds the same layout and every payload has its fixed size.
 
-Tensor chunks (the default): the partition [0, padded) is cut into spans, one per segment (a tensor's piece
-on this rank) and one per gap between them or after the last (padding). A span of a tensor with at most one
-dimension (a bias, a norm's weight; `vectors` lists their ids) is sent dense: every element, quantized in
-blocks of `compress.BLOCK` (fp32/bf16: raw), no indices. Any other span is cut into chunks of `CHUNK`
-elements starting at the span's first element (the last one may be shorter); chunk c of n elements sends
-its k(n) largest elements. Flat chunks (`for_length`, and the study switch `CO2_SPARSE_CHUNKS=flat`) cut
-the whole vector into chunks of `CHUNK` regardless of tensors, as before the study of docs/design-
-communication.md §5.
+Flat chunks (the exchange's layout, `for_length`): the padded partition is cut into chunks of `CHUNK`
+consecutive elements whatever the tensors (the last one may be shorter); chunk c of n elements sends its k(n)
+largest elements. Tensor chunks (`for_tensors`, the study's switch `CO2_SPARSE_CHUNKS=tensor`, measured
+against flat chunks in docs/design-communication.md §5: no gain in loss, more bytes and codec time): the
+partition is cut into spans, one per segment (a tensor's piece on this rank) and one per gap between them or
+after the last (padding); a span of a tensor with at most one dimension (a bias, a norm's weight; `vectors`
+lists their ids) goes dense: every element, quantized in blocks of `compress.BLOCK` (fp32/bf16: raw), no
+indices; any other span is chunked as above from its own first element.
 
 The payload: the value records of every group in layout order, then the packed indices of the sparse groups.
 """
@@ -25,7 +25,7 @@ from .outer import Segment
 
 CHUNK = 4096  # elements per chunk
 INDEX_BITS = 12  # a chunk-local index: 0 .. CHUNK - 1
-CHUNKS_ENV = "CO2_SPARSE_CHUNKS"  # the study's switch (docs/design-communication.md §5): "tensor" or "flat"
+CHUNKS_ENV = "CO2_SPARSE_CHUNKS"  # the study's switch (docs/design-communication.md §5): "flat" or "tensor"
 RAW_BYTES = {"fp32": 4, "bf16": 2}  # values sent as they are
 
 
@@ -134,17 +134,24 @@ class SparseLayout(NamedTuple):
         return cls.for_spans([Span(0, length)] if length else [], topk, value_format, chunk)
 
     @classmethod
+    def for_tensors(
+        cls, segments: Sequence[Segment], vectors: AbstractSet[int], length: int, topk: float, value_format: str
+    ) -> SparseLayout:
+        """Tensor chunks: chunks restart at each segment, tensors in `vectors` go dense."""
+        return cls.for_spans(spans_of(segments, vectors, length), topk, value_format)
+
+    @classmethod
     def for_partition(
         cls, segments: Sequence[Segment], vectors: AbstractSet[int], length: int, topk: float, value_format: str
     ) -> SparseLayout:
-        """The exchange's layout of a partition of `length` (padded) elements: tensor chunks, or flat chunks
-        where the study's switch `CO2_SPARSE_CHUNKS=flat` asks for them."""
-        chunks = os.environ.get(CHUNKS_ENV, "tensor")
-        if chunks not in ("tensor", "flat"):
-            raise ValueError(f"co2: {CHUNKS_ENV}={chunks!r}; it takes 'tensor' (the default) or 'flat'")
-        if chunks == "flat":
-            return cls.for_length(length, topk, value_format)
-        return cls.for_spans(spans_of(segments, vectors, length), topk, value_format)
+        """The exchange's layout of a partition of `length` (padded) elements: flat chunks, or tensor chunks
+        where the study's switch `CO2_SPARSE_CHUNKS=tensor` asks for them."""
+        chunks = os.environ.get(CHUNKS_ENV, "flat")
+        if chunks not in ("flat", "tensor"):
+            raise ValueError(f"co2: {CHUNKS_ENV}={chunks!r}; it takes 'flat' (the default) or 'tensor'")
+        if chunks == "tensor":
+            return cls.for_tensors(segments, vectors, length, topk, value_format)
+        return cls.for_length(length, topk, value_format)
 
     @property
     def indexed(self) -> int:

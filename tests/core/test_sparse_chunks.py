@@ -35,7 +35,7 @@ SPANS = [(0, 5000, False), (5000, 5300, True), (5300, 13492, False), (13492, 135
 
 
 def _layout(fmt: str, topk: float) -> SparseLayout:
-    return SparseLayout.for_partition(SEGMENTS, VECTORS, PADDED, topk, fmt)
+    return SparseLayout.for_tensors(SEGMENTS, VECTORS, PADDED, topk, fmt)
 
 
 def _encode(vector: torch.Tensor, layout: SparseLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +79,7 @@ def test_chunks_restart_at_each_tensor_and_a_vector_goes_whole():
 def test_full_chunks_of_adjacent_tensors_share_one_group():
     """Tensors of a multiple of CHUNK elements cost no group each: the same payload, fewer kernels."""
     segments = [Segment(i, i * 2 * CHUNK, (i + 1) * 2 * CHUNK) for i in range(3)]
-    layout = SparseLayout.for_partition(segments, frozenset(), 6 * CHUNK, 0.015, "int2")
+    layout = SparseLayout.for_tensors(segments, frozenset(), 6 * CHUNK, 0.015, "int2")
     assert [(g.start, g.chunks) for g in layout.groups] == [(0, 6)]
     assert layout == SparseLayout.for_length(6 * CHUNK, 0.015, "int2")
 
@@ -108,12 +108,17 @@ def test_a_vector_arrives_whole_and_keeps_only_its_rounding():
     assert torch.equal(arrived[5000:5300], vector[5000:5300]) and not residual[5000:5300].any()
 
 
-def test_the_study_switch_gives_flat_chunks_and_names_what_it_takes(monkeypatch):
-    monkeypatch.setenv("CO2_SPARSE_CHUNKS", "flat")
-    assert _layout("int2", 0.015) == SparseLayout.for_length(PADDED, 0.015, "int2")
+def test_the_exchange_takes_flat_chunks_unless_the_study_switch_asks_for_tensor_chunks(monkeypatch):
+    def exchange_layout() -> SparseLayout:
+        return SparseLayout.for_partition(SEGMENTS, VECTORS, PADDED, 0.015, "int2")
+
+    monkeypatch.delenv("CO2_SPARSE_CHUNKS", raising=False)
+    assert exchange_layout() == SparseLayout.for_length(PADDED, 0.015, "int2")
+    monkeypatch.setenv("CO2_SPARSE_CHUNKS", "tensor")
+    assert exchange_layout() == _layout("int2", 0.015) != SparseLayout.for_length(PADDED, 0.015, "int2")
     monkeypatch.setenv("CO2_SPARSE_CHUNKS", "tensors")
-    with pytest.raises(ValueError, match=r"CO2_SPARSE_CHUNKS='tensors'.*'tensor'.*'flat'"):
-        _layout("int2", 0.015)
+    with pytest.raises(ValueError, match=r"CO2_SPARSE_CHUNKS='tensors'.*'flat'.*'tensor'"):
+        exchange_layout()
 
 
 def test_the_median_of_an_even_count_is_the_mean_of_the_middle_two():

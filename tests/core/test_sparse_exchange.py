@@ -19,7 +19,6 @@ import torch
 
 from co2_zero import CO2Error, CO2Optimizer, checkpoint
 from co2_zero.core.config import CO2Config
-from co2_zero.core.outer import Segment
 from co2_zero.core.sparse import SparseLayout
 from tests import models
 from tests.compare import assert_close
@@ -170,10 +169,10 @@ def test_a_dense_reference_would_not_match(results):
     assert max(float((last[k] - v).abs().max()) for k, v in starts[-1].items()) > 1e-3
 
 
-@pytest.mark.parametrize("variant", [{"guard": False}, {"chunks": "flat"}])
-def test_an_unguarded_or_flat_reference_would_not_match(results, variant):
-    """The comparison can tell the outlier guard and the tensor chunks apart (R = 2: the larger payload is
-    clipped to the mean norm; the model's biases go whole)."""
+@pytest.mark.parametrize("variant", [{"guard": False}, {"chunks": "tensor"}])
+def test_an_unguarded_or_tensor_chunk_reference_would_not_match(results, variant):
+    """The comparison can tell the outlier guard and the chunks apart (R = 2: the larger payload is clipped
+    to the mean norm; tensor chunks would send the model's biases whole)."""
     sc = SCENARIOS["topk-int2-defaults"]
     starts, _ = _reference(sc, len(results), **variant)
     last = results[0]["topk-int2-defaults"]["starts"][-1]
@@ -213,9 +212,7 @@ def test_bytes_and_state_match_the_formulas(results):
     is the all_reduce layout's 3Ψ/S fp32 words plus the displacement residual, Ψ/S."""
     model, replicas = _wide_model(), len(results)
     padded = math.ceil(sum(p.numel() for p in model.parameters()) / replicas) * replicas
-    weight, bias = model.weight.numel(), model.bias.numel()  # chunks restart at the bias, sent whole
-    segments = [Segment(0, 0, weight), Segment(1, weight, weight + bias)]
-    payload = SparseLayout.for_partition(segments, frozenset({1}), padded, 0.015, "int2").nbytes
+    payload = SparseLayout.for_length(padded, 0.015, "int2").nbytes
     tensors = len(list(model.parameters()))
     for per_rank in results:
         got = per_rank["bytes"]
