@@ -181,7 +181,8 @@ def average_over_senders_(
     factors = torch.ones(len(decoded), dtype=out.dtype, device=out.device)
     if guard:
         norms = torch.stack([_norm([values for _, _, values in carried], out) for carried in decoded])
-        factors = median_clip(norms, torch.tensor(list(scales), dtype=out.dtype, device=out.device))
+        weights = torch.tensor(list(scales), dtype=torch.float64, device=out.device)
+        factors = median_clip(norms, weights).to(out.dtype)
     out.zero_()
     weight, count = torch.zeros_like(out), torch.zeros_like(out)
     for carried, scale, factor in zip(decoded, scales, factors):
@@ -195,9 +196,10 @@ def average_over_senders_(
 
 
 def _norm(values: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """‖the concatenated `values`‖ (0-d fp32; 0 when there are none)."""
-    squares = [v.square().sum() for v in values]
-    return torch.stack(squares).sum().sqrt() if squares else like.new_zeros(())
+    """‖the concatenated `values`‖, in float64 so that a huge but finite payload's norm stays finite (0-d;
+    0 when there are none)."""
+    squares = [v.double().square().sum() for v in values]
+    return torch.stack(squares).sum().sqrt() if squares else like.new_zeros((), dtype=torch.float64)
 
 
 def bit_pack(values: torch.Tensor, bits: int, out: torch.Tensor) -> None:

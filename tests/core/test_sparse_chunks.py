@@ -194,6 +194,15 @@ def test_a_nonfinite_payload_stays_nonfinite_and_is_not_counted_in_the_median(ba
     _assert_close(got[:5000], expected[:5000])
 
 
+def test_a_huge_but_finite_payload_is_clipped_too():
+    """1e20 squared overflows fp32: the norms are float64, so the guard still sees a finite outlier."""
+    vectors = [_vector(60 + r) for r in range(3)]
+    vectors[2][7] = 1e20
+    layout = SparseLayout.for_length(PADDED, 0.015, "fp32")
+    got = average_over_senders_(_payloads(vectors, layout), [1.0] * 3, layout, torch.empty(PADDED)).average
+    assert got.isfinite().all() and float(got.abs().max()) < 1e3
+
+
 def test_every_replica_decoding_the_same_payloads_holds_the_same_bits():
     vectors = [_vector(50 + r) * (r + 1) for r in range(4)]
     layout = _layout("int2", 0.009)
