@@ -177,16 +177,15 @@ def average_over_senders_(
     outlier clip `median_clip` of the decoded payloads' norms. Payloads are added in replica order, so every
     rank decoding the same payloads holds the same bits.
     """
-    decoded = [list(_carried(payload, layout)) for payload in payloads]
-    factors = torch.ones(len(decoded), dtype=out.dtype, device=out.device)
+    factors = torch.ones(len(payloads), dtype=out.dtype, device=out.device)
     if guard:
-        norms = torch.stack([_norm([values for _, _, values in carried], out) for carried in decoded])
+        norms = torch.stack([payload_norm(payload, layout) for payload in payloads])
         weights = torch.tensor(list(scales), dtype=torch.float64, device=out.device)
         factors = median_clip(norms, weights).to(out.dtype)
     out.zero_()
     weight, count = torch.zeros_like(out), torch.zeros_like(out)
-    for carried, scale, factor in zip(decoded, scales, factors):
-        for group, idx, values in carried:
+    for payload, scale, factor in zip(payloads, scales, factors):  # one payload's indices decoded at a time
+        for group, idx, values in _carried(payload, layout):
             _rows(out, group).scatter_add_(-1, idx, values * factor if guard else values)
             ones = torch.ones(idx.shape, dtype=out.dtype, device=out.device)
             _rows(weight, group).scatter_add_(-1, idx, ones * scale)
@@ -195,11 +194,13 @@ def average_over_senders_(
     return SenderMean(out.div_(weight.masked_fill_(count == 0, 1.0)), overlap)
 
 
-def _norm(values: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """‖the concatenated `values`‖, in float64 so that a huge but finite payload's norm stays finite (0-d;
-    0 when there are none)."""
-    squares = [v.double().square().sum() for v in values]
-    return torch.stack(squares).sum().sqrt() if squares else like.new_zeros((), dtype=torch.float64)
+def payload_norm(payload: torch.Tensor, layout: SparseLayout) -> torch.Tensor:
+    """‖what `payload` carries‖ (0-d float64, so that a huge but finite payload's norm stays finite): its
+    values alone, decoded group by group, without the indices."""
+    total = torch.zeros((), dtype=torch.float64, device=payload.device)
+    for group, records in _sections(payload, layout):
+        total += _decode_values(records, layout.value_format, group).double().square().sum()
+    return total.sqrt()
 
 
 def bit_pack(values: torch.Tensor, bits: int, out: torch.Tensor) -> None:

@@ -205,10 +205,12 @@ def test_a_huge_but_finite_payload_is_clipped_too():
 
 def test_every_replica_decoding_the_same_payloads_holds_the_same_bits():
     vectors = [_vector(50 + r) * (r + 1) for r in range(4)]
-    layout = _layout("int2", 0.009)
+    layout = SparseLayout.for_length(PADDED, 0.009, "fp32")  # fp32 values are decoded as views of the bytes
     payloads = _payloads(vectors, layout)
+    sent = payloads.clone()
     first = average_over_senders_(payloads, [1.0] * 4, layout, torch.empty(PADDED)).average
-    again = average_over_senders_(payloads.clone(), [1.0] * 4, layout, torch.empty(PADDED)).average
+    assert torch.equal(payloads, sent)  # decoding leaves the received bytes as they were
+    again = average_over_senders_(payloads, [1.0] * 4, layout, torch.empty(PADDED)).average
     assert torch.equal(first, again)
 
 
