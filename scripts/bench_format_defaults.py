@@ -9,12 +9,17 @@ plus the format's flags (and, for a `--with` variant, the flags it adds). Prints
 
     python -m scripts.bench_format_defaults                      # the defaults of every format, 3 seeds
     python -m scripts.bench_format_defaults --formats int2 top1.5%-int2 --with 'momentum=--outer_momentum 0.9'
+    python -m scripts.bench_format_defaults --formats top1.5%-int2 --with_env 'flat=CO2_SPARSE_CHUNKS=flat'
+
+`--with_env` runs a variant under environment variables instead of flags: the sparse exchange's study switches
+`CO2_SPARSE_CHUNKS` (tensor, flat) and `CO2_SPARSE_GUARD` (on, off), docs/design-communication.md §5.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -47,6 +52,14 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         metavar="NAME=FLAGS",
         help="also run each non-fp32 format with these flags added (a setting the user asked for)",
     )
+    p.add_argument(
+        "--with_env",
+        dest="env_variants",
+        action="append",
+        default=[],
+        metavar="NAME=VAR=VALUE[ VAR=VALUE]",
+        help="also run each non-fp32 format with these environment variables set (a study switch)",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[1337, 1338, 1339])
     p.add_argument("--tau", type=int, default=4)
     p.add_argument("--rounds", type=int, default=40)
@@ -56,14 +69,22 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_one(a: argparse.Namespace, flags: list[str], seed: int, log_root: Path) -> dict:
-    """One training run; its summary record (final loss, bytes, payload ratio, overlap)."""
-    out_json = log_root / f"{abs(hash((tuple(flags), seed)))}.jsonl"
+def run_one(a: argparse.Namespace, flags: list[str], seed: int, log_root: Path, env: dict[str, str]) -> dict:
+    """One training run with `env` added to the environment; its summary record (final loss, bytes, payload
+    ratio, overlap)."""
+    out_json = log_root / f"{abs(hash((tuple(flags), tuple(env.items()), seed)))}.jsonl"
     args = ["--tau", str(a.tau), "--max_steps", str(a.rounds * a.tau), "--seed", str(seed), "--no_progress", *flags]
-    bcomp.run_unshaped(a.nodes, [*args, "--out_json", str(out_json)], log_root / out_json.stem)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        bcomp.run_unshaped(a.nodes, [*args, "--out_json", str(out_json)], log_root / out_json.stem)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     end = next(r for r in map(json.loads, out_json.read_text().splitlines()) if r.get("summary"))
     overlap = end.get("senders_per_sent") or []
-    command = ["torchrun", "--standalone", "--nproc_per_node", str(a.nodes), "scripts/train_lm.py", *args]
+    setting = [f"{name}={value}" for name, value in env.items()]
+    command = [*setting, "torchrun", "--standalone", "--nproc_per_node", str(a.nodes), "scripts/train_lm.py", *args]
     return {
         "seed": seed,
         "final_val_loss": end["val_loss"],
@@ -73,12 +94,18 @@ def run_one(a: argparse.Namespace, flags: list[str], seed: int, log_root: Path) 
     }
 
 
-def cases(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """(label, flags): fp32, every format alone, then each `--with` variant of every format but fp32."""
-    out = [("fp32", [])] + [(f, FORMATS[f]) for f in a.formats if f != "fp32"]
+def cases(a: argparse.Namespace) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(label, flags, environment): fp32, every format alone, then each `--with` and `--with_env` variant of
+    every format but fp32."""
+    formats = [f for f in a.formats if f != "fp32"]
+    out = [("fp32", [], {})] + [(f, FORMATS[f], {}) for f in formats]
     for variant in a.variants:
         name, _, flags = variant.partition("=")
-        out += [(f"{f} {name}", FORMATS[f] + shlex.split(flags)) for f in a.formats if f != "fp32"]
+        out += [(f"{f} {name}", FORMATS[f] + shlex.split(flags), {}) for f in formats]
+    for variant in a.env_variants:
+        name, _, settings = variant.partition("=")
+        env = dict(setting.split("=", 1) for setting in shlex.split(settings))
+        out += [(f"{f} {name}", FORMATS[f], env) for f in formats]
     return out
 
 
@@ -129,8 +156,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     log_root = Path(tempfile.mkdtemp(prefix="c2z-formats-"))
     runs: dict[str, list[dict]] = {}
-    for label, flags in cases(a):
-        runs[label] = [run_one(a, flags, seed, log_root) for seed in a.seeds]
+    for label, flags, env in cases(a):
+        runs[label] = [run_one(a, flags, seed, log_root, env) for seed in a.seeds]
         print(label, [round(r["final_val_loss"], 4) for r in runs[label]], flush=True)
     rows = table(runs)
     command = shlex.join(["python", "-m", "scripts.bench_format_defaults", *(sys.argv[1:] if argv is None else argv)])

@@ -65,6 +65,7 @@ class Layout(NamedTuple):
     sub_shard: int  # padded // R
     segments: tuple[Segment, ...]  # tensor pieces of the whole partition
     num_tensors: int  # parameter tensors in the whole model (the global tensor-id space)
+    vectors: frozenset[int] = frozenset()  # ids of the tensors of at most one dimension (biases, norms)
 
     def sub_shard_range(self, replica: int) -> tuple[int, int]:
         return replica * self.sub_shard, (replica + 1) * self.sub_shard
@@ -116,8 +117,13 @@ class OuterExchange:
         # None: fp32/bf16 travel as plain tensors; with topk < 1 the values' format of `sparse_layout`
         self.wire_format = None if plan.sparse else FORMATS.get(plan.comm_dtype)
         self.sparse_layout = (
-            sparse.SparseLayout.for_length(layout.padded, plan.topk, plan.comm_dtype) if plan.sparse else None
+            sparse.SparseLayout.for_partition(
+                layout.segments, layout.vectors, layout.padded, plan.topk, plan.comm_dtype
+            )
+            if plan.sparse
+            else None
         )
+        self.guard = sparse.guard_enabled()  # the senders' mean clips an outlier payload to the median norm
         self.residuals = (
             Residuals(
                 torch.zeros(layout.padded, dtype=torch.float32, device=device),
@@ -291,7 +297,7 @@ class OuterExchange:
         everyone = torch.empty(replicas, layout.nbytes, dtype=torch.uint8, device=work.device)
         self._count("all_gather", everyone, replicas)
         _all_gather(everyone.view(-1), mine, group=self.topology.outer_group)
-        g, self.senders_per_sent = sparse.average_over_senders_(everyone, weights, layout, work)
+        g, self.senders_per_sent = sparse.average_over_senders_(everyone, weights, layout, work, self.guard)
         return g
 
     @property

@@ -57,6 +57,7 @@ def layout_of(partition: Partition, replicas: int) -> Layout:
         sub_shard=padded // replicas,
         segments=tuple(partition.segments),
         num_tensors=partition.num_tensors,
+        vectors=frozenset(i for i, tensor in enumerate(partition.tensors) if len(tensor.shape) <= 1),
     )
 
 

@@ -23,7 +23,8 @@ def _payloads(vectors: list[torch.Tensor], fmt: str, topk: float) -> tuple[torch
 def _average(vectors: list[torch.Tensor], fmt: str, topk: float, scales=None):
     payloads, layout = _payloads(vectors, fmt, topk)
     scales = [1.0] * len(vectors) if scales is None else scales
-    return average_over_senders_(payloads, scales, layout, torch.empty_like(vectors[0]))
+    # the senders' mean alone: the outlier guard scaling the payloads first is tested in test_sparse_chunks.py
+    return average_over_senders_(payloads, scales, layout, torch.empty_like(vectors[0]), guard=False)
 
 
 def _expected(vectors: list[torch.Tensor], fmt: str, topk: float, scales=None) -> torch.Tensor:

@@ -114,12 +114,13 @@ def results():
     return run_ranks(train_all, 2, timeout=400.0)
 
 
-def _reference(sc: dict, replicas: int, partitions=None, shards: int = 1):
-    """[round][replica] starts and [replica] finals of the reference with `sc`'s sparse exchange."""
+def _reference(sc: dict, replicas: int, partitions=None, shards: int = 1, **variant):
+    """[round][replica] starts and [replica] finals of the reference with `sc`'s sparse exchange (`variant`:
+    the reference's guard and chunks, when not the library's)."""
     config = sc["config"]
     exchange = CompressedExchange(
         config["comm_dtype"], "all_gather", replicas, partitions, topk=config["topk"],
-        decay=feedback_decay(config),
+        decay=feedback_decay(config), **variant,
     )  # fmt: skip
     starts: list = []
     step_record: list = []
@@ -166,6 +167,16 @@ def test_a_dense_reference_would_not_match(results):
              sc["config"], 2, sc["steps"], record=starts, exchange=dense)  # fmt: skip
     last = results[0]["topk-int2-defaults"]["starts"][-1]
     assert max(float((last[k] - v).abs().max()) for k, v in starts[-1].items()) > 1e-3
+
+
+@pytest.mark.parametrize("variant", [{"guard": False}, {"chunks": "tensor"}])
+def test_an_unguarded_or_tensor_chunk_reference_would_not_match(results, variant):
+    """The comparison can tell the outlier guard and the chunks apart (R = 2: the larger payload is clipped
+    to the mean norm; tensor chunks would send the model's biases whole)."""
+    sc = SCENARIOS["topk-int2-defaults"]
+    starts, _ = _reference(sc, len(results), **variant)
+    last = results[0]["topk-int2-defaults"]["starts"][-1]
+    assert max(float((last[k] - v).abs().max()) for k, v in starts[-1][0].items()) > 1e-4
 
 
 def test_shared_part_is_bit_identical_and_finalize_ends_with_one_model(results):

@@ -334,13 +334,20 @@ def test_tuner_gives_one_answer_and_its_verify_runs_warn_nothing(tmp_path):
 
 def test_format_defaults_compares_seed_for_seed_and_adds_variants_to_every_format():
     """bench_format_defaults: each case's loss over fp32's of the same seed; `--with` adds its flags to every
-    format but fp32."""
+    format but fp32, `--with_env` its environment variables."""
     from scripts import bench_format_defaults as bfd
 
-    a = bfd.get_args(["--formats", "fp32", "int2", "top1.5%-int2", "--with", "momentum=--outer_momentum 0.9"])
-    labels = dict(bfd.cases(a))
-    assert list(labels) == ["fp32", "int2", "top1.5%-int2", "int2 momentum", "top1.5%-int2 momentum"]
-    assert labels["top1.5%-int2 momentum"] == ["--comm_dtype", "int2", "--topk", "0.015", "--outer_momentum", "0.9"]
+    a = bfd.get_args(["--formats", "fp32", "int2", "top1.5%-int2", "--with", "momentum=--outer_momentum 0.9",
+                      "--with_env", "flat=CO2_SPARSE_CHUNKS=flat CO2_SPARSE_GUARD=off"])  # fmt: skip
+    labels = {label: (flags, env) for label, flags, env in bfd.cases(a)}
+    assert list(labels) == ["fp32", "int2", "top1.5%-int2", "int2 momentum", "top1.5%-int2 momentum", "int2 flat",
+                            "top1.5%-int2 flat"]  # fmt: skip
+    assert labels["top1.5%-int2 momentum"] == (
+        ["--comm_dtype", "int2", "--topk", "0.015", "--outer_momentum", "0.9"],
+        {},
+    )
+    flat = {"CO2_SPARSE_CHUNKS": "flat", "CO2_SPARSE_GUARD": "off"}
+    assert labels["top1.5%-int2 flat"] == (["--comm_dtype", "int2", "--topk", "0.015"], flat)
     run = lambda seed, loss: {"seed": seed, "final_val_loss": loss, "payload_ratio": None, "senders_per_sent": None}  # noqa: E731
     rows = bfd.table({"fp32": [run(1, 2.0), run(2, 4.0)], "int2": [run(2, 4.4), run(1, 2.0)]})
     assert rows[1]["vs_fp32"] == pytest.approx(1.05) and (rows[1]["min"], rows[1]["max"]) == (1.0, pytest.approx(1.1))
