@@ -1,18 +1,8 @@
-"""CO2 under Hugging Face Trainer (docs/design.md §6.3).
-
-Trainer builds its DeepSpeed engine through Accelerate, which calls `deepspeed.initialize`;
-`co2_zero.deepspeed.patch()` makes that call build CO2 when the config has a "co2" section. Importing
-this module changes nothing in DeepSpeed; `CO2Callback` calls `patch()` when it is created (adding it to
-a Trainer is the opt-in) and adds what only the training loop knows about:
-
-- before training, it checks the co2 section (no `"auto"` values; the same validation as
-  `co2_zero.deepspeed.initialize`) and, once the engine exists, that it really is a CO2 engine;
-- it logs each round's figures through Trainer's logs (`co2/round`, `co2/wait_s`, ...);
-- at the end of training it calls `finalize()`, so every rank holds the same model when Trainer or the
-  script saves it.
-
-Checkpoints need nothing here: Trainer saves and resumes a DeepSpeed run through the engine's
-`save_checkpoint` / `load_checkpoint`, which on a patched engine are co2_zero's per-rank versions.
+"""CO2 under Hugging Face Trainer (docs/huggingface.md; docs/design.md §6.3): `CO2Callback` calls
+`co2_zero.deepspeed.patch()` when it is created (adding it to a Trainer is the opt-in), so Accelerate's
+`deepspeed.initialize` builds CO2 for a config with a "co2" section; it checks that section and the engine,
+logs each round's figures and calls `finalize()` at the end of training. Checkpoints go through the patched
+engine's per-rank `save_checkpoint` / `load_checkpoint`.
 """
 
 from __future__ import annotations

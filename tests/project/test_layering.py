@@ -161,3 +161,16 @@ def test_no_module_is_longer_than_the_limit():
     lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "co2_zero").rglob("*.py")}
     assert len(lengths) > 40, lengths
     assert {p: n for p, n in lengths.items() if n > MAX_MODULE_LINES} == {}
+
+
+def test_no_module_keeps_its_layout_from_the_formatter():
+    """A module is laid out by `ruff format` as it comes: a `fmt: skip` (or `fmt: off`) folds lines to meet
+    the length limit instead of splitting the module where its responsibilities part."""
+    pragmas = ("fmt: skip", "fmt: off")
+    found = {
+        f"{p.relative_to(ROOT)}:{number}"
+        for p in (ROOT / "co2_zero").rglob("*.py")
+        for number, line in enumerate(p.read_text().splitlines(), 1)
+        if any(pragma in line for pragma in pragmas)
+    }
+    assert found == set(), sorted(found)
