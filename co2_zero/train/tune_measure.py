@@ -83,7 +83,7 @@ def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, reps: 
     }
 
 
-def verify(args: argparse.Namespace, tau: int, rounds: int, t_step: float) -> dict:
+def verify(args: argparse.Namespace, tau: int, rounds: int) -> dict:
     """Time `rounds` rounds of `tau` steps of the real model twice: compute-only, then with CO2.
 
     Each round ends, as in a training loop, with a tiny all-reduce on the default group (the loss
@@ -132,7 +132,20 @@ def verify(args: argparse.Namespace, tau: int, rounds: int, t_step: float) -> di
         waits, books = waits[1:], books[1:]
         opt.finalize()
     opt.topology.destroy()
-    steps = opt.engine.exchange_steps
+    return round_figures(base, co2, waits, books, rounds, tau, opt.engine.exchange_steps or None)
+
+
+def round_figures(
+    base: list[float],
+    co2: list[float],
+    waits: list[float],
+    books: list[float],
+    rounds: int,
+    tau: int,
+    steps: Optional[int],
+) -> dict:
+    """What `verify` reports of its rounds' seconds (compute-only `base`, `co2`), CO2's blocked `waits` and
+    bookkeeping `books`, each the slowest rank's (collective: every rank calls it in the same order)."""
     base_round = slowest_rank(statistics.mean(base))
     co2_round = slowest_rank(statistics.mean(co2))
     noise = slowest_rank(statistics.stdev(base) / statistics.mean(base) if len(base) > 1 else 0.0)
@@ -148,7 +161,7 @@ def verify(args: argparse.Namespace, tau: int, rounds: int, t_step: float) -> di
         "t_book": slowest_rank(statistics.mean(books)),
         "wait_fraction": slowest_rank(statistics.mean(waits)) / co2_round,
         "book_fraction": slowest_rank(statistics.mean(books)) / co2_round,
-        **exchange_hidden(steps or None, tau),
+        **exchange_hidden(steps, tau),
     }
 
 

@@ -89,7 +89,7 @@ def search_tau(args, ours, rec: dict, t_step: float) -> list[dict]:
     tau = rec["tau_comm"]
     for _ in range(ours.max_verifies):
         rounds = max(ours.verify_rounds, math.ceil(ours.verify_seconds / (tau * t_step)))
-        v = verify(args, tau, rounds, t_step)
+        v = verify(args, tau, rounds)
         v["verdict"] = verdict(v, ours.target_efficiency, ours.max_overhead)
         v["passes"] = v["verdict"] == "pass"
         checks.append(v)
