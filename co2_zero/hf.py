@@ -24,6 +24,7 @@ except ImportError as error:
     raise ImportError(f"co2_zero.hf needs DeepSpeed ({error}): pip install -e '.[hf]'") from error
 
 from . import checkpoint
+from .core.config import dotted
 from .core.errors import CO2Error
 from .core.plan import check_given
 from .core.step_budget import step_budget_problem
@@ -38,7 +39,7 @@ def check_co2_section(ds_config: Mapping[str, Any]) -> None:
     have no argument for: every key of `co2`. Raises ValueError naming the field for an `"auto"` value,
     and for whatever `co2_zero.deepspeed.split_config` refuses.
     """
-    for field, value in _leaves(ds_config.get("co2") or {}, "co2"):
+    for field, value in dotted(ds_config.get("co2") or {}, "co2").items():
         if value == "auto":
             raise ValueError(
                 f"co2 config: {field}='auto' is invalid here; accepted: an explicit value, or leave the key out "
@@ -46,16 +47,6 @@ def check_co2_section(ds_config: Mapping[str, Any]) -> None:
                 f"refuse it everywhere else"
             )
     co2_deepspeed.split_config(ds_config)
-
-
-def _leaves(section: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for key, value in section.items():
-        if isinstance(value, Mapping):
-            out.extend(_leaves(value, f"{prefix}.{key}"))
-        else:
-            out.append((f"{prefix}.{key}", value))
-    return out
 
 
 def _check_world_size(args: Any) -> None:
