@@ -1,18 +1,8 @@
-"""CO2 under Hugging Face Trainer (docs/design.md §6.3).
-
-Trainer builds its DeepSpeed engine through Accelerate, which calls `deepspeed.initialize`;
-`co2_zero.deepspeed.patch()` makes that call build CO2 when the config has a "co2" section. Importing
-this module changes nothing in DeepSpeed; `CO2Callback` calls `patch()` when it is created (adding it to
-a Trainer is the opt-in) and adds what only the training loop knows about:
-
-- before training, it checks the co2 section (no `"auto"` values; the same validation as
-  `co2_zero.deepspeed.initialize`) and, once the engine exists, that it really is a CO2 engine;
-- it logs each round's figures through Trainer's logs (`co2/round`, `co2/wait_s`, ...);
-- at the end of training it calls `finalize()`, so every rank holds the same model when Trainer or the
-  script saves it.
-
-Checkpoints need nothing here: Trainer saves and resumes a DeepSpeed run through the engine's
-`save_checkpoint` / `load_checkpoint`, which on a patched engine are co2_zero's per-rank versions.
+"""CO2 under Hugging Face Trainer (docs/huggingface.md; docs/design.md §6.3): `CO2Callback` calls
+`co2_zero.deepspeed.patch()` when it is created (adding it to a Trainer is the opt-in), so Accelerate's
+`deepspeed.initialize` builds CO2 for a config with a "co2" section; it checks that section and the engine,
+logs each round's figures and calls `finalize()` at the end of training. Checkpoints go through the patched
+engine's per-rank `save_checkpoint` / `load_checkpoint`.
 """
 
 from __future__ import annotations
@@ -34,6 +24,7 @@ except ImportError as error:
     raise ImportError(f"co2_zero.hf needs DeepSpeed ({error}): pip install -e '.[hf]'") from error
 
 from . import checkpoint
+from .core.config import dotted
 from .core.errors import CO2Error
 from .core.plan import check_given
 from .core.step_budget import step_budget_problem
@@ -48,7 +39,7 @@ def check_co2_section(ds_config: Mapping[str, Any]) -> None:
     have no argument for: every key of `co2`. Raises ValueError naming the field for an `"auto"` value,
     and for whatever `co2_zero.deepspeed.split_config` refuses.
     """
-    for field, value in _leaves(ds_config.get("co2") or {}, "co2"):
+    for field, value in dotted(ds_config.get("co2") or {}, "co2").items():
         if value == "auto":
             raise ValueError(
                 f"co2 config: {field}='auto' is invalid here; accepted: an explicit value, or leave the key out "
@@ -56,16 +47,6 @@ def check_co2_section(ds_config: Mapping[str, Any]) -> None:
                 f"refuse it everywhere else"
             )
     co2_deepspeed.split_config(ds_config)
-
-
-def _leaves(section: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for key, value in section.items():
-        if isinstance(value, Mapping):
-            out.extend(_leaves(value, f"{prefix}.{key}"))
-        else:
-            out.append((f"{prefix}.{key}", value))
-    return out
 
 
 def _check_world_size(args: Any) -> None:

@@ -1,17 +1,7 @@
-"""The contract between the round engine and each framework, and what the integrations share
-(docs/design.md §6). One section per concern:
-
-- the contract: every integration is an adapter, an optimizer of its framework with `CO2Steps` mixed
-  in, which finds this rank's `Partition`, says how to spread a rewritten partition over its replica,
-  names itself with an `Integration` value (checkpoints record it) and offers its framework's own state
-  for checkpoints (a `checkpoint.FrameworkState`) — `Adapter`;
-- the checks every adapter needs on the parameters it is given, written once;
-- how an integration holds its tensors: whole, or this rank's rows of a tensor sharded by rows
-  (`TensorRows`; FSDP2's lives in `co2_zero.fsdp`);
-- the checkpoint state of the optimizers that wrap a torch optimizer (`InnerOptimizerState`, the
-  `co2_zero.checkpoint.FrameworkState` of CO2Optimizer and CO2OSS; DeepSpeed's is in `co2_zero.deepspeed`).
-
-Imports no integration; the integrations import it.
+"""The contract between the round engine and each framework (`Adapter`, `CO2Steps`, `Integration`;
+docs/design.md §6), and what the integrations share: the checks on the parameters they are given, tensors
+held whole or by rows (`TensorRows`), and the checkpoint state of the optimizers that wrap a torch optimizer
+(`InnerOptimizerState`). Imports no integration; the integrations import it.
 """
 
 from __future__ import annotations

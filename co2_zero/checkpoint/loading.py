@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from ..core import support
-from ..core.config import PUBLISHED, CO2Config
+from ..core.config import PUBLISHED, CO2Config, dotted
 from ..core.errors import CO2Error, refusal
 from ..core.pace import Pace
 from ..core.support import Unsupported
@@ -239,19 +239,7 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
     buffers and frozen parameters from the saved replica of rank `rank % saved world`."""
     engine = framework.engine
     topology = engine.topology
-    saved_world, saved_grid = marker.get("world_size"), marker.get("grid")
-    saved_shards = saved_grid.get("shards") if isinstance(saved_grid, dict) else None
-    if not isinstance(saved_world, int) or not isinstance(saved_shards, int) or not 0 < saved_shards <= saved_world:
-        raise Refused(f"{directory / MARKER}: world_size={saved_world!r}, grid={saved_grid!r}")
-    try:
-        check_replicas_kept(engine.config, saved_world // saved_shards, topology.replicas)
-    except Unsupported as error:
-        raise Refused(f"{directory.name}: {error}") from error
-    if marker.get("config_hash") != engine.config.math_hash():  # resharding keeps the config: say what differs
-        fields = _config_difference(marker.get("config"), engine.config)
-        raise Refused(
-            f"{directory.name}: {fields}resharding needs the same co2 config; {_config_hint(marker.get('config_hash'))}"
-        )
+    saved_world, saved_shards = _saved_layout(directory, marker, engine)
     paced = engine.config.replica_tau is not None
     trainable = {n for n, p in framework.module.named_parameters(remove_duplicate=False) if p.requires_grad}
     needed = set(framework.module.state_dict()) - trainable
@@ -304,6 +292,25 @@ def _prepare_resharded(directory: Path, marker: dict[str, Any], framework: Frame
     return _Plan(apply, payload["extra"])
 
 
+def _saved_layout(directory: Path, marker: dict[str, Any], engine: Any) -> tuple[int, int]:
+    """The saved run's world size and shards per replica, refused where a resharded load cannot go from them
+    to this run (another number of replicas with `replica_tau`, another co2 config)."""
+    saved_world, saved_grid = marker.get("world_size"), marker.get("grid")
+    saved_shards = saved_grid.get("shards") if isinstance(saved_grid, dict) else None
+    if not isinstance(saved_world, int) or not isinstance(saved_shards, int) or not 0 < saved_shards <= saved_world:
+        raise Refused(f"{directory / MARKER}: world_size={saved_world!r}, grid={saved_grid!r}")
+    try:
+        check_replicas_kept(engine.config, saved_world // saved_shards, engine.topology.replicas)
+    except Unsupported as error:
+        raise Refused(f"{directory.name}: {error}") from error
+    if marker.get("config_hash") != engine.config.math_hash():  # resharding keeps the config: say what differs
+        fields = _config_difference(marker.get("config"), engine.config)
+        raise Refused(
+            f"{directory.name}: {fields}resharding needs the same co2 config; {_config_hint(marker.get('config_hash'))}"
+        )
+    return saved_world, saved_shards
+
+
 def check_replicas_kept(config: CO2Config, saved_replicas: int, replicas: int) -> None:
     """Raise `Unsupported` where the support table refuses a resharded load of a run of `saved_replicas` replicas
     at `replicas` under `config` (`replica_tau`: each replica's steps belong to its place)."""
@@ -322,21 +329,13 @@ def _config_hint(saved_hash: Any) -> str:
     return "resume with the same co2 config (the defaults and presets: docs/configuration.md)"
 
 
-def _flat(fields: dict[str, Any]) -> dict[str, Any]:
-    """`math_fields` as JSON holds them, nested sections as dotted names (gap_penalty.mode)."""
-    flat: dict[str, Any] = {}
-    for key, value in json.loads(json.dumps(fields)).items():
-        flat.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
-    return flat
-
-
 def _config_difference(saved: Any, config: CO2Config) -> str:
     """The co2 config fields that differ from the checkpoint's, each with both values ("" for a checkpoint
     without that record); a field left out is at its neutral value, the one that changes nothing. Compact:
     a refusal travels between ranks in 512 bytes."""
     if not isinstance(saved, dict):
         return ""
-    before, now = _flat(saved), _flat(config.math_fields())
+    before, now = (dotted(json.loads(json.dumps(fields))) for fields in (saved, config.math_fields()))  # as JSON
     differ = [name for name in sorted(set(before) | set(now)) if before.get(name) != now.get(name)]
 
     def value(fields: dict[str, Any], name: str) -> str:

@@ -85,6 +85,15 @@ def _identity_fields(section: Any) -> dict[str, Any]:
     return out
 
 
+def dotted(section: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A (nested) config section as `{dotted name: value}` (`gap_penalty.mode`, ...), each name after `prefix`."""
+    flat: dict[str, Any] = {}
+    for key, value in section.items():
+        name = f"{prefix}.{key}" if prefix else key
+        flat.update(dotted(value, name) if isinstance(value, Mapping) else {name: value})
+    return flat
+
+
 @dataclass(frozen=True)
 class GapPenalty:
     """How much a stale pseudo-gradient is trusted (docs/design.md §3c).
@@ -403,13 +412,7 @@ class CO2Config:
 
     def leaves(self) -> dict[str, Any]:
         """Every field as `{dotted name: value}` (`gap_penalty.mode`, ...), nested sections flattened."""
-        flat: dict[str, Any] = {}
-        for key, value in self.to_dict().items():
-            if isinstance(value, dict):
-                flat.update({f"{key}.{sub}": v for sub, v in value.items()})
-            else:
-                flat[key] = value
-        return flat
+        return dotted(self.to_dict())
 
     def math_fields(self) -> dict[str, Any]:
         """The fields that change the trajectory (not timeouts, collectives or sharding). A field whose metadata

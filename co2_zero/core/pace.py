@@ -173,8 +173,12 @@ def _hedged(taus: list[int], speeds: Sequence[float], tau: int, error: float) ->
 
     current = rate(taus)
     while True:
-        moves = [taus[:r] + [taus[r] + d] + taus[r + 1 :] for r in range(len(taus)) for d in (-1, 1)
-                 if r != fastest and 1 <= taus[r] + d and (taus[r] + d) / speeds[r] < longest]  # fmt: skip
+        moves = [
+            taus[:r] + [taus[r] + d] + taus[r + 1 :]
+            for r in range(len(taus))
+            for d in (-1, 1)
+            if r != fastest and 1 <= taus[r] + d and (taus[r] + d) / speeds[r] < longest
+        ]
         best_rate, best = max(((rate(m), m) for m in moves), key=lambda rated: rated[0], default=(current, taus))
         if best_rate <= current * (1 + 1e-12):
             return taus

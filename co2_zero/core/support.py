@@ -139,55 +139,132 @@ _FIXED_OWNERS = (
 
 TABLE: tuple[Refusal, ...] = (
     # the exchange
-    _row("collective", one_of("reduce_scatter", "all_reduce"), "'auto' or 'all_gather', or topk: 1.0",
-         "a sparse exchange cannot be summed along a ring; its payloads are all-gathered", topk=_SPARSE),
-    _row("collective", one_of("all_gather"), "'auto', 'reduce_scatter' or 'all_reduce', or topk < 1",
-         "all_gather carries only a sparse exchange", topk=_DENSE),
-    _row("feedback_decay", besides(1.0, "auto"), "1.0 or 'auto', or topk < 1",
-         "the dense formats keep their whole residual", topk=_DENSE),
+    _row(
+        "collective",
+        one_of("reduce_scatter", "all_reduce"),
+        "'auto' or 'all_gather', or topk: 1.0",
+        "a sparse exchange cannot be summed along a ring; its payloads are all-gathered",
+        topk=_SPARSE,
+    ),
+    _row(
+        "collective",
+        one_of("all_gather"),
+        "'auto', 'reduce_scatter' or 'all_reduce', or topk < 1",
+        "all_gather carries only a sparse exchange",
+        topk=_DENSE,
+    ),
+    _row(
+        "feedback_decay",
+        besides(1.0, "auto"),
+        "1.0 or 'auto', or topk < 1",
+        "the dense formats keep their whole residual",
+        topk=_DENSE,
+    ),
     # the schedule and the stand-ins (docs/design.md §3)
-    _row("sync_delay", _STEP, "null or 'auto' (both: at once), or overlap: true",
-         "a blocking round applies its average at once", overlap=one_of(False)),
-    _row("overlap", one_of(False), "true, or stand_in: 'auto' or 'shared'",
-         "a blocking round has no average in flight to stand in for", stand_in=one_of("local")),
-    _row("plan.collective", one_of("reduce_scatter"), "collective: 'all_reduce' (or topk < 1, which all-gathers), "
-         "or stand_in: 'shared' with an outer step for it (co2_zero.core.config.PUBLISHED's)",
-         "the local stand-in would follow a copy of the outer momentum that a clipped step leaves unknown",
-         clip__mode=besides("none"), plan__stand_in=one_of("local")),
+    _row(
+        "sync_delay",
+        _STEP,
+        "null or 'auto' (both: at once), or overlap: true",
+        "a blocking round applies its average at once",
+        overlap=one_of(False),
+    ),
+    _row(
+        "overlap",
+        one_of(False),
+        "true, or stand_in: 'auto' or 'shared'",
+        "a blocking round has no average in flight to stand in for",
+        stand_in=one_of("local"),
+    ),
+    _row(
+        "plan.collective",
+        one_of("reduce_scatter"),
+        "collective: 'all_reduce' (or topk < 1, which all-gathers), "
+        "or stand_in: 'shared' with an outer step for it (co2_zero.core.config.PUBLISHED's)",
+        "the local stand-in would follow a copy of the outer momentum that a clipped step leaves unknown",
+        clip__mode=besides("none"),
+        plan__stand_in=one_of("local"),
+    ),
     # replicas of different speeds (docs/design.md §3)
     _row("sync_delay", _STEP, "null or 'auto' (the round end: rounds differ in length)", _UNTESTED, replica_tau=_SET),
     _row("comm_dtype", one_of("bf16"), "'fp32', 'int8', 'fp8', 'int4' or 'int2'", _UNTESTED, replica_tau=_SET),
-    _row("replica_tau", _SET, "null", "each replica has to run rounds x its own steps_per_round steps; a loop "
-         "of your own runs it, or co2-train", driver=one_of("lightning", "hf-trainer")),
-    _row("replica_tau", _SET, "null; or CO2Optimizer with the membership in a loop of your own",
-         "co2-train's elastic replicas count their own steps, and with 'auto' each round's differ",
-         driver=one_of("co2-train"), elastic=_ELASTIC),
-    _row("replica_tau", besides(None, "auto"), "null or 'auto' (each replica measures its own steps per round)",
-         "a list is keyed by the replica's place in a fixed grid, and each round's quorum changes who is averaged",
-         elastic=_ELASTIC),
-    _row("replica_tau", _SET, "null, or resume with the saved run's number of replicas (any number of shards per "
-         "replica)", "each replica's steps and data position belong to its place among the replicas",
-         replicas_changed=one_of(True)),
+    _row(
+        "replica_tau",
+        _SET,
+        "null",
+        "each replica has to run rounds x its own steps_per_round steps; a loop of your own runs it, or co2-train",
+        driver=one_of("lightning", "hf-trainer"),
+    ),
+    _row(
+        "replica_tau",
+        _SET,
+        "null; or CO2Optimizer with the membership in a loop of your own",
+        "co2-train's elastic replicas count their own steps, and with 'auto' each round's differ",
+        driver=one_of("co2-train"),
+        elastic=_ELASTIC,
+    ),
+    _row(
+        "replica_tau",
+        besides(None, "auto"),
+        "null or 'auto' (each replica measures its own steps per round)",
+        "a list is keyed by the replica's place in a fixed grid, and each round's quorum changes who is averaged",
+        elastic=_ELASTIC,
+    ),
+    _row(
+        "replica_tau",
+        _SET,
+        "null, or resume with the saved run's number of replicas (any number of shards per replica)",
+        "each replica's steps and data position belong to its place among the replicas",
+        replicas_changed=one_of(True),
+    ),
     # where the config runs
-    _row("shards_per_replica", besides("node", 1), "1 or 'node' (read as 1); shard a replica with FSDP2 "
-         "(co2_zero.fsdp.replica_mesh), co2_zero.fairscale.CO2OSS or co2_zero.deepspeed",
-         "it cannot shard a replica", integration=one_of("plain")),
+    _row(
+        "shards_per_replica",
+        besides("node", 1),
+        "1 or 'node' (read as 1); shard a replica with FSDP2 "
+        "(co2_zero.fsdp.replica_mesh), co2_zero.fairscale.CO2OSS or co2_zero.deepspeed",
+        "it cannot shard a replica",
+        integration=one_of("plain"),
+    ),
     # elastic replicas (docs/elastic.md)
-    _row("elastic", _ELASTIC, ELASTIC_ONES, "elastic training runs on CO2Optimizer only",
-         integration=one_of("fairscale", "deepspeed")),
+    _row(
+        "elastic",
+        _ELASTIC,
+        ELASTIC_ONES,
+        "elastic training runs on CO2Optimizer only",
+        integration=one_of("fairscale", "deepspeed"),
+    ),
     _row("topk", _SPARSE, "1.0", _FIXED_OWNERS, elastic=_ELASTIC),
     _row("comm_dtype", besides("fp32", "bf16"), "'fp32' or 'bf16'", _FIXED_OWNERS, elastic=_ELASTIC),
-    _row("plan.collective", besides("all_reduce"), "collective: 'all_reduce' (or 'auto' on gloo)",
-         "every replica keeps the whole partition's outer state, so a lost replica takes nothing with it",
-         elastic=_ELASTIC),
+    _row(
+        "plan.collective",
+        besides("all_reduce"),
+        "collective: 'all_reduce' (or 'auto' on gloo)",
+        "every replica keeps the whole partition's outer state, so a lost replica takes nothing with it",
+        elastic=_ELASTIC,
+    ),
     _row("overlap", one_of(False), "true", "elastic mode runs CO2's overlapped rounds", elastic=_ELASTIC),
-    _row("plan.sync_delay", one_of("fixed"), "'auto' (the round end there), null, or the value of tau ({tau})",
-         "a quorum is formed and healed at round ends, where the average in flight is applied", elastic=_ELASTIC),
-    _row("float_buffers", besides(0), "a model without float buffers, or no membership",
-         "elastic mode does not average buffers across replicas", elastic=_ELASTIC),
-    _row("replicas", besides(1), "one replica per launch (one torchrun per replica, its ranks the replica's shards)",
-         "each replica group is its own launch", elastic=_ELASTIC),
-)  # fmt: skip
+    _row(
+        "plan.sync_delay",
+        one_of("fixed"),
+        "'auto' (the round end there), null, or the value of tau ({tau})",
+        "a quorum is formed and healed at round ends, where the average in flight is applied",
+        elastic=_ELASTIC,
+    ),
+    _row(
+        "float_buffers",
+        besides(0),
+        "a model without float buffers, or no membership",
+        "elastic mode does not average buffers across replicas",
+        elastic=_ELASTIC,
+    ),
+    _row(
+        "replicas",
+        besides(1),
+        "one replica per launch (one torchrun per replica, its ranks the replica's shards)",
+        "each replica group is its own launch",
+        elastic=_ELASTIC,
+    ),
+)
 
 
 def refusal(facts: Mapping[str, Any]) -> Refusal | None:

@@ -10,6 +10,7 @@ DeepSpeed. Both ways the workarounds of `workarounds.py` apply.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from typing import Any, Iterator, Mapping, Optional
 
@@ -157,6 +158,14 @@ def initialize(
     if co2 is None:
         _forget_replica_mpu()
         return deepspeed.initialize(**given, training_data=training_data, config=ds_config, **kwargs)
+    return _co2_initialize(given, training_data, ds_config, co2, kwargs)
+
+
+def _co2_initialize(
+    given: dict[str, Any], training_data: Any, ds_config: dict[str, Any], co2: Any, kwargs: dict[str, Any]
+) -> tuple[Any, Any, Any, Any]:
+    """`initialize` with a co2 section: DeepSpeed's engine on the replica's group, its ZeRO optimizer
+    re-classed as `CO2ZeroOptimizer`, the data sampled over all ranks, co2_zero's checkpoint methods."""
     if kwargs.get("mpu") is not None or kwargs.get("mesh_param") is not None:
         raise ValueError("co2: mpu / mesh_param cannot be combined with a co2 section (no model parallelism)")
     kwargs.pop("mpu", None)
@@ -182,9 +191,5 @@ def initialize(
 
 
 def _bound(function: Any, engine: Any) -> Any:
-    def method(*args: Any, **kwargs: Any) -> Any:
-        return function(engine, *args, **kwargs)
-
-    method.__doc__ = function.__doc__
-    method.__name__ = function.__name__
-    return method
+    """`function(engine, ...)` as a method of `engine`, with `function`'s name and docstring."""
+    return functools.update_wrapper(functools.partial(function, engine), function)

@@ -1,14 +1,10 @@
-"""`patch()` / `unpatch()`: routing DeepSpeed's own entry point through co2_zero.
+"""`patch()` / `unpatch()`: routing DeepSpeed's own entry point through co2_zero (docs/design.md §6.3).
 
-Hugging Face Trainer and Accelerate (and Lightning) call `deepspeed.initialize` themselves, and DeepSpeed
-ignores unknown top-level config keys: without help a "co2" section would be dropped without a word.
-`patch()` routes DeepSpeed's `initialize` through `_dispatch`, which builds CO2 for a config with a co2
-section; `unpatch()` puts DeepSpeed's code back. Importing co2_zero.deepspeed changes nothing in DeepSpeed.
-The routing replaces the *code* of DeepSpeed's function object, not the `deepspeed.initialize`
-attribute: Accelerate reads the attribute at call time, but a script that ran `from deepspeed import
-initialize` earlier holds the function object itself, and only changing the object reaches it. A copy
-of the original function is what every call without a co2 section runs, including the one co2_zero's
-own `initialize` makes (its config no longer has the section): the routing never recurses.
+Trainer, Accelerate and Lightning call `deepspeed.initialize` themselves, and DeepSpeed ignores unknown
+top-level keys, so a "co2" section would be dropped without a word. `patch()` replaces the *code* of
+DeepSpeed's function object (reaching a name bound by `from deepspeed import initialize` too) with
+`_dispatch`, which builds CO2 for a config with a co2 section and runs a copy of the original otherwise
+(co2_zero's own `initialize` included: nothing recurses). Importing co2_zero.deepspeed changes nothing.
 """
 
 from __future__ import annotations

@@ -37,9 +37,11 @@ def quiet_torchft(manager: Any) -> Any:
     if server is not None:
         server.RequestHandlerClass.log_request = _no_access_line
     warnings.filterwarnings(
-        "ignore", message="The given buffer is not writable", category=UserWarning,
+        "ignore",
+        message="The given buffer is not writable",
+        category=UserWarning,
         module=r"torch\.distributed\._serialization",
-    )  # fmt: skip
+    )
     return manager
 
 

@@ -1,15 +1,9 @@
 """`CO2DeepSpeedStrategy`: Lightning's `DeepSpeedStrategy` with a `"co2"` section, on GPUs and on CPU.
 
-The engine is built by `co2_zero.deepspeed.initialize` (ZeRO-1/2 inside each replica, CO2 across them),
-called directly: no process-wide `patch()`. Lightning's DeepSpeedStrategy assumes CUDA: it refuses any
-other accelerator in `setup_environment`, and reads a device index (which a CPU device lacks) in its
-check that the indices match the local ranks and as the `device_rank` of both its
-`deepspeed.initialize` calls (fit, and validate/test/predict). On a CPU accelerator (DeepSpeed runs there
-with `DS_ACCELERATOR=cpu`), `setup_environment` lets it through and names each rank's device
-`cpu:<local rank>`, as DeepSpeed itself names it (torch places tensors on the CPU either way), which
-answers both index reads. The process group comes from `co2_zero.deepspeed.init_distributed`,
-DeepSpeed's own without the JIT build of an inference-only op. Checkpoints, the round figures and
-`finalize()` are `common.CO2Hooks`'; the per-rank files are `co2_zero.deepspeed.save_checkpoint`'s.
+The engine is built by `co2_zero.deepspeed.initialize`, called directly (no process-wide `patch()`). On a
+CPU accelerator (`DS_ACCELERATOR=cpu`) `setup_environment` lets it through and names each rank's device
+`cpu:<local rank>`, which answers Lightning's device-index reads (docs/lightning.md). Checkpoints, round
+figures and `finalize()` are `common.CO2Hooks`'.
 """
 
 from __future__ import annotations

@@ -97,8 +97,10 @@ class Batches:
         self.stream = stream
         self.gen = torch.Generator().manual_seed(args.seed + stream)
         val_gen = torch.Generator().manual_seed(args.seed)  # same held-out batches everywhere, every time
-        self.val = [self._on_device(*get_batch(val, args.batch_size, args.block_size, val_gen))
-                    for _ in range(args.eval_batches)]  # fmt: skip
+        self.val = [
+            self._on_device(*get_batch(val, args.batch_size, args.block_size, val_gen))
+            for _ in range(args.eval_batches)
+        ]
 
     def _on_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         check_vocab(x, y, self.args.vocab_size)

@@ -1,18 +1,8 @@
 """Machine-readable events of a run (--events_jsonl) and the stop file a benchmark ends it with (--stop_file).
 
-Why: the elastic benchmark (scripts/bench_elastic.py) measures what a failure costs from outside the
-processes it kills: when each replica completed each step, with how many replicas, which rounds were
-cut, and whether every replica ended on the same parameters. A SIGKILLed writer may leave a partial
-last line; readers skip it. Times are the host's wall clock (`time.time()`), shared by every
-process of the emulated cluster. scripts/torchft_peer.py writes the same format.
-
-One JSON object per line, `{"t": ..., "event": ..., ...}`:
-
-- `start`: `step` (where this process starts), `replica_id`, `joined_at` (None: the job's start)
-- `step`: `step` (optimizer steps done), `replicas` (the size of the quorum it trained in), `quorum`
-  (the replica ids in it, where known)
-- `round`: `round`, `replicas`, `committed` (False: the round's exchange was cut and dropped)
-- `final`: `step`, `digest` (sha256 of the parameters after the last round)
+The elastic benchmark (scripts/bench_elastic.py) measures what a failure costs from outside the processes
+it kills; docs/training-job.md lists the events. One JSON object per line, `{"t": ..., "event": ...}`, at
+the host's wall clock; a SIGKILLed writer may leave a partial last line, which readers skip.
 """
 
 from __future__ import annotations

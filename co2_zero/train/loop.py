@@ -7,38 +7,37 @@ log line, the round ends since the start) and `Console` (rank 0's log lines, pro
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-import torch._dynamo  # noqa: F401  before any process group (below)
 import torch.distributed as dist
 
-from ..core.deadline import all_reduce, barrier
+from ..core.deadline import barrier
 from ..core.plan import check_given
-from .args import CO2_METHODS, co2_config, get_args
+from .args import get_args
 from .checkpoints import resume, rng_state, save, save_root, write_latest
-from .collectives import deadline_s, mean_loss_and_stop
+from .co2_flags import CO2_METHODS, co2_config
+from .collectives import deadline_s, evaluate, mean_loss_and_stop, setup_dist
 from .data import Batches, elastic_stream
-from .engines import Trainer, autocast, build_trainer
+from .engines import Trainer, build_trainer
 from .events import Events, parameter_digest, stop_step
 from .model import flops_per_token, gpt_from_args
 from .ownership import claim_save_dir
 from .pacing import JobSteps
 from .preflight import fit_to_whole_rounds, warn_single_process
 from .state import Clock, Console, RoundEnd, Tally
+from .summary import elastic_record, elastic_summary, summary_line
 
 # Every process group of the job must end before the interpreter shuts down: gloo's threads, ended with
 # it, can abort the process ("terminate called without an active exception"; docs/design.md §8). Two
 # things keep a group past destroy_process_group(): torch._dynamo imported after init_process_group (the
-# first torch.optim optimizer imports it) holds the default group to the end, hence its import above; and
-# reference cycles among the job's objects hold the CO2 groups until a collection, hence gc in main().
+# first torch.optim optimizer imports it) holds the default group to the end, hence its import beside
+# setup_dist (collectives.py); and reference cycles among the job's objects hold the CO2 groups until a
+# collection, hence gc in main().
 DESCRIPTION = "Train a GPT with CO2 or a baseline: a tiny byte-level model on CPUs, GPT-2 sizes on GPUs."
 
 
@@ -97,35 +96,6 @@ class Job:
 # ---- build -------------------------------------------------------------------------------------------
 
 
-def setup_dist(device: str = "cpu", backend: Optional[str] = None) -> tuple[int, int]:
-    """Join the launcher's process group (or make a world of one); on CUDA pick this rank's GPU."""
-    if "WORLD_SIZE" not in os.environ:  # one plain process: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-    backend = backend or ("nccl" if device == "cuda" else "gloo")
-    if device == "cuda":
-        _pick_gpu(backend)
-    dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _pick_gpu(backend: str) -> None:
-    if not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: torch sees no CUDA device here; accepted: --device cpu")
-    gpus, local = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)  # torchrun, deepspeed
-    if backend == "nccl" and per_node > gpus:
-        raise RuntimeError(
-            f"--device cuda --backend nccl needs one GPU per rank: {per_node} ranks on this node but "
-            f"{gpus} GPU(s) visible; accepted: at most {gpus} ranks per node, or --backend gloo to share GPUs"
-        )
-    torch.cuda.set_device(local % gpus)
-
-
 def build(args) -> Job:
     """Process group, data, model and engine; resume if asked; the header line."""
     torch.set_num_threads(args.threads)
@@ -150,10 +120,21 @@ def build(args) -> Job:
     claim_save_dir(args, trainer, config)  # before it trains: a --save_dir with another run's checkpoints is refused
     if args.lighthouse:  # this replica's own stream (by --replica_id), at the step it starts from
         batches.seek(start_step)
-    n_params = sum(p.numel() for p in model.parameters())
-    events = Events(args.events_jsonl if rank == 0 else None)
-    job = Job(args, rank, world, device, config, trainer, batches, console, n_params, steps, start_step,
-              joined_at, events)  # fmt: skip
+    job = Job(
+        args=args,
+        rank=rank,
+        world=world,
+        device=device,
+        config=config,
+        trainer=trainer,
+        batches=batches,
+        console=console,
+        n_params=sum(p.numel() for p in model.parameters()),
+        steps=steps,
+        start_step=start_step,
+        joined_at=joined_at,
+        events=Events(args.events_jsonl if rank == 0 else None),
+    )
     console.line(header(job))
     if not args.resume:
         console.new_json()
@@ -195,27 +176,6 @@ def header(job: Job) -> str:
 # ---- validate, train, finish -------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def evaluate(model, batches, rank, world, alone, args=None, shards=1) -> float:
-    """Mean loss over the fixed held-out batches. Ranks split the batches and all-reduce
-    (all hold the same model); alone=True: this rank evaluates every batch by itself. `shards` > 1
-    (FSDP2: every forward is a collective over the replica): the ranks of a replica evaluate the same
-    batches, which scales the sum and the count alike."""
-    was_training = model.training
-    model.eval()
-    mine = batches if alone else batches[rank // shards :: world // shards]
-    device = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    with autocast(args) if args is not None else contextlib.nullcontext():
-        for x, y in mine:
-            total += model(x, y).double()
-    s = torch.stack([total, torch.tensor(float(len(mine)), dtype=torch.float64, device=device)])
-    if not alone and world > 1:
-        all_reduce(s, "the validation loss", deadline_s(None, args))
-    model.train(was_training)
-    return (s[0] / s[1]).item()
-
-
 def validate(job: Job, clock: Clock) -> Optional[float]:
     """The held-out loss (`none`: rank 0's own model, evaluated by rank 0 alone; None elsewhere)."""
     with clock.paused():
@@ -234,8 +194,7 @@ def start(job: Job, clock: Clock) -> Optional[float]:
     v0 = validate(job, clock)
     if job.master:
         job.console.line(f"step {step} | val {v0:.4f}")
-    job.console.record(method=a.method, step=step, tokens=job.steps.tokens(step), elapsed_s=0.0, loss=None,
-                       tokens_per_s=None, wait_s=None, round_end_s=None, val_loss=v0)  # fmt: skip
+    step_record(job, step, elapsed_s=0.0, loss=None, tokens_per_s=None, wait_s=None, round_end_s=None, val_loss=v0)
     clock.start(step)  # after validate's barrier
     job.events.emit("start", step=step, replica_id=a.replica_id, joined_at=job.joined_at)
     return v0
@@ -345,11 +304,26 @@ def log_point(job: Job, clock: Clock, tally: Tally, step: int, end: RoundEnd) ->
     msg += f" | mfu {100 * mfu:.1f}% | mem {job.memory_gib():.1f} GiB" if mfu is not None else ""
     msg += f" | val {v:.4f}" if v is not None else ""
     job.console.line(msg + f" | lr {job.trainer.lr():.2e}")
-    job.console.record(method=a.method, step=step, tokens=job.steps.tokens(step), lr=job.trainer.lr(),
-                       elapsed_s=clock.training_s(now), loss=loss, tokens_per_s=tps, wait_s=end.wait_s,
-                       round_end_s=end.round_end_s, val_loss=v, mfu=mfu, max_memory_gib=job.memory_gib())  # fmt: skip
+    step_record(
+        job,
+        step,
+        lr=job.trainer.lr(),
+        elapsed_s=clock.training_s(now),
+        loss=loss,
+        tokens_per_s=tps,
+        wait_s=end.wait_s,
+        round_end_s=end.round_end_s,
+        val_loss=v,
+        mfu=mfu,
+        max_memory_gib=job.memory_gib(),
+    )
     clock.mark(step)
     return stop
+
+
+def step_record(job: Job, step: int, **fields: Any) -> None:
+    """One step's JSON record (rank 0): the method, the job's step and its tokens, then `fields`."""
+    job.console.record(method=job.args.method, step=step, tokens=job.steps.tokens(step), **fields)
 
 
 def job_mfu(job: Job, tokens_per_s: float) -> Optional[float]:
@@ -377,57 +351,41 @@ def finish(job: Job, clock: Clock, tally: Tally, step: int, initial: Optional[fl
     replicas, shards = trainer.grid(job.world)
     if job.master:
         resumed_at = job.start_step if a.resume else None
-        line = summary_line(final, initial, steps_run, resumed_at, train_s, tokens_per_s, (replicas, shards),
-                            tally if trainer.co2 else None)  # fmt: skip
+        line = summary_line(
+            final,
+            initial,
+            steps_run,
+            resumed_at,
+            train_s,
+            tokens_per_s,
+            (replicas, shards),
+            tally if trainer.co2 else None,
+        )
         job.console.line(line + elastic_summary(job))
-    job.console.record(summary=True, method=a.method, engine=a.engine, world_size=job.world, steps=step,
-                       steps_run=steps_run, resumed_at=job.start_step if a.resume else None,
-                       tokens=job.steps.tokens(step), elapsed_s=train_s, tokens_per_s=tokens_per_s,
-                       wait_s=tally.wait_s if trainer.co2 or a.method == "none" else None,
-                       round_end_s=tally.round_end_s if trainer.co2 else None, initial_val_loss=initial,
-                       val_loss=final, replicas=replicas, shards=shards,
-                       **(tally.exchange_record() if trainer.co2 else {"rounds": None, "bytes_sent": None}),
-                       co2_state_bytes=trainer.opt.co2_state_bytes() if trainer.co2 else 0, n_params=job.n_params,
-                       mfu=tally.last_mfu, max_memory_gib=job.memory_gib(), args=vars(a),
-                       **elastic_record(job))  # fmt: skip
+    job.console.record(
+        summary=True,
+        method=a.method,
+        engine=a.engine,
+        world_size=job.world,
+        steps=step,
+        steps_run=steps_run,
+        resumed_at=job.start_step if a.resume else None,
+        tokens=job.steps.tokens(step),
+        elapsed_s=train_s,
+        tokens_per_s=tokens_per_s,
+        wait_s=tally.wait_s if trainer.co2 or a.method == "none" else None,
+        round_end_s=tally.round_end_s if trainer.co2 else None,
+        initial_val_loss=initial,
+        val_loss=final,
+        replicas=replicas,
+        shards=shards,
+        **(tally.exchange_record() if trainer.co2 else {"rounds": None, "bytes_sent": None}),
+        co2_state_bytes=trainer.opt.co2_state_bytes() if trainer.co2 else 0,
+        n_params=job.n_params,
+        mfu=tally.last_mfu,
+        max_memory_gib=job.memory_gib(),
+        args=vars(a),
+        **elastic_record(job),
+    )
     job.barrier()
     dist.destroy_process_group()
-
-
-def elastic_summary(job: Job) -> str:
-    """The summary line's elastic end: where this replica joined and every change of the quorum it saw."""
-    membership = job.trainer.membership
-    if membership is None:
-        return ""
-    joined = f" | joined at step {job.joined_at}" if job.joined_at is not None else ""
-    return f"{joined} | membership: {', '.join(membership.changes) or 'no changes'}"
-
-
-def elastic_record(job: Job) -> dict:
-    """The summary record's elastic fields (none when not elastic)."""
-    membership = job.trainer.membership
-    if membership is None:
-        return {}
-    return {"replica_id": job.args.replica_id, "joined_at": job.joined_at, "membership_changes": membership.changes}
-
-
-def summary_line(final: float, initial: float, steps_run: int, resumed_at: Optional[int], train_s: float,
-                 tokens_per_s: float, grid: tuple[int, int], co2: Optional[Tally]) -> str:  # fmt: skip
-    """The run's last line. Parsers read its start, "final val loss X (initial Y)"; new fields go at
-    the end. `co2`: the tally of a CO2 run (rounds, rank 0's bytes sent and seconds blocked)."""
-    resumed = f" (resumed at step {resumed_at})" if resumed_at is not None else ""
-    line = (
-        f"final val loss {final:.4f} (initial {initial:.4f}) | {steps_run} steps{resumed} in {train_s:.1f}s | "
-        f"{tokens_per_s:,.0f} tok/s | R x S = {grid[0]} x {grid[1]}"
-    )
-    if co2 is not None:
-        rounds = f"{co2.rounds} round" + ("" if co2.rounds == 1 else "s")
-        line += f" | {rounds} | rank 0: {_bytes(co2.bytes_sent)} sent, {co2.wait_s:.2f}s blocked"
-    return line
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .loop import _bytes as shown_bytes
+from .summary import shown_bytes
 
 
 def report(r: dict) -> None:

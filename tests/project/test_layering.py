@@ -189,3 +189,16 @@ def test_elastic_calls_no_round_engine_method():
     assert len(files) > 3, files
     offenders = {path.name: engine_calls(path.read_text()) for path in files}
     assert {name: calls for name, calls in offenders.items() if calls} == {}
+
+
+def test_no_module_keeps_its_layout_from_the_formatter():
+    """A module is laid out by `ruff format` as it comes: a `fmt: skip` (or `fmt: off`) folds lines to meet
+    the length limit instead of splitting the module where its responsibilities part."""
+    pragmas = ("fmt: skip", "fmt: off")
+    found = {
+        f"{p.relative_to(ROOT)}:{number}"
+        for p in (ROOT / "co2_zero").rglob("*.py")
+        for number, line in enumerate(p.read_text().splitlines(), 1)
+        if any(pragma in line for pragma in pragmas)
+    }
+    assert found == set(), sorted(found)
