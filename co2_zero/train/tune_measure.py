@@ -15,23 +15,29 @@ import torch
 import torch.distributed as dist
 
 from co2_zero import CO2Config, CO2Optimizer
+from co2_zero.core import deadline
 from co2_zero.core.schedule import delay_for
 from co2_zero.core.topology import collective_device
 from co2_zero.train.co2_flags import co2_config
 from co2_zero.train.link import link_seconds, round_bytes, round_messages
 from co2_zero.train.model import gpt_from_args
 
+TIMEOUT_S = CO2Config().timeout_s  # the deadline of the tuner's own collectives unless a config gives one
 
-def slowest_rank(seconds: float) -> float:
-    """Max over all ranks (the slowest replica gates a round)."""
+
+def slowest_rank(seconds: float, timeout_s: float = TIMEOUT_S) -> float:
+    """Max over all ranks (the slowest replica gates a round), within `timeout_s`: a lost rank is a CO2Error
+    naming it (`co2_zero.core.deadline`)."""
     device = collective_device() if dist.is_initialized() else "cpu"
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        deadline.all_reduce(t, "the tuner's slowest-rank time", timeout_s, op=dist.ReduceOp.MAX)
     return t.item()
 
 
-def measure_step_time(step_fn: Callable[[], None], steps: int = 10, warmup: int = 3) -> dict:
+def measure_step_time(
+    step_fn: Callable[[], None], steps: int = 10, warmup: int = 3, timeout_s: float = TIMEOUT_S
+) -> dict:
     """Median seconds of `step_fn()` (one inner step, no communication), slowest rank."""
     for _ in range(warmup):
         step_fn()
@@ -40,7 +46,7 @@ def measure_step_time(step_fn: Callable[[], None], steps: int = 10, warmup: int 
         t = time.perf_counter()
         step_fn()
         times.append(time.perf_counter() - t)
-    return {"t_step": slowest_rank(statistics.median(times)), "samples": [round(x, 4) for x in times]}
+    return {"t_step": slowest_rank(statistics.median(times), timeout_s), "samples": [round(x, 4) for x in times]}
 
 
 def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, reps: int = 5) -> dict:
@@ -60,7 +66,7 @@ def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, reps: 
     opt = CO2Optimizer(torch.optim.SGD([flat], lr=0.0), config)
     times, sent = [], []
     for round_index in range(reps + 2):  # round 0 has nothing in flight; round 1 warms up connections
-        dist.barrier()
+        deadline.barrier("the tuner's barrier before an exchange", config.timeout_s, device)
         t = time.perf_counter()
         opt.step()
         if round_index >= 2:
@@ -68,7 +74,7 @@ def measure_exchange_time(numel: int, config: Optional[CO2Config] = None, reps: 
             sent.append(opt.last_round["bytes_sent"])
     opt.finalize()
     opt.topology.destroy()
-    t_comm = slowest_rank(statistics.median(times))
+    t_comm = slowest_rank(statistics.median(times), config.timeout_s)
     replicas = opt.topology.replicas
     return {
         "t_comm": t_comm,
@@ -113,7 +119,7 @@ def verify(args: argparse.Namespace, tau: int, rounds: int) -> dict:
                 opt.zero_grad()
                 loss.backward()
                 step_fn()
-            dist.all_reduce(log)
+            deadline.all_reduce(log, "the tuner's round-end all-reduce", opt.config.timeout_s)
             seconds.append(time.perf_counter() - t)
         return seconds
 
@@ -132,7 +138,8 @@ def verify(args: argparse.Namespace, tau: int, rounds: int) -> dict:
         waits, books = waits[1:], books[1:]
         opt.finalize()
     opt.topology.destroy()
-    return round_figures(base, co2, waits, books, rounds, tau, opt.engine.exchange_steps or None)
+    steps = opt.engine.exchange_steps or None
+    return round_figures(base, co2, waits, books, rounds, tau, steps, opt.config.timeout_s)
 
 
 def round_figures(
@@ -143,12 +150,15 @@ def round_figures(
     rounds: int,
     tau: int,
     steps: Optional[int],
+    timeout_s: float = TIMEOUT_S,
 ) -> dict:
     """What `verify` reports of its rounds' seconds (compute-only `base`, `co2`), CO2's blocked `waits` and
-    bookkeeping `books`, each the slowest rank's (collective: every rank calls it in the same order)."""
-    base_round = slowest_rank(statistics.mean(base))
-    co2_round = slowest_rank(statistics.mean(co2))
-    noise = slowest_rank(statistics.stdev(base) / statistics.mean(base) if len(base) > 1 else 0.0)
+    bookkeeping `books`, each the slowest rank's (collective: every rank calls it in the same order, each
+    within `timeout_s`)."""
+    base_round = slowest_rank(statistics.mean(base), timeout_s)
+    co2_round = slowest_rank(statistics.mean(co2), timeout_s)
+    noise = slowest_rank(statistics.stdev(base) / statistics.mean(base) if len(base) > 1 else 0.0, timeout_s)
+    wait_s, t_book = slowest_rank(statistics.mean(waits), timeout_s), slowest_rank(statistics.mean(books), timeout_s)
     return {
         "noise": noise,
         "tau": tau,
@@ -157,10 +167,10 @@ def round_figures(
         "round_s": co2_round,
         "efficiency": base_round / co2_round,
         "round_overhead_s": co2_round - base_round,
-        "wait_s": slowest_rank(statistics.mean(waits)),
-        "t_book": slowest_rank(statistics.mean(books)),
-        "wait_fraction": slowest_rank(statistics.mean(waits)) / co2_round,
-        "book_fraction": slowest_rank(statistics.mean(books)) / co2_round,
+        "wait_s": wait_s,
+        "t_book": t_book,
+        "wait_fraction": wait_s / co2_round,
+        "book_fraction": t_book / co2_round,
         **exchange_hidden(steps, tau),
     }
 

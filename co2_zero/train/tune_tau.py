@@ -27,7 +27,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from co2_zero.core import deadline
 from co2_zero.core.schedule import MARGIN
+from co2_zero.core.topology import collective_device
 from co2_zero.train.args import HelpWithDefaults
 from co2_zero.train.args import get_args as training_args
 from co2_zero.train.cli import ToolParser, run_tool
@@ -220,7 +222,7 @@ def tune(argv: Optional[Sequence[str]] = None) -> dict:
         loss.backward()
         inner.step()
 
-    compute = measure_step_time(step, steps=ours.steps)
+    compute = measure_step_time(step, steps=ours.steps, timeout_s=config.timeout_s)
     if ours.link_mbit is not None:
         replicas = ours.replicas or max(2, world)
         comm = link_exchange(numel, config, replicas, ours.link_mbit, ours.latency_ms)
@@ -252,7 +254,7 @@ def tune(argv: Optional[Sequence[str]] = None) -> dict:
         if ours.tune_json:
             Path(ours.tune_json).parent.mkdir(parents=True, exist_ok=True)
             Path(ours.tune_json).write_text(json.dumps(result, indent=1))
-    dist.barrier()
+    deadline.barrier("the tuner's last barrier", config.timeout_s, collective_device())
     dist.destroy_process_group()
     return result
 

@@ -61,3 +61,41 @@ def test_a_rank_killed_at_the_loss_average_fails_the_survivor_with_a_co2_error_n
     assert last.startswith("co2_zero.core.errors.CO2Error: co2: step 4: the loss average"), last
     assert "global ranks [0, 1]" in last and "rank 1" in last, last
     assert survivor.ended_at - killed.ended_at < TIMEOUT_S, (survivor.ended_at, killed.ended_at)
+
+
+def tune_losing_rank_1(rank: int, world: int, port: int) -> None:
+    """`co2-tune-tau`'s `tune` on this rank, in a process group of its own; rank 1 SIGKILLs itself as it
+    reaches the tuner's first collective, the slowest rank's step time."""
+    from co2_zero.train import tune_measure, tune_tau
+
+    dist.destroy_process_group()
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    original = tune_measure.slowest_rank
+
+    def dying(*args, **kwargs):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    tune_measure.slowest_rank = dying
+    tune_tau.tune(["--steps", "2", "--reps", "1", "--verify_rounds", "0", "--timeout_s", str(TIMEOUT_S), *TINY])
+
+
+def test_a_rank_killed_in_the_tuner_fails_the_survivor_with_a_co2_error_naming_it():
+    """Rank 1 of `co2-tune-tau` is killed as it reaches the tuner's first collective (the slowest rank's step
+    time): rank 0, inside that all-reduce, raises `CO2Error` naming it and rank 1, not gloo's bare error."""
+    with busy_host():
+        survivor, killed = launch_ranks(tune_losing_rank_1, 2, _free_port(), timeout=240)
+    assert killed.exitcode == -signal.SIGKILL, killed
+    assert survivor.exitcode not in (0, None) and survivor.error, f"rank 0 did not fail: {survivor}"
+    last = survivor.error.strip().splitlines()[-1]
+    assert last.startswith("co2_zero.core.errors.CO2Error: co2: the tuner's slowest-rank time"), last
+    assert "global ranks [0, 1]" in last and "waited for rank 1" in last, last
+    assert survivor.ended_at - killed.ended_at < TIMEOUT_S, (survivor.ended_at, killed.ended_at)
