@@ -26,14 +26,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _as_torchrun(rank: int, world: int, port: int) -> None:
+    """Leave the harness's process group: the tool makes its own from the environment, as under torchrun."""
+    dist.destroy_process_group()
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world, "MASTER_PORT": port}
+    os.environ.update({key: str(value) for key, value in env.items()}, MASTER_ADDR="127.0.0.1")
+
+
 def train_losing_rank_1(rank: int, world: int, port: int, workdir: str, method: str) -> None:
     """`co2_zero.train.main` on this rank, in a process group of its own (the job makes it from the
     environment, as under torchrun); rank 1 SIGKILLs itself as it reaches its second loss average."""
     from co2_zero.train import loop
 
-    dist.destroy_process_group()  # the harness's group: the job joins its own
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    _as_torchrun(rank, world, port)
     original, calls = loop.mean_loss_and_stop, []
 
     def dying(*args):
@@ -49,18 +54,24 @@ def train_losing_rank_1(rank: int, world: int, port: int, workdir: str, method: 
     loop.main([*flags, *TINY])
 
 
+def _survivor_names_the_lost_rank(survivor, killed, what: str) -> None:
+    """Rank 1 was killed; rank 0 failed at once (well within the deadline) with the CO2Error naming `what`,
+    the group and rank 1."""
+    assert killed.exitcode == -signal.SIGKILL, killed
+    assert survivor.exitcode not in (0, None) and survivor.error, f"rank 0 did not fail: {survivor}"
+    last = survivor.error.strip().splitlines()[-1]
+    assert last.startswith(f"co2_zero.core.errors.CO2Error: co2: {what}"), last
+    assert "global ranks [0, 1]" in last and "waited for rank 1" in last, last
+    assert survivor.ended_at - killed.ended_at < TIMEOUT_S, (survivor.ended_at, killed.ended_at)
+
+
 def test_a_rank_killed_at_the_loss_average_fails_the_survivor_with_a_co2_error_naming_it(tmp_path):
     """Rank 1 is killed as it reaches the loss average of a log point: rank 0, inside that all-reduce,
     raises `CO2Error` naming the step, the loss average and rank 1, at once (a closed connection is no
     timeout), on a loaded host."""
     with busy_host():
         survivor, killed = launch_ranks(train_losing_rank_1, 2, _free_port(), str(tmp_path), "co2", timeout=240)
-    assert killed.exitcode == -signal.SIGKILL, killed
-    assert survivor.exitcode not in (0, None) and survivor.error, f"rank 0 did not fail: {survivor}"
-    last = survivor.error.strip().splitlines()[-1]
-    assert last.startswith("co2_zero.core.errors.CO2Error: co2: step 4: the loss average"), last
-    assert "global ranks [0, 1]" in last and "rank 1" in last, last
-    assert survivor.ended_at - killed.ended_at < TIMEOUT_S, (survivor.ended_at, killed.ended_at)
+    _survivor_names_the_lost_rank(survivor, killed, "step 4: the loss average")
 
 
 def tune_losing_rank_1(rank: int, world: int, port: int) -> None:
@@ -68,15 +79,7 @@ def tune_losing_rank_1(rank: int, world: int, port: int) -> None:
     reaches the tuner's first collective, the slowest rank's step time."""
     from co2_zero.train import tune_measure, tune_tau
 
-    dist.destroy_process_group()
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    _as_torchrun(rank, world, port)
     original = tune_measure.slowest_rank
 
     def dying(*args, **kwargs):
@@ -93,9 +96,4 @@ def test_a_rank_killed_in_the_tuner_fails_the_survivor_with_a_co2_error_naming_i
     time): rank 0, inside that all-reduce, raises `CO2Error` naming it and rank 1, not gloo's bare error."""
     with busy_host():
         survivor, killed = launch_ranks(tune_losing_rank_1, 2, _free_port(), timeout=240)
-    assert killed.exitcode == -signal.SIGKILL, killed
-    assert survivor.exitcode not in (0, None) and survivor.error, f"rank 0 did not fail: {survivor}"
-    last = survivor.error.strip().splitlines()[-1]
-    assert last.startswith("co2_zero.core.errors.CO2Error: co2: the tuner's slowest-rank time"), last
-    assert "global ranks [0, 1]" in last and "waited for rank 1" in last, last
-    assert survivor.ended_at - killed.ended_at < TIMEOUT_S, (survivor.ended_at, killed.ended_at)
+    _survivor_names_the_lost_rank(survivor, killed, "the tuner's slowest-rank time")
