@@ -22,6 +22,7 @@ deadline) in `in_flight`.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import warnings
 import weakref
@@ -111,7 +112,11 @@ class RoundEngine(RoundStateOwner):
 
     def _join(self, membership: Membership) -> None:
         """Join the elastic job (`Membership.attach`): adopt the live peer's state it hands back and start from
-        its next start point; joined at a running job's round end, take part in that round's exchange now."""
+        its next start point; joined at a running job's round end, take part in that round's exchange now. A
+        replica without a run id draws one first: the heals spread the source's, so a job's replicas share one
+        (its checkpoints', and the save directory's owner in co2-train)."""
+        if self.run_id is None:
+            self.name_run(secrets.token_hex(8))
         quorum = self._ask_membership(membership.attach)
         if quorum.adopt is not None:
             self.adopt(quorum.adopt, source="elastic heal")

@@ -163,8 +163,9 @@ class RoundState:
 
     def for_peer(self) -> dict[str, Any]:
         """What a peer that heals from this replica adopts, between two rounds (references: the caller
-        copies them when it serves them)."""
-        return {**{key: getattr(self, key) for key in PEER_FIELDS}, "fixed_sync_delay": self.schedule.fixed_sync_delay}
+        copies them when it serves them), with the job's run id."""
+        peer = {key: getattr(self, key) for key in PEER_FIELDS}
+        return {**peer, "fixed_sync_delay": self.schedule.fixed_sync_delay, "run_id": self.run_id}
 
     def load(self, saved: dict[str, Any]) -> None:
         """Restore a checked checkpoint state `saved` (no round in flight)."""
@@ -188,7 +189,8 @@ class RoundState:
         """Adopt a live peer's checked state (`for_peer`) at a round end: its next start point (the base of
         the round's exchange; this replica's stand-in starts there too), outer state (with local's copy of
         the momentum), counters and fixed delay. The start point is the round's work buffer then: left
-        alone. Error-feedback residuals are a rank's own unsent error: they restart at 0."""
+        alone. Error-feedback residuals are a rank's own unsent error: they restart at 0. The peer's run id
+        is the job's: every replica that heals takes it, so the job's checkpoints name one run."""
         self.next_start.copy_(served["next_start"])
         self.momentum.copy_(served["momentum"])
         if self.own_start is not None:  # its stand-in was made from the state it was behind on
@@ -198,6 +200,7 @@ class RoundState:
         self._take_norms(served["previous_update_sq_norms"])
         self.inner_steps, self.rounds = served["inner_steps"], served["rounds"]
         self.skipped_rounds = served["skipped_rounds"]
+        self.run_id = served.get("run_id") or self.run_id
         self.schedule.take_fixed_delay(served.get("fixed_sync_delay"), self.rounds)
         self.schedule.start_round(self.rounds)
 

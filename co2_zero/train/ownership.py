@@ -1,8 +1,9 @@
-"""A --save_dir belongs to one run: the run id in DIR/co2_run, claimed at launch. A run that finds another
-run's checkpoints there refuses before it trains, naming both runs and what to do; two launches into one
-directory at the same time cannot both claim it (the file is created by a hard link, which fails when it
-exists). A resumed run keeps its run id (the CO2 state's `run_id`, and every checkpoint's `extra`), so
---resume of the run that owns a directory goes on saving there."""
+"""A --save_dir belongs to one run: the run id in DIR/co2_run, claimed at launch (elastic: by every replica
+of the job, with the id its replicas share). A run that finds another run's checkpoints there refuses before
+it trains, naming both runs and what to do; two launches into one directory at the same time cannot both
+claim it (the file is created by a hard link, which fails when it exists). A resumed run keeps its run id
+(the CO2 state's `run_id`, and every checkpoint's `extra`), so --resume of the run that owns a directory goes
+on saving there."""
 
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ def claim_save_dir(args, trainer: Trainer, config: Optional[CO2Config]) -> None:
     """Rank 0 claims --save_dir for this launch's run (fresh: a new id) and every rank learns the outcome;
     a refused CO2Error (`errors.refusal`: one line from the tools) on every rank if the directory holds
     another run's checkpoints. The verdict travels within the job's deadline (`config`'s timeout_s).
-    Elastic replicas save into directories of their own (`checkpoints.save_root`) and claim none."""
-    if not args.save_dir or args.lighthouse:
+    An elastic replica (each saves under `DIR/replica<N>`) claims DIR with the job's run id, which it drew or
+    took from its peers when it joined (`RoundEngine`), so every replica of a job, a restarted one too, passes
+    and another job is refused."""
+    if not args.save_dir:
         return
     verdict = None
     if dist.get_rank() == 0:

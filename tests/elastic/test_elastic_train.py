@@ -163,6 +163,31 @@ def _co2_file(directory: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
+def test_a_second_elastic_job_in_another_jobs_save_dir_is_refused_and_its_checkpoints_stay(replicas):
+    """Issue 66, elastic: the replicas of a job share one run id (drawn by one, spread by the start's heal)
+    and claim --save_dir with it, so a second job (another seed, fresh) given the same directory is refused
+    on every replica, naming the first job's run, and not one file of the first job's changes."""
+    save = ["--save_dir", "ckpt", "--save_every", "4", "--max_steps", "8", "--start_replicas", "2"]
+    first = replicas()
+    for r in (0, 1):
+        first.start(r, save)
+    first.wait()
+    ckpt = first.work / "ckpt"
+    owner = (ckpt / "co2_run").read_text().strip()
+    assert {_co2_file(ckpt / f"replica{r}" / "step00000008")["co2"]["run_id"] for r in (0, 1)} == {owner}
+    before = {path: path.read_bytes() for path in ckpt.rglob("*") if path.is_file()}
+    first.close()
+
+    second = replicas()
+    names = [second.start(r, [*save, "--seed", "7"], name=f"other{r}") for r in (0, 1)]
+    for name in names:
+        process = second.running.pop(name)
+        process.wait(timeout=400)
+        stderr = (second.work / f"{name}.err").read_text()
+        assert process.returncode == 2 and f"holds the checkpoints of run {owner}" in stderr, stderr[-3000:]
+    assert {path: path.read_bytes() for path in ckpt.rglob("*") if path.is_file()} == before
+
+
 @pytest.mark.slow
 def test_a_job_of_three_replicas_resumes_from_a_job_of_two(replicas):
     """An elastic job of 2 replicas saves at step 8 (a round boundary; each replica into its own
