@@ -20,6 +20,7 @@ from co2_zero.core.deadline import broadcast_object
 from co2_zero.core.errors import refusal
 from co2_zero.core.topology import collective_device
 
+from .checkpoints import newest_replica_checkpoint
 from .collectives import deadline_s
 from .engines import Trainer
 
@@ -38,7 +39,7 @@ def claim_save_dir(args, trainer: Trainer, config: Optional[CO2Config]) -> None:
     verdict = None
     if dist.get_rank() == 0:
         run_id = run_id_of(trainer) or secrets.token_hex(8)
-        verdict = (run_id, claim(Path(args.save_dir), run_id, args.resume))
+        verdict = (run_id, claim(Path(args.save_dir), run_id, args.resume, elastic=bool(args.lighthouse)))
     what = "the --save_dir claim"
     run_id, problem = broadcast_object(verdict, 0, what, deadline_s(config, args), collective_device())
     if problem is not None:
@@ -55,9 +56,10 @@ def run_id_of(trainer: Trainer) -> Optional[str]:
     return trainer.run_id
 
 
-def claim(root: Path, run_id: str, resume: Optional[str]) -> Optional[str]:
+def claim(root: Path, run_id: str, resume: Optional[str], elastic: bool = False) -> Optional[str]:
     """Make `root` run `run_id`'s, or say why not: its owner file names another run; without one (written
-    by an earlier version), a complete checkpoint of another run, or for a fresh run any `latest`."""
+    by an earlier version), a complete checkpoint of another run, or for a fresh run any `latest`.
+    `elastic`: the checkpoints are the replicas' (`DIR/replica<N>/`), as the message names them."""
     owner = read_owner(root)
     if owner is None:
         others = sorted({marker.get("run_id") for _, marker in checkpoint.complete_checkpoints(root)} - {run_id, None})
@@ -70,10 +72,11 @@ def claim(root: Path, run_id: str, resume: Optional[str]) -> Optional[str]:
     if owner == run_id:
         return None
     this = f"resumed from {resume}" if resume is not None else "a new run"
+    latest, one = (_newest_of_replicas(root), "replica<N>/step<k>") if elastic else (_latest(root), "step<N>")
     return (
-        f"--save_dir {root} holds the checkpoints of run {owner} ({root / OWNER}; latest: {_latest(root)}), and "
+        f"--save_dir {root} holds the checkpoints of run {owner} ({root / OWNER}; latest: {latest}), and "
         f"this launch is run {run_id} ({this}). A save directory belongs to one run, so nothing was written: "
-        f"continue run {owner} with --resume (its latest checkpoint) or --resume {root}/step<N>, or give this "
+        f"continue run {owner} with --resume (its latest checkpoint) or --resume {root}/{one}, or give this "
         f"run a new --save_dir"
     )
 
@@ -99,6 +102,14 @@ def _create_owner(root: Path, run_id: str) -> str:
     finally:
         temp.unlink(missing_ok=True)
     return read_owner(root) or run_id
+
+
+def _newest_of_replicas(root: Path) -> str:
+    """The checkpoint an elastic --resume of `root` would load, relative to it, or "none"."""
+    try:
+        return str(newest_replica_checkpoint(root).relative_to(root))
+    except FileNotFoundError:
+        return "none"
 
 
 def _latest(root: Path) -> str:

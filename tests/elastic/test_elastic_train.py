@@ -185,6 +185,7 @@ def test_a_second_elastic_job_in_another_jobs_save_dir_is_refused_and_its_checkp
         process.wait(timeout=400)
         stderr = (second.work / f"{name}.err").read_text()
         assert process.returncode == 2 and f"holds the checkpoints of run {owner}" in stderr, stderr[-3000:]
+        assert "latest: replica0/step00000008)" in stderr and "--resume ckpt/replica<N>/step<k>" in stderr, stderr
     assert {path: path.read_bytes() for path in ckpt.rglob("*") if path.is_file()} == before
 
 
