@@ -169,10 +169,12 @@ def test_a_membership_runs_auto_sync_delay_at_the_round_end_and_keeps_the_rest()
     from types import SimpleNamespace
 
     from co2_zero.core.plan import resolve
+    from co2_zero.core.round_schedule import RoundSchedule
 
     topology = SimpleNamespace(replicas=1, shards=1, outer_group=None)
     elastic = resolve(CO2Config(), topology, elastic=True, backend="gloo")
-    assert (elastic.config.stand_in, elastic.config.sync_delay, elastic.steps_before_apply) == ("auto", None, 32)
+    applies_at = RoundSchedule(elastic, 0).decision.applies_at  # the schedule's, not the plan's (issue 63)
+    assert (elastic.config.stand_in, elastic.config.sync_delay, applies_at) == ("auto", None, 32)
     assert (elastic.sync_delay, elastic.stand_in, elastic.collective) == ("round end", "local", "all_reduce")
     kept = resolve(CO2Config(stand_in="local", sync_delay=4), topology, backend="gloo")
     assert (kept.config.stand_in, kept.config.sync_delay, kept.sync_delay) == ("local", 4, "fixed")
